@@ -1,0 +1,155 @@
+"""Types that cross the boundary between the engine and its users (CLI, server).
+
+The server never touches engine internals: it submits a prompt (token ids) with
+:class:`SamplingParams` and reads a stream of :class:`RequestOutput` deltas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specserve.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled and when it stops.
+
+    temperature == 0 means greedy. top_k == 0 and top_p == 1 and min_p == 0 are "off".
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives per token; None = off
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise RequestError(f"{name} {why}, got {getattr(self, name)!r}", param=name)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+@dataclass
+class SpecStats:
+    """Speculative-decoding counters of one request (or of the whole engine).
+
+    steps: verification forwards; draft_tokens: tokens proposed; accepted_tokens:
+    proposed tokens the target kept; accepted_per_pos[i]: how often draft position i
+    was accepted. mean_acceptance_length follows llama.cpp: each step also yields one
+    token of the target's own, so it is (accepted + steps) / steps.
+    """
+
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.steps += 1
+        self.draft_tokens += num_draft
+        self.accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft:
+            self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        self.steps += other.steps
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        if len(self.accepted_per_pos) < len(other.accepted_per_pos):
+            self.accepted_per_pos.extend([0] * (len(other.accepted_per_pos) - len(self.accepted_per_pos)))
+        for i, n in enumerate(other.accepted_per_pos):
+            self.accepted_per_pos[i] += n
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+
+    def line(self) -> str:
+        """llama.cpp's one-line summary."""
+        return (
+            f"draft acceptance = {self.acceptance_rate:.5f} "
+            f"({self.accepted_tokens} accepted / {self.draft_tokens} generated), "
+            f"mean len = {self.mean_acceptance_length:.2f}"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "accepted_per_pos": list(self.accepted_per_pos),
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+        }
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """One delta of a request's stream; the last one has finished=True."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    prompt_tokens: int
+    completion_tokens: int  # cumulative
+    cached_tokens: int = 0
+    spec: SpecStats | None = None  # cumulative for the request; None without speculation
+    first_token_latency: float | None = None  # seconds from arrival to first token
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
