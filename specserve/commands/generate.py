@@ -1,0 +1,89 @@
+"""``specserve generate``: one prompt, streamed, with a timing line at the end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from specserve.commands.args import add_engine_args
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt")
+    add_engine_args(p)
+    p.set_defaults(max_num_seqs=1)
+    p.add_argument("prompt", help="the user message (or raw text with --raw)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--raw", action="store_true", help="no chat template: complete the text as given")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.set_defaults(func=run)
+
+
+def _prompt_ids(engine, args) -> list[int]:
+    tok = engine.tokenizer
+    if not args.raw and not tok.chat_template:
+        print(f"warning: {args.model} has no chat template; completing the raw text (pass --raw to silence this)",
+              file=sys.stderr)
+        args.raw = True
+    if args.raw:
+        return tok.encode(args.prompt, add_special_tokens=True)
+    from specserve.models.chat_template import ChatTemplate
+
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        [{"role": "user", "content": args.prompt}]
+    text = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token).render(messages)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specserve.engine.builder import build_engine
+    from specserve.engine.types import SamplingParams
+
+    engine = build_engine(args)
+    ids = _prompt_ids(engine, args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    t0 = time.perf_counter()
+    text, token_ids, last = [], [], None
+    for out in engine.generate(ids, params):
+        text.append(out.new_text)
+        token_ids += out.new_token_ids
+        last = out
+        if not args.json:
+            print(out.new_text, end="", flush=True)
+    total = time.perf_counter() - t0
+    _report(args, "".join(text), token_ids, last, total, engine)
+    return 0
+
+
+def _report(args, text: str, token_ids: list[int], last, total: float, engine) -> None:
+    prefill_s = last.prefill_time
+    decode_s = max(last.decode_time, 1e-9)
+    n_prompt, n_out = last.prompt_tokens, last.completion_tokens
+    prefill_tps = (n_prompt - last.cached_tokens) / prefill_s if prefill_s else 0.0
+    decode_tps = (n_out - 1) / decode_s if n_out > 1 else 0.0
+    if args.json:
+        obj = {"text": text, "token_ids": token_ids, "finish_reason": last.finish_reason,
+               "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out},
+               "timings": {"prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
+                           "total_s": total}}
+        if last.spec is not None:
+            obj["speculative"] = last.spec.to_dict()
+        print(json.dumps(obj))
+        return
+    print()
+    print(f"[prompt tokens: {n_prompt}, completion tokens: {n_out}, prefill: {prefill_tps:.1f} tok/s, "
+          f"decode: {decode_tps:.1f} tok/s]", file=sys.stderr)
+    if last.spec is not None:
+        print(last.spec.line(), file=sys.stderr)

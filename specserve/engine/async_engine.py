@@ -1,0 +1,135 @@
+"""The engine as the server sees it: requests in, streams of deltas out.
+
+The step loop runs in one background thread that owns the :class:`LLMEngine`; requests
+and aborts reach it through a queue, and its outputs go back to each request's asyncio
+queue. The forward pass releases the GIL, so the event loop keeps serving HTTP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.types import EngineStats, RequestOutput, SamplingParams
+
+log = logging.getLogger("specserve.engine")
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = model_name
+        self.max_model_len = engine.max_model_len
+        self.spec_enabled = engine.spec is not None
+        self._inbox: queue.Queue = queue.Queue()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._stats = engine.stats()
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "AsyncEngine":
+        from specserve.engine.builder import build_engine
+
+        engine = build_engine(args)
+        return cls(engine, args.served_model_name or engine.target.name) if hasattr(args, "served_model_name") \
+            else cls(engine, engine.target.name)
+
+    async def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10)
+            self._thread = None
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        self.engine.validate(prompt_ids, params)  # raises RequestError before anything is queued
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (loop, q)
+        self._inbox.put(("add", (request_id, list(prompt_ids), params)))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            self._drain(block=not eng.has_work())
+            if not eng.has_work():
+                continue
+            try:
+                outputs = eng.step()
+            except Exception as exc:  # noqa: BLE001 - fail the running requests, keep serving
+                log.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            self._stats = eng.stats()
+            for out in outputs:
+                self._send(out.request_id, out)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        self._stats = self.engine.stats()
+
+    def _handle(self, kind: str, payload) -> None:
+        if kind == "add":
+            rid, ids, params = payload
+            try:
+                self.engine.add_request(rid, ids, params)
+            except Exception as exc:  # noqa: BLE001
+                self._send(rid, exc)
+        elif kind == "abort":
+            out = self.engine.abort(payload)
+            if out is not None:
+                self._send(payload, out)
+
+    def _send(self, request_id: str, item) -> None:
+        target = self._queues.get(request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for seq in list(self.engine.running) + list(self.engine.waiting):
+            self.engine.abort(seq.request_id)
+            self._send(seq.request_id, exc)

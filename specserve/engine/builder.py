@@ -1,0 +1,34 @@
+"""Build an engine from command-line flags (shared by generate, serve and bench --ab)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from specserve.engine.config import EngineConfig
+from specserve.engine.llm_engine import LLMEngine
+from specserve.kernels import ops
+from specserve.models.loader import LoadOptions, load_model
+from specserve.spec.config import parse_spec_config
+from specserve.spec.registry import build_drafter
+
+
+def set_threads(n: int | None) -> int:
+    """Use the physical cores (or n): more threads than cores only adds contention."""
+    import os
+
+    n = n or max(1, len(os.sched_getaffinity(0)))
+    torch.set_num_threads(n)
+    ops.set_num_threads(n)
+    return n
+
+
+def build_engine(args: argparse.Namespace) -> LLMEngine:
+    set_threads(getattr(args, "threads", None))
+    spec = parse_spec_config(getattr(args, "speculative_config", None))
+    options = LoadOptions(args.device, args.dtype, args.quantization)
+    ecfg = EngineConfig.from_args(args)
+    target = load_model(args.model, options)
+    drafter = build_drafter(spec, target, options, ecfg.block_size)
+    return LLMEngine(target, ecfg, spec, drafter)

@@ -1,0 +1,53 @@
+"""Incremental detokenization with stop strings, as a stream of text deltas."""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    """Turns token ids, appended one at a time, into text deltas.
+
+    Text is emitted only once it is stable: not ending in an incomplete UTF-8 sequence
+    and not possibly the start of a stop string (held back until it is ruled out).
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...]):
+        self.tok = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.text = ""  # all decoded text so far (before stop truncation)
+        self.emitted = 0  # characters of self.text already returned
+        self.stopped = False
+
+    def add(self, token_id: int) -> bool:
+        """Add a token; returns True when a stop string was hit (text is cut before it)."""
+        self.ids.append(token_id)
+        full = self.tok.decode(self.ids)
+        if full.endswith("\ufffd"):
+            return False  # incomplete multi-byte character; wait for more tokens
+        self.text = full
+        for s in self.stop:
+            pos = self.text.find(s, max(0, self.emitted - len(s)))
+            if pos != -1:
+                self.text = self.text[:pos]
+                self.stopped = True
+                return True
+        return False
+
+    def delta(self, final: bool = False) -> str:
+        """Text not yet returned that can be returned now."""
+        end = len(self.text)
+        if not final and not self.stopped:
+            end -= self._held_back()
+        out = self.text[self.emitted:end]
+        self.emitted = max(self.emitted, end)
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best

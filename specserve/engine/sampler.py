@@ -1,0 +1,83 @@
+"""Logit processing (penalties, temperature, top-k/top-p/min-p) and sampling.
+
+All functions work on the rows of one sequence. Row j of a verification block is the
+distribution after the sequence's tokens plus the first j draft tokens, so penalties
+count those draft tokens too: target and draft distributions are warped identically.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.types import SamplingParams, TokenLogprob
+
+
+def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+             drafts: list[int] = ()) -> torch.Tensor:
+    """logits: [R, V] for R consecutive positions -> penalized copy (R-1 <= len(drafts))."""
+    if not params.has_penalties:
+        return logits
+    out = logits.clone()
+    vocab = logits.shape[-1]
+    counts = torch.bincount(torch.tensor(output_ids, dtype=torch.int64), minlength=vocab)[:vocab].float()
+    seen = torch.zeros(vocab, dtype=torch.bool)
+    if prompt_ids or output_ids:
+        seen[torch.tensor(prompt_ids + output_ids, dtype=torch.int64)] = True
+    for j in range(out.shape[0]):
+        if j > 0:
+            counts[drafts[j - 1]] += 1
+            seen[drafts[j - 1]] = True
+        row = out[j]
+        if params.repetition_penalty != 1.0:
+            r = params.repetition_penalty
+            row[seen] = torch.where(row[seen] > 0, row[seen] / r, row[seen] * r)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return out
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[R, V] penalized logits -> [R, V] probabilities after temperature, top-k, top-p, min-p."""
+    x = logits.float() / max(params.temperature, 1e-5)
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        drop_sorted = (cum - sorted_p) > params.top_p  # keeps at least the top token
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a [V] distribution by inverse CDF: exactly one uniform per draw."""
+    u = torch.rand((), generator=generator, dtype=torch.float64).item()
+    cdf = probs.double().cumsum(0)
+    idx = int(torch.searchsorted(cdf, torch.tensor([u * cdf[-1].item()], dtype=torch.float64)).item())
+    idx = min(idx, probs.shape[0] - 1)
+    while probs[idx] == 0 and idx > 0:  # land on a token that has mass
+        idx -= 1
+    return idx
+
+
+def top_logprobs(logits: torch.Tensor, token_ids: list[int], n: int) -> list[TokenLogprob]:
+    """logits: [R, V] raw -> the chosen token's logprob and the top-n alternatives per row."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    out = []
+    for j, tok in enumerate(token_ids):
+        top = []
+        if n:
+            vals, idx = torch.topk(lp[j], n)
+            top = list(zip(idx.tolist(), vals.tolist()))
+        out.append(TokenLogprob(tok, float(lp[j, tok]), top))
+    return out
+
+
+def make_generator(seed: int | None, fallback_seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed if seed is not None else fallback_seed)
+    return g

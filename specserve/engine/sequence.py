@@ -1,0 +1,67 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.engine.block_manager import BlockTable
+from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.types import SamplingParams, SpecStats, TokenLogprob
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached: int = 0  # prompt tokens served by the prefix cache
+    table: BlockTable = field(default_factory=BlockTable)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
+    drafter_state: dict = field(default_factory=dict)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    pending_ids: list[int] = field(default_factory=list)
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    accept_ema: float = 0.5  # running estimate of the per-token draft acceptance
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        """True while the prompt is not fully in the cache (the last prompt token still to run)."""
+        return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def prefill_time(self) -> float:
+        return (self.first_token_at or time.perf_counter()) - self.arrival
+
+    def decode_time(self) -> float:
+        if self.first_token_at is None:
+            return 0.0
+        return (self.finished_at or time.perf_counter()) - self.first_token_at

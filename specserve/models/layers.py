@@ -1,0 +1,116 @@
+"""Building blocks of the decoder: linear layers in several weight formats, norms, rope, attention.
+
+On CPU every op that reduces goes through specserve.kernels, whose results for a row do not
+depend on how many rows are in the call (batch invariance: what keeps speculation lossless).
+On CUDA the same functions use torch's kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specserve.kernels import ops
+from specserve.models.weights import RawTensor
+
+# GGUF block formats our CPU kernels read directly (no re-quantization)
+NATIVE_GGUF = frozenset(ops.GGUF_QTYPES)
+
+
+class Linear:
+    """y = x W^T (+ b) with W kept in one run-time format."""
+
+    def __init__(self, raw: RawTensor, bias: torch.Tensor | None, quant: str, device: torch.device,
+                 dtype: torch.dtype):
+        self.out_features, self.in_features = raw.shape
+        self.device = device
+        self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32 if device.type == "cpu" else dtype)
+        if device.type != "cpu":
+            self.weight = raw.dequantize().to(device=device, dtype=dtype)
+            self.format = str(dtype).removeprefix("torch.")
+        elif quant == "q4" and raw.qtype in NATIVE_GGUF:
+            self.weight = ops.GGUFBlockWeight.from_raw(raw.raw_rows(), raw.qtype, *raw.shape)
+            self.format = raw.qtype
+        elif quant in ("int8", "q4"):
+            self.weight = ops.Int8Weight.from_float(raw.dequantize())
+            self.format = "int8"
+        else:
+            self.weight = ops.F32Weight(raw.dequantize())
+            self.format = "fp32"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
+        if self.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        return ops.linear(x.contiguous(), self.weight, self.bias)
+
+    def nbytes(self) -> int:
+        w = self.weight
+        return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, H] -> [T, H]; weight already includes Gemma's +1 offset."""
+    if x.device.type == "cpu":
+        return ops.rms_norm(x.contiguous(), weight, eps)
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * weight.float()).to(x.dtype)
+
+
+class Rope:
+    """Half-split rotary embedding (HF's rotate_half layout) from a precomputed table."""
+
+    def __init__(self, head_dim: int, theta: float, max_pos: int, device: torch.device, scaling: float = 1.0):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = inv_freq / scaling
+        pos = torch.arange(max_pos, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [max_pos, D/2]
+        self.cos = freqs.cos().to(device)
+        self.sin = freqs.sin().to(device)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D]; positions: [T] -> rotated x (new tensor)."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_ids: torch.Tensor, positions: torch.Tensor, scale: float, window: int,
+                    softcap: float) -> torch.Tensor:
+    """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D] -> [T, Hq, D]."""
+    if q.device.type == "cpu":
+        return ops.paged_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_ids, positions,
+                                   scale, window, softcap)
+    return _torch_paged_attention(q, k_cache, v_cache, block_tables, seq_ids, positions, scale, window, softcap)
+
+
+def _torch_paged_attention(q, k_cache, v_cache, block_tables, seq_ids, positions, scale, window, softcap):
+    """Gather each sequence's keys and attend with a mask (CUDA path)."""
+    num_blocks, bs, hkv, d = k_cache.shape
+    t_len, hq, _ = q.shape
+    max_len = int(positions.max().item()) + 1
+    nb = (max_len + bs - 1) // bs
+    tables = block_tables[seq_ids.long(), :nb].long()  # [T, nb]
+    k = k_cache[tables].reshape(t_len, nb * bs, hkv, d)[:, :max_len]
+    v = v_cache[tables].reshape(t_len, nb * bs, hkv, d)[:, :max_len]
+    rep = hq // hkv
+    k = k.repeat_interleave(rep, dim=2).transpose(1, 2)  # [T, Hq, L, D]
+    v = v.repeat_interleave(rep, dim=2).transpose(1, 2)
+    scores = torch.einsum("thd,thld->thl", q.float(), k.float()) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    kpos = torch.arange(max_len, device=q.device)
+    mask = kpos[None, :] <= positions[:, None].long()
+    if window:
+        mask &= (positions[:, None].long() - kpos[None, :]) < window
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    probs = scores.softmax(-1)
+    return torch.einsum("thl,thld->thd", probs, v.float()).to(q.dtype)
+
+
+def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    return F.silu(gate) * up

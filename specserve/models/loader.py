@@ -1,0 +1,121 @@
+"""Turn a ``--model`` value into a ready :class:`Transformer` plus its tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specserve.errors import ModelLoadError
+from specserve.models import config as mconfig
+from specserve.models import tokenizer as mtok
+from specserve.models import weights as mweights
+from specserve.models.catalog import ResolvedModel, cache_root, resolve_model
+from specserve.models.transformer import Transformer
+
+log = logging.getLogger("specserve.models")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to run the weights: device, activation dtype and weight format."""
+
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    quantization: str = "auto"  # auto | none | int8 | q4
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ModelLoadError("--device cuda was asked for but torch sees no CUDA device")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if device.type == "cpu" else torch.bfloat16
+        if device.type == "cpu" and self.dtype != "float32":
+            raise ModelLoadError(f"--dtype {self.dtype} is not supported on CPU: our batch-invariant CPU kernels "
+                                 "compute in float32 (use --quantization int8|q4 to shrink the weights)")
+        return getattr(torch, self.dtype)
+
+    def weight_format(self, device: torch.device) -> str:
+        if self.quantization == "auto":
+            return "q4" if device.type == "cpu" else "none"
+        return self.quantization
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    resolved: ResolvedModel
+    config: mconfig.ModelConfig
+    model: Transformer
+    tokenizer: mtok.Tokenizer
+    identity: str  # stable id of the weights (for prefix-cache keys and vocab checks)
+
+
+def _identity(resolved: ResolvedModel) -> str:
+    h = hashlib.sha256()
+    for f in resolved.files:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def load_model(spec: str, options: LoadOptions = LoadOptions()) -> LoadedModel:
+    resolved = resolve_model(spec)
+    device = options.torch_device()
+    dtype = options.torch_dtype(device)
+    quant = options.weight_format(device)
+    identity = _identity(resolved)
+    if resolved.kind == "gguf":
+        cfg, tensors, tok, offset = _read_gguf(resolved.path, identity)
+    else:
+        cfg, tensors, tok, offset = _read_hf(resolved.path)
+    model = Transformer(cfg, tensors, quant, device, dtype, norm_offset=offset)
+    log.info("loaded %s (%s, %d layers) on %s, weights %s, %.0f MB", resolved.name, cfg.arch, cfg.num_layers,
+             device, quant, model.weight_bytes() / 1e6)
+    return LoadedModel(resolved.name, resolved, cfg, model, tok, identity)
+
+
+def _read_gguf(path: Path, identity: str):
+    reader = mweights.open_gguf(path)
+    meta = mweights.gguf_metadata(reader)
+    arch = meta.get("general.architecture")
+    vocab = _gguf_vocab_size(reader, meta)
+    cfg = mconfig.from_gguf_metadata(meta, vocab)
+    tensors = mweights.read_gguf_tensors(reader, arch, cfg.num_heads, cfg.num_kv_heads)
+    _check_shapes(cfg, tensors, path)
+    tok = mtok.from_gguf(path, cache_root() / "tokenizers" / identity)
+    return cfg, tensors, tok, 0.0  # llama.cpp's converter already folded Gemma's +1 into the norms
+
+
+def _gguf_vocab_size(reader, meta: dict) -> int:
+    if f"{meta.get('general.architecture')}.vocab_size" in meta:
+        return int(meta[f"{meta['general.architecture']}.vocab_size"])
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        raise ModelLoadError("GGUF has no vocabulary (tokenizer.ggml.tokens)")
+    return len(field.data)
+
+
+def _read_hf(directory: Path):
+    raw_cfg = mweights.read_hf_config(directory)
+    cfg = mconfig.from_hf_config(raw_cfg)
+    tensors = mweights.read_safetensors(directory, cfg.arch)
+    _check_shapes(cfg, tensors, directory)
+    tok = mtok.from_hf_dir(directory)
+    return cfg, tensors, tok, (1.0 if cfg.arch == "gemma3" else 0.0)
+
+
+def _check_shapes(cfg: mconfig.ModelConfig, tensors: dict, where: Path) -> None:
+    want = {"embed": (cfg.vocab_size, cfg.hidden_size), "layers.0.q": (cfg.q_size, cfg.hidden_size),
+            "layers.0.k": (cfg.kv_size, cfg.hidden_size), "layers.0.down": (cfg.hidden_size, cfg.intermediate_size)}
+    for name, shape in want.items():
+        if name in tensors and tuple(tensors[name].shape) != shape:
+            raise ModelLoadError(f"{where}: tensor {name} has shape {tuple(tensors[name].shape)}, "
+                                 f"config says {shape}")

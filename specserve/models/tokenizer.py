@@ -1,0 +1,120 @@
+"""Tokenizers from GGUF metadata or tokenizer.json, through the `tokenizers` library.
+
+A GGUF's vocabulary is converted once with transformers' GGUF converter and the result
+is cached as tokenizer.json, so later starts need only `tokenizers`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from specserve.errors import ModelLoadError
+
+# tokens that end a turn in the chat formats we know (llama.cpp calls them end-of-generation)
+_EOG_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "</s>", "<|eot_id|>",
+               "<|end_of_text|>", "<|end|>")
+
+
+@dataclass
+class Tokenizer:
+    """Encode/decode plus the special tokens and chat template of one model."""
+
+    backend: HFTokenizer
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    add_bos: bool = False
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.backend.token_to_id(self.bos_token) if self.bos_token else None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str:
+        return self.backend.id_to_token(int(i)) or ""
+
+    def vocab_fingerprint(self) -> list[str]:
+        """Tokens in id order: two models can share drafts only if these agree."""
+        return [self.id_to_token(i) for i in range(self.vocab_size)]
+
+
+def _eog_ids(backend: HFTokenizer, eos_token: str | None, eos_id: int | None) -> frozenset[int]:
+    ids = {eos_id} if eos_id is not None else set()
+    for tok in (eos_token, *_EOG_TOKENS):
+        if tok and backend.token_to_id(tok) is not None:
+            ids.add(backend.token_to_id(tok))
+    return frozenset(i for i in ids if i is not None)
+
+
+def from_gguf(path: Path, cache_dir: Path | None) -> Tokenizer:
+    """Convert the GGUF's tokenizer (cached as tokenizer.json under cache_dir)."""
+    tok_file = cache_dir / "tokenizer.json" if cache_dir else None
+    meta_file = cache_dir / "tokenizer_meta.json" if cache_dir else None
+    if tok_file and tok_file.exists() and meta_file.exists():
+        meta = json.loads(meta_file.read_text())
+        backend = HFTokenizer.from_file(str(tok_file))
+    else:
+        backend, meta = _convert_gguf(path)
+        if cache_dir:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            backend.save(str(tok_file))
+            meta_file.write_text(json.dumps(meta))
+    return Tokenizer(backend, meta.get("chat_template"), meta.get("bos_token"), meta.get("eos_token"),
+                     bool(meta.get("add_bos_token")),
+                     _eog_ids(backend, meta.get("eos_token"), meta.get("eos_token_id")))
+
+
+def _convert_gguf(path: Path) -> tuple[HFTokenizer, dict]:
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    except ImportError as exc:
+        raise ModelLoadError("converting a GGUF tokenizer needs the `transformers` package "
+                             "(pip install transformers)") from exc
+    try:
+        arch, tok_dict, tok_config = get_gguf_tokenizer(str(path))
+        backend, _extra = convert_gguf_tokenizer(arch, tok_dict)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"cannot build a tokenizer from {path}: {exc}") from exc
+    meta = {k: tok_config.get(k) for k in ("chat_template", "bos_token", "eos_token", "add_bos_token")}
+    meta["eos_token_id"] = tok_dict.get("eos_token_id")
+    return backend, meta
+
+
+def from_hf_dir(directory: Path) -> Tokenizer:
+    tok_file = directory / "tokenizer.json"
+    if not tok_file.exists():
+        raise ModelLoadError(f"{directory} has no tokenizer.json")
+    backend = HFTokenizer.from_file(str(tok_file))
+    cfg_file = directory / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+    template = cfg.get("chat_template")
+    if (directory / "chat_template.jinja").exists():
+        template = (directory / "chat_template.jinja").read_text()
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+
+    def tok_str(v):
+        return v.get("content") if isinstance(v, dict) else v
+
+    bos, eos = tok_str(cfg.get("bos_token")), tok_str(cfg.get("eos_token"))
+    eos_id = backend.token_to_id(eos) if eos else None
+    return Tokenizer(backend, template, bos, eos, bool(cfg.get("add_bos_token", False)),
+                     _eog_ids(backend, eos, eos_id))

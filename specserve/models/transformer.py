@@ -1,0 +1,165 @@
+"""One decoder-only transformer for Llama/SmolLM2/Mistral, Qwen2/2.5, Qwen3 and Gemma 3.
+
+The forward pass takes an explicit :class:`ForwardBatch` (no global context): any mix of
+prefill chunks, decode tokens and verification blocks of several sequences, all reading and
+writing the paged KV cache through their block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.errors import ModelLoadError
+from specserve.models.config import ModelConfig
+from specserve.models.layers import Linear, Rope, act_mul, paged_attention, rms_norm
+from specserve.models.weights import RawTensor
+
+
+@dataclass
+class ForwardBatch:
+    """Where each token of a forward pass sits. T = tokens in the pass, S = sequences."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int32, absolute position in its sequence
+    seq_ids: torch.Tensor  # [T] int32, row of block_tables
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64, flat KV slot (block * block_size + offset)
+    logits_indices: torch.Tensor  # [L] int64, rows whose logits are wanted
+    hidden_layers: tuple[int, ...] = ()  # layers whose output hidden states are returned
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [L, vocab] float32
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, H]
+    final_hidden: torch.Tensor | None = None  # [T, H] after the final norm
+
+
+@dataclass
+class KVCache:
+    """Per-layer K/V pools: [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> "KVCache":
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)])
+
+
+class _Layer:
+    def __init__(self, cfg: ModelConfig, i: int, w: dict[str, RawTensor], quant: str, device, dtype):
+        def lin(name: str) -> Linear:
+            bias = w.get(f"layers.{i}.{name}_bias")
+            return Linear(w[f"layers.{i}.{name}"], None if bias is None else bias.dequantize(), quant, device, dtype)
+
+        def norm(name: str) -> torch.Tensor:
+            return w[f"layers.{i}.{name}"].dequantize().to(device=device, dtype=torch.float32)
+
+        self.q, self.k, self.v, self.o = lin("q"), lin("k"), lin("v"), lin("o")
+        self.gate, self.up, self.down = lin("gate"), lin("up"), lin("down")
+        self.attn_norm, self.ffn_norm = norm("attn_norm"), norm("ffn_norm")
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = norm("q_norm"), norm("k_norm")
+        if cfg.sandwich_norms:
+            self.post_attn_norm, self.post_ffn_norm = norm("post_attn_norm"), norm("post_ffn_norm")
+        self.window = cfg.sliding_window if cfg.sliding(i) else 0
+
+    def linears(self) -> list[Linear]:
+        return [self.q, self.k, self.v, self.o, self.gate, self.up, self.down]
+
+
+class Transformer:
+    """Weights plus the forward pass. Build with :meth:`from_tensors`."""
+
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, RawTensor], quant: str, device: torch.device,
+                 dtype: torch.dtype, norm_offset: float = 0.0):
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        tensors = _check_and_offset(cfg, tensors, norm_offset)
+        self.layers = [_Layer(cfg, i, tensors, quant, device, dtype) for i in range(cfg.num_layers)]
+        embed = tensors["embed"]
+        self.embed_table = embed.dequantize().to(device=device, dtype=dtype)  # [V, H]
+        head = tensors.get("lm_head") if not cfg.tie_embeddings or "lm_head" in tensors else None
+        self.lm_head = Linear(head or embed, None, quant, device, dtype)
+        self.final_norm = tensors["norm"].dequantize().to(device=device, dtype=torch.float32)
+        max_pos = cfg.max_position + 64
+        self.rope_global = Rope(cfg.head_dim, cfg.rope_theta, max_pos, device, cfg.rope_scaling_factor)
+        self.rope_local = (Rope(cfg.head_dim, cfg.rope_theta_local, max_pos, device)
+                           if cfg.rope_theta_local else self.rope_global)
+
+    # ---- pieces drafters reuse -------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        x = self.embed_table[ids]
+        return x * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:  # [L, H] normed -> [L, V] float32
+        out = self.lm_head(h).float()
+        if self.cfg.final_softcap:
+            c = self.cfg.final_softcap
+            out = torch.tanh(out / c) * c
+        return out
+
+    def weight_bytes(self) -> int:
+        linears = [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
+        return sum(lin.nbytes() for lin in linears) + self.embed_table.numel() * self.embed_table.element_size()
+
+    # ---- forward ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> ForwardOutput:
+        x = self.embed(batch.input_ids)  # [T, H]
+        hidden: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = self._layer(i, layer, x, batch, kv)
+            if i in batch.hidden_layers:
+                hidden[i] = x
+        h = rms_norm(x, self.final_norm, self.cfg.rms_eps)  # [T, H]
+        logits = self.logits(h[batch.logits_indices])
+        return ForwardOutput(logits, hidden, h)
+
+    def _layer(self, i: int, layer: _Layer, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        cfg = self.cfg
+        t_len = x.shape[0]
+        h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
+        q = layer.q(h).view(t_len, cfg.num_heads, cfg.head_dim)
+        k = layer.k(h).view(t_len, cfg.num_kv_heads, cfg.head_dim)
+        v = layer.v(h).view(t_len, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q.reshape(-1, cfg.head_dim), layer.q_norm, cfg.rms_eps).view_as(q)
+            k = rms_norm(k.reshape(-1, cfg.head_dim), layer.k_norm, cfg.rms_eps).view_as(k)
+        rope = self.rope_local if cfg.sliding(i) else self.rope_global
+        q, k = rope(q, batch.positions), rope(k, batch.positions)
+        k_pool, v_pool = kv.k[i], kv.v[i]
+        k_pool.view(-1, cfg.num_kv_heads, cfg.head_dim)[batch.slot_mapping] = k.to(k_pool.dtype)
+        v_pool.view(-1, cfg.num_kv_heads, cfg.head_dim)[batch.slot_mapping] = v.to(v_pool.dtype)
+        attn = paged_attention(q, k_pool, v_pool, batch.block_tables, batch.seq_ids, batch.positions,
+                               cfg.scale, layer.window, cfg.attn_softcap)  # [T, Hq, D]
+        o = layer.o(attn.reshape(t_len, cfg.q_size))
+        if cfg.sandwich_norms:
+            o = rms_norm(o, layer.post_attn_norm, cfg.rms_eps)
+        x = x + o
+        h = rms_norm(x, layer.ffn_norm, cfg.rms_eps)
+        m = layer.down(act_mul(layer.gate(h), layer.up(h), cfg.activation))
+        if cfg.sandwich_norms:
+            m = rms_norm(m, layer.post_ffn_norm, cfg.rms_eps)
+        return x + m
+
+
+def _check_and_offset(cfg: ModelConfig, tensors: dict[str, RawTensor], norm_offset: float) -> dict[str, RawTensor]:
+    """Fail early on missing tensors; fold Gemma's (1 + w) norm offset into the weights."""
+    needed = ["embed", "norm"] + [f"layers.{i}.{n}" for i in range(cfg.num_layers)
+                                  for n in ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down")]
+    missing = [n for n in needed if n not in tensors]
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    if not norm_offset:
+        return tensors
+    out = dict(tensors)
+    for name, raw in tensors.items():
+        if name == "norm" or name.endswith("norm"):
+            out[name] = RawTensor(name, raw.shape, "torch", raw.dequantize() + norm_offset)
+    return out

@@ -1,0 +1,173 @@
+"""Read checkpoint tensors (GGUF or safetensors) under one naming scheme.
+
+Internal names: ``embed``, ``norm``, ``lm_head`` and ``layers.{i}.{attn_norm, q, k, v, q_bias,
+k_bias, v_bias, q_norm, k_norm, o, post_attn_norm, ffn_norm, gate, up, down, post_ffn_norm}``.
+A :class:`RawTensor` keeps a GGUF tensor in its file layout so that quantized blocks can be
+used as they are; ``dequantize()`` gives float32 for everything else.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specserve.errors import ModelLoadError
+
+_GGUF_LAYER = {
+    "attn_norm": "attn_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
+    "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "post_attention_norm": "post_attn_norm",
+    "ffn_norm": "ffn_norm", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
+    "post_ffw_norm": "post_ffn_norm",
+}
+_GGUF_TOP = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}
+
+_HF_LAYER = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "q", "self_attn.k_proj": "k",
+    "self_attn.v_proj": "v", "self_attn.o_proj": "o", "self_attn.q_norm": "q_norm",
+    "self_attn.k_norm": "k_norm", "mlp.gate_proj": "gate", "mlp.up_proj": "up", "mlp.down_proj": "down",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffn_norm",
+}
+_HF_TOP = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "lm_head"}
+
+# quant types the gguf package can dequantize and we accept
+SUPPORTED_GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
+                        "Q4_K", "Q5_K", "Q6_K", "Q8_K"}
+
+
+@dataclass
+class RawTensor:
+    """One checkpoint tensor: GGUF blocks (``qtype`` set) or a float tensor."""
+
+    name: str
+    shape: tuple[int, ...]  # logical shape, torch order ([out, in] for matrices)
+    qtype: str  # "F32", "Q4_1", ... or "torch" for safetensors data
+    data: object  # numpy uint8 [rows, row_bytes] / numpy float / torch tensor
+    row_perm: np.ndarray | None = None  # output-row permutation to apply (llama q/k from GGUF)
+
+    def dequantize(self) -> torch.Tensor:
+        if self.qtype == "torch":
+            out = self.data.to(torch.float32)
+        else:
+            import gguf
+
+            arr = gguf.quants.dequantize(np.asarray(self.data), gguf.GGMLQuantizationType[self.qtype])
+            out = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(self.shape)
+        if self.row_perm is not None:
+            out = out[torch.from_numpy(self.row_perm)]
+        return out.contiguous()
+
+    def raw_rows(self) -> torch.Tensor:
+        """The GGUF block bytes as uint8 [rows, row_bytes], rows permuted if needed."""
+        raw = torch.from_numpy(np.array(self.data, copy=True))
+        if self.row_perm is not None:
+            raw = raw[torch.from_numpy(self.row_perm)]
+        return raw.contiguous()
+
+
+def _unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation (interleaved -> half-split rope)."""
+    head_dim = n_rows // n_head
+    idx = np.arange(n_rows).reshape(n_head, head_dim // 2, 2)
+    return idx.transpose(0, 2, 1).reshape(-1)
+
+
+def gguf_metadata(reader) -> dict:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key not in (
+                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.model",
+                "tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token"):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # noqa: BLE001 - an unreadable field is not needed by us
+            continue
+    return meta
+
+
+def open_gguf(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # noqa: BLE001 - the reader raises many kinds on bad files
+        raise ModelLoadError(f"cannot read GGUF file {path}: corrupt or truncated ({type(exc).__name__}: {exc})") from exc
+
+
+def _gguf_name(name: str) -> str | None:
+    base = name.removesuffix(".weight").removesuffix(".bias")
+    suffix = "_bias" if name.endswith(".bias") else ""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in _GGUF_LAYER:
+        return f"layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}{suffix}"
+    return _GGUF_TOP.get(base)
+
+
+def read_gguf_tensors(reader, arch: str, num_heads: int, num_kv_heads: int) -> dict[str, RawTensor]:
+    out: dict[str, RawTensor] = {}
+    for t in reader.tensors:
+        name = _gguf_name(t.name)
+        if name is None:
+            continue
+        qtype = t.tensor_type.name
+        if qtype not in SUPPORTED_GGUF_TYPES:
+            raise ModelLoadError(f"unsupported GGUF quantization type {qtype} (tensor {t.name})")
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        perm = None
+        if arch == "llama" and re.search(r"\.(q|k)(_bias)?$", name):
+            perm = _unpermute_rows(shape[0], num_heads if name.endswith((".q", ".q_bias")) else num_kv_heads)
+        out[name] = RawTensor(name, shape, qtype, t.data, perm)
+    return out
+
+
+def _hf_name(name: str, arch: str) -> str | None:
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    if m:
+        part = m.group(2)
+        if part == "post_attention_layernorm":
+            local = "post_attn_norm" if arch == "gemma3" else "ffn_norm"
+        else:
+            local = _HF_LAYER.get(part)
+        if local is None:
+            return None
+        return f"layers.{m.group(1)}.{local}" + ("_bias" if m.group(3) == "bias" else "")
+    base = name.removesuffix(".weight")
+    base = base.replace("model.language_model.", "model.")
+    return _HF_TOP.get(base)
+
+
+def read_safetensors(directory: Path, arch: str) -> dict[str, RawTensor]:
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors files in {directory}")
+    out: dict[str, RawTensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    name = _hf_name(key, arch)
+                    if name is not None:
+                        t = st.get_tensor(key)
+                        out[name] = RawTensor(name, tuple(t.shape), "torch", t)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise ModelLoadError(f"cannot read {f}: corrupt or truncated ({exc})") from exc
+    return out
+
+
+def read_hf_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    if not path.exists():
+        raise ModelLoadError(f"{directory} has no config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc

@@ -1,0 +1,64 @@
+"""``--speculative-config``: vLLM-shaped JSON, validated strictly (unknown keys are errors)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+from specserve.errors import SpecserveError
+
+METHODS = ("ngram", "draft_model", "dflash", "mtp")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings (field names follow vLLM's speculative_config)."""
+
+    method: str
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None  # draft model (draft_model) or drafter directory (dflash, mtp)
+    adaptive: bool = True  # adapt the draft length to acceptance and verification cost
+    quantization: str | None = None  # draft model weight format (default: the target's)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise SpecserveError(f"speculative config: method {self.method!r} is not one of {', '.join(METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise SpecserveError("speculative config: num_speculative_tokens must be in [1, 32], "
+                                 f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise SpecserveError("speculative config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.method in ("draft_model", "dflash") and not self.model:
+            raise SpecserveError(f"speculative config: method {self.method!r} needs \"model\"")
+
+
+_TYPES = {"method": str, "num_speculative_tokens": int, "prompt_lookup_min": int, "prompt_lookup_max": int,
+          "model": str, "adaptive": bool, "quantization": str}
+
+
+def parse_spec_config(text: str | dict | None) -> SpecConfig | None:
+    """Parse the JSON of --speculative-config; None or "" means no speculation."""
+    if not text:
+        return None
+    if isinstance(text, str):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SpecserveError(f"--speculative-config is not valid JSON: {exc}") from exc
+    else:
+        data = dict(text)
+    if not isinstance(data, dict):
+        raise SpecserveError("--speculative-config must be a JSON object")
+    known = {f.name for f in fields(SpecConfig)}
+    for key, value in data.items():
+        if key not in known:
+            raise SpecserveError(f"speculative config: unknown key {key!r} (known: {', '.join(sorted(known))})")
+        want = _TYPES[key]
+        if value is not None and (not isinstance(value, want) or (want is int and isinstance(value, bool))):
+            raise SpecserveError(f"speculative config: {key!r} must be {want.__name__}, got {value!r}")
+    if "method" not in data:
+        raise SpecserveError("speculative config: missing key 'method'")
+    return SpecConfig(**data)
