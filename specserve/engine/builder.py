@@ -30,5 +30,6 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     options = LoadOptions(args.device, args.dtype, args.quantization)
     ecfg = EngineConfig.from_args(args)
     target = load_model(args.model, options)
-    drafter = build_drafter(spec, target, options, ecfg.block_size)
+    max_len = min(ecfg.max_model_len or target.config.max_position, target.config.max_position)
+    drafter = build_drafter(spec, target, options, ecfg, max_len)
     return LLMEngine(target, ecfg, spec, drafter)

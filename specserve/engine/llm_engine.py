@@ -171,6 +171,7 @@ class LLMEngine:
             return [Proposal([]) for _ in seqs]
         limits = [min(s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.num_tokens - 1)
                   for s in seqs]
+        self.policy.draft_cost = self.drafter.draft_cost(1)
         ks = self.policy.lengths(seqs, limits)
         props = self.drafter.propose(seqs, ks)
         return [Proposal(p.token_ids[:k], None if p.probs is None else p.probs[:k]) for p, k in zip(props, ks)]
@@ -247,7 +248,7 @@ class LLMEngine:
                 continue
             computed_before = seq.num_computed if r.drafts or r.count == 1 else seq.num_computed + r.count - 1
             n_acc, new = self._verify(seq, lg, r.drafts, r.draft_probs)
-            if r.drafts or self.spec:
+            if r.drafts:
                 seq.spec.record(len(r.drafts), n_acc)
                 self.totals.record(len(r.drafts), n_acc)
                 DraftPolicy.update(seq, len(r.drafts), n_acc)

@@ -10,27 +10,27 @@ from specserve.spec.config import SpecConfig
 from specserve.spec.drafter import Drafter
 
 
-def _ngram(spec: SpecConfig, target: LoadedModel, options: LoadOptions, block_size: int) -> Drafter:
+def _ngram(spec: SpecConfig, target: LoadedModel, options: LoadOptions, ecfg, max_model_len: int) -> Drafter:
     from specserve.spec.ngram import NgramDrafter
 
     return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
 
 
-def _draft_model(spec: SpecConfig, target: LoadedModel, options: LoadOptions, block_size: int) -> Drafter:
+def _draft_model(spec: SpecConfig, target: LoadedModel, options: LoadOptions, ecfg, max_model_len: int) -> Drafter:
     from specserve.spec.draft_model import DraftModelDrafter
 
-    return DraftModelDrafter.build(spec, target, options, block_size)
+    return DraftModelDrafter.build(spec, target, options, ecfg, max_model_len)
 
 
 BUILDERS: dict[str, Callable[..., Drafter]] = {"ngram": _ngram, "draft_model": _draft_model}
 
 
-def build_drafter(spec: SpecConfig | None, target: LoadedModel, options: LoadOptions,
-                  block_size: int) -> Drafter | None:
+def build_drafter(spec: SpecConfig | None, target: LoadedModel, options: LoadOptions, ecfg,
+                  max_model_len: int) -> Drafter | None:
     if spec is None:
         return None
     builder = BUILDERS.get(spec.method)
     if builder is None:
         raise SpecserveError(f"speculative method {spec.method!r} is not available in this build "
                              f"(available: {', '.join(BUILDERS)})")
-    return builder(spec, target, options, block_size)
+    return builder(spec, target, options, ecfg, max_model_len)

@@ -1,0 +1,84 @@
+"""``specserve serve``: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from specserve.commands.args import add_serve_args
+from specserve.errors import SpecserveError
+
+LOCK_DRIFT_EXIT = 3
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description="Serve a model over an OpenAI-compatible HTTP API "
+                                          "(chat, completions, metrics).")
+    add_serve_args(p)
+    p.set_defaults(func=run)
+
+
+def serve_argv(argv: list[str] | None = None) -> list[str]:
+    """The flags given after ``serve`` on the command line (what a lock file records)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return argv[argv.index("serve") + 1:] if "serve" in argv else argv
+
+
+def check_lock(args: argparse.Namespace) -> int:
+    """0 when the deployment matches ``--lock``; prints the drifts and returns 3 otherwise."""
+    try:
+        from specserve import lock
+    except ImportError as exc:
+        raise SpecserveError(f"--lock needs specserve.lock, which cannot be imported: {exc}") from exc
+    drifts = lock.check_lock(args.lock, serve_argv(), args.lock_allow)
+    fmt = getattr(lock, "format_drifts", None)
+    if fmt is not None:
+        print(fmt(drifts, args.lock), file=sys.stderr)
+    elif drifts:
+        print(f"deployment drifted from {args.lock}:", file=sys.stderr)
+        for drift in drifts:
+            print(f"  {drift}", file=sys.stderr)
+    if not drifts:
+        return 0
+    print("refusing to start: allow a field with --lock-allow FIELD, or re-lock the deployment",
+          file=sys.stderr)
+    return LOCK_DRIFT_EXIT
+
+
+def _setup_logging(level: str) -> None:
+    logger = logging.getLogger("specserve")
+    logger.setLevel(level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+def run(args: argparse.Namespace) -> int:
+    from specserve.server.config import ServerConfig
+
+    level = args.log_level.lower()
+    if level not in ("critical", "error", "warning", "info", "debug", "trace"):
+        raise SpecserveError(f"--log-level must be one of critical, error, warning, info, debug; got {level!r}")
+    if args.lock:
+        status = check_lock(args)
+        if status:
+            return status
+    cfg = ServerConfig.from_args(args)  # bad --default-chat-template-kwargs fails before the model loads
+    _setup_logging("debug" if level == "trace" else level)
+
+    import uvicorn
+
+    from specserve.engine.async_engine import AsyncEngine
+    from specserve.server.app import create_app
+
+    engine = AsyncEngine.from_args(args)
+    app = create_app(engine, cfg)
+    logging.getLogger("specserve.server").info(
+        "serving %s on http://%s:%d (speculation %s)", cfg.served_model_name or engine.model_name,
+        args.host, args.port, "on" if engine.spec_enabled else "off")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=level, timeout_graceful_shutdown=5)
+    return 0

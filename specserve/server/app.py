@@ -1,0 +1,148 @@
+"""The FastAPI application: OpenAI-compatible routes over an AsyncEngine.
+
+``create_app(engine, cfg)`` has no process-global state (its metrics live on
+their own registry), so several apps can live in one process.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from typing import Awaitable, Callable
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from specserve import __version__
+from specserve.errors import RequestError
+from specserve.server.chat import ChatRenderer
+from specserve.server.config import ServerConfig
+from specserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from specserve.server.middleware import GuardMiddleware
+from specserve.server.protocol import (ApiError, DetokenizeRequest, TokenizeRequest, error_response, parse_body,
+                                       request_error_response, validation_error)
+from specserve.server.serving import ServingContext, now
+from specserve.server.serving_chat import create_chat_completion
+from specserve.server.serving_completion import create_completion
+from specserve.server.streaming import ClientGone
+
+logger = logging.getLogger("specserve.server")
+
+Handler = Callable[[ServingContext, Request], Awaitable[Response | dict]]
+
+
+def create_app(engine, cfg: ServerConfig) -> FastAPI:
+    served = cfg.served_model_name or engine.model_name
+    tok = engine.tokenizer
+    renderer = ChatRenderer(tok.chat_template, cfg.chat_template, tok.bos_token, tok.eos_token,
+                            cfg.default_chat_template_kwargs, served)
+    metrics = ServerMetrics(served, engine.stats, spec_enabled=bool(getattr(engine, "spec_enabled", False)))
+    ctx = ServingContext(engine=engine, cfg=cfg, metrics=metrics, renderer=renderer, served_model_name=served)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(title="specserve", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    app.add_middleware(GuardMiddleware, api_key=cfg.api_key, max_request_bytes=cfg.max_request_bytes)
+    _install_error_handlers(app)
+    _add_routes(app, ctx)
+    return app
+
+
+def _guard(ctx: ServingContext, handler: Handler):
+    """One request's failures become OpenAI error bodies; the server keeps serving."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            result = await handler(ctx, request)
+        except RequestError as exc:
+            return request_error_response(exc)
+        except ApiError as exc:
+            return exc.response()
+        except ClientGone:
+            return Response(status_code=499)  # nobody is listening any more
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("%s %s failed", request.method, request.url.path)
+            return error_response(500, f"internal server error ({type(exc).__name__})", "server_error",
+                                  code="internal_error")
+        return result if isinstance(result, Response) else JSONResponse(result)
+
+    return endpoint
+
+
+def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
+    routes: list[tuple[str, str, Handler]] = [
+        ("POST", "/v1/chat/completions", create_chat_completion),
+        ("POST", "/v1/completions", create_completion),
+        ("GET", "/v1/models", list_models),
+        ("GET", "/health", health),
+        ("GET", "/version", version),
+        ("GET", "/metrics", metrics_page),
+        ("POST", "/tokenize", tokenize),
+        ("POST", "/detokenize", detokenize),
+    ]
+    for method, path, handler in routes:
+        app.add_api_route(path, _guard(ctx, handler), methods=[method], include_in_schema=False)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def on_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return request_error_response(validation_error(list(exc.errors())))
+
+    async def on_http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), kind)
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+
+
+# ---------------------------------------------------------------- small routes
+
+async def list_models(ctx: ServingContext, _request: Request) -> dict:
+    card = {"id": ctx.served_model_name, "object": "model", "created": now(), "owned_by": "specserve",
+            "root": ctx.engine.model_name, "parent": None, "max_model_len": ctx.engine.max_model_len}
+    return {"object": "list", "data": [card]}
+
+
+async def health(_ctx: ServingContext, _request: Request) -> dict:
+    return {"status": "ok"}
+
+
+async def version(ctx: ServingContext, _request: Request) -> dict:
+    return {"version": __version__, "model": ctx.served_model_name,
+            "speculative": bool(getattr(ctx.engine, "spec_enabled", False))}
+
+
+async def metrics_page(ctx: ServingContext, _request: Request) -> Response:
+    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def tokenize(ctx: ServingContext, request: Request) -> dict:
+    req = parse_body(await request.body(), TokenizeRequest)
+    ctx.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise RequestError("send exactly one of 'prompt' or 'messages'", param="prompt")
+    if req.messages is not None:
+        text = ctx.renderer.render(req.messages, req.chat_template_kwargs, req.add_generation_prompt)
+        ids = ctx.engine.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = ctx.encode_prompt(req.prompt, add_bos=req.add_special_tokens)
+    return {"tokens": ids, "count": len(ids), "max_model_len": ctx.engine.max_model_len}
+
+
+async def detokenize(ctx: ServingContext, request: Request) -> dict:
+    req = parse_body(await request.body(), DetokenizeRequest)
+    ctx.check_model(req.model)
+    ctx.check_token_ids(req.tokens, "tokens")
+    return {"prompt": ctx.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}

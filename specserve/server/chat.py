@@ -1,0 +1,117 @@
+"""Chat messages -> prompt text: validation, template kwargs merging, rendering."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from jinja2 import TemplateError
+
+from specserve.errors import RequestError, SpecserveError
+from specserve.models.chat_template import ChatTemplate
+from specserve.server.protocol import ChatMessage
+
+logger = logging.getLogger("specserve.server")
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TEXT_PART_TYPES = ("text", "input_text")
+# names the renderer sets itself; a request may not replace them through chat_template_kwargs
+RESERVED_KWARGS = ("messages", "tools", "bos_token", "eos_token")
+THINK_OPEN = "<think>"
+
+NO_TEMPLATE_MESSAGE = ("model {model!r} has no chat template, so /v1/chat/completions cannot build a prompt; "
+                       "start the server with --chat-template FILE or send raw text to /v1/completions")
+
+
+class ChatRenderer:
+    """Compiles the chat template once and renders validated messages with it.
+
+    ``override`` (from --chat-template) replaces the model's template. A broken
+    override fails at startup; a broken model template only disables chat.
+    """
+
+    def __init__(self, model_template: str | None, override: str | None, bos_token: str | None,
+                 eos_token: str | None, defaults: Mapping[str, Any], model_name: str):
+        self.defaults = dict(defaults)
+        self.model_name = model_name
+        self.template: ChatTemplate | None = None
+        self.broken: str | None = None
+        if override is not None:
+            try:
+                self.template = ChatTemplate(override, bos_token, eos_token)
+            except TemplateError as exc:
+                raise SpecserveError(f"--chat-template does not compile: {exc}") from exc
+        elif model_template:
+            try:
+                self.template = ChatTemplate(model_template, bos_token, eos_token)
+            except TemplateError as exc:
+                self.broken = str(exc)
+                logger.warning("the model's chat template does not compile (%s); chat is disabled", exc)
+
+    def render(self, messages: list[ChatMessage], request_kwargs: Mapping[str, Any] | None = None,
+               add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        if self.template is None:
+            if self.broken:
+                raise RequestError(f"the model's chat template does not compile ({self.broken}); "
+                                   "start the server with --chat-template FILE", param="messages",
+                                   code="chat_template_error")
+            raise RequestError(NO_TEMPLATE_MESSAGE.format(model=self.model_name), param="messages",
+                               code="no_chat_template")
+        kwargs = merge_kwargs(self.defaults, request_kwargs)
+        add_generation_prompt = bool(kwargs.pop("add_generation_prompt", add_generation_prompt))
+        msgs = normalize_messages(messages)
+        try:
+            return self.template.render(msgs, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+        except RequestError:
+            raise
+        except Exception as exc:  # a template's own logic failing on this input (TypeError, ...)
+            raise RequestError(f"chat template error: {type(exc).__name__}: {exc}", param="messages") from exc
+
+
+def merge_kwargs(defaults: Mapping[str, Any], request: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Server defaults overridden key by key by the request's chat_template_kwargs."""
+    merged = dict(defaults)
+    for key, value in (request or {}).items():
+        if key in RESERVED_KWARGS:
+            raise RequestError(f"chat_template_kwargs may not set {key!r}", param=f"chat_template_kwargs.{key}")
+        merged[key] = value
+    return merged
+
+
+def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Validate roles and content; flatten text parts into one string per message."""
+    if not messages:
+        raise RequestError("messages must contain at least one message", param="messages")
+    return [_normalize(i, m) for i, m in enumerate(messages)]
+
+
+def _normalize(i: int, msg: ChatMessage) -> dict[str, Any]:
+    if msg.role not in ROLES:
+        raise RequestError(f"unknown role {msg.role!r} in messages[{i}]; expected one of {', '.join(ROLES)}",
+                           param=f"messages[{i}].role")
+    out: dict[str, Any] = dict(msg.model_extra or {})
+    out["role"] = "system" if msg.role == "developer" else msg.role
+    out["content"] = _content_text(i, msg)
+    return out
+
+
+def _content_text(i: int, msg: ChatMessage) -> str | None:
+    content = msg.content
+    if content is None:
+        if msg.role == "assistant":
+            return None  # e.g. an assistant turn that only made tool calls
+        raise RequestError(f"messages[{i}] ({msg.role}) has no content", param=f"messages[{i}].content")
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type not in TEXT_PART_TYPES or part.text is None:
+            raise RequestError(f"content part type {part.type!r} is not supported (text only)",
+                               param=f"messages[{i}].content[{j}].type")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def prompt_opens_think(prompt: str) -> bool:
+    """True when the rendered prompt ends inside an open <think> block (the template opened it)."""
+    return prompt.rstrip().endswith(THINK_OPEN)

@@ -1,0 +1,74 @@
+"""Server-side settings, built once from the ``serve`` flags before the model loads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
+
+from specserve.errors import SpecserveError
+
+REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str | None = None  # None: the engine's model name
+    chat_template: str | None = None  # template source replacing the model's
+    default_chat_template_kwargs: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
+    reasoning_parser: str = "none"
+    api_key: str | None = None
+    max_request_bytes: int = 4 * 1024 * 1024
+    max_n: int = 8
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise SpecserveError(f"unknown reasoning parser {self.reasoning_parser!r}; "
+                                 f"choose one of {', '.join(REASONING_PARSERS)}")
+        if self.max_n < 1:
+            raise SpecserveError(f"--max-n must be >= 1, got {self.max_n}")
+        if self.max_request_bytes < 1:
+            raise SpecserveError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
+        if not isinstance(self.default_chat_template_kwargs, MappingProxyType):
+            object.__setattr__(self, "default_chat_template_kwargs",
+                               MappingProxyType(dict(self.default_chat_template_kwargs)))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
+        return cls(
+            served_model_name=args.served_model_name,
+            chat_template=read_chat_template(args.chat_template),
+            default_chat_template_kwargs=parse_template_kwargs(args.default_chat_template_kwargs),
+            reasoning_parser=args.reasoning_parser,
+            api_key=args.api_key or None,
+            max_request_bytes=args.max_request_bytes,
+            max_n=args.max_n,
+        )
+
+
+def read_chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    p = Path(path)
+    try:
+        return p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecserveError(f"cannot read --chat-template {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise SpecserveError(f"--chat-template {path} is not UTF-8 text") from exc
+
+
+def parse_template_kwargs(text: str | None) -> dict[str, object]:
+    if text is None or not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise SpecserveError(f"--default-chat-template-kwargs is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise SpecserveError("--default-chat-template-kwargs must be a JSON object, "
+                             f"got {type(value).__name__}")
+    return value

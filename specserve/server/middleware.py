@@ -1,0 +1,84 @@
+"""ASGI middleware in front of the API: bearer-key check and request-size limit.
+
+The body is read here in full (up to the limit) and replayed to the app, so a
+body over the limit is refused with 413 whether or not the client sent a
+Content-Length; after the replay, ``receive`` passes through to the server so
+the app still sees the client's disconnect.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from specserve.server.protocol import error_body
+
+# paths served without an API key (as vLLM: probes and scrapers need no key)
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+async def send_error(send, status: int, message: str, code: str | None, headers: list | None = None) -> None:
+    body = json.dumps(error_body(message, param=None, code=code)).encode()
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers + (headers or [])})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class GuardMiddleware:
+    def __init__(self, app, api_key: str | None, max_request_bytes: int):
+        self.app = app
+        self.api_key = api_key
+        self.max_bytes = max_request_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and scope.get("path") not in OPEN_PATHS and not self._authorized(headers):
+            return await send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                    "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                return await send_error(send, 400, "invalid Content-Length header", "invalid_request")
+            if size > self.max_bytes:
+                return await self._too_large(send, size)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._too_large(send, size)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    def _authorized(self, headers: dict) -> bool:
+        value = headers.get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = value.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    async def _too_large(self, send, size: int) -> None:
+        await send_error(send, 413, f"request body exceeds the limit of {self.max_bytes} bytes "
+                                    f"(read {size}; see --max-request-bytes)", "request_too_large")
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

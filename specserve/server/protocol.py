@@ -1,0 +1,170 @@
+"""Request models and error bodies of the OpenAI-compatible API.
+
+Requests are validated with pydantic: unknown fields are accepted and ignored
+(OpenAI clients send extras), wrong types are rejected with a 400 whose
+``param`` names the offending field. Responses are built as plain dicts by the
+serving modules; this module only fixes their error shape.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.responses import JSONResponse
+
+from specserve.errors import RequestError
+
+
+class ApiError(Exception):
+    """An error with an HTTP status other than 400 (or a 400 with a specific type/code)."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+def request_error_response(exc: RequestError) -> JSONResponse:
+    return error_response(400, str(exc), param=exc.param, code=exc.code)
+
+
+# ---------------------------------------------------------------- validation errors
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "function-before",
+              "function-wrap", "function-plain", "model", "json-or-python", "lax-or-strict"}
+
+
+def loc_to_param(loc: tuple) -> str | None:
+    """('messages', 0, 'role') -> 'messages[0].role'; drops 'body' and union-member tags."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part == "body" and not out:
+            continue
+        elif not str(part).isidentifier() or str(part) in _TYPE_TAGS or str(part)[:1].isupper():
+            continue  # 'list[int]', 'str', 'ChatMessage': which member of a union failed
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def validation_error(errors: list[dict]) -> RequestError:
+    """The first pydantic error as a RequestError with the field as param."""
+    if not errors:
+        return RequestError("invalid request body")
+    err = errors[0]
+    if err.get("type") == "json_invalid":
+        return RequestError(f"invalid JSON body: {err.get('msg', '')}", code="invalid_json")
+    param = loc_to_param(tuple(err.get("loc", ())))
+    msg = err.get("msg", "invalid value")
+    if err.get("type") == "missing":
+        return RequestError(f"missing required field '{param}'", param=param)
+    return RequestError(f"invalid value for '{param}': {msg}" if param else msg, param=param)
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """JSON bytes -> validated request model, or RequestError."""
+    try:
+        obj = json.loads(raw) if raw else None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"invalid JSON body: {exc}", code="invalid_json") from exc
+    if not isinstance(obj, dict):
+        raise RequestError("request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise validation_error(exc.errors(include_url=False)) from exc
+
+
+# ---------------------------------------------------------------- request models
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, reasoning_content ...
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class SamplingFields(_Lenient):
+    """Fields shared by chat and completions requests."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class TokenizeRequest(_Lenient):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int] = Field(default_factory=list)

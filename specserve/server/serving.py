@@ -1,0 +1,196 @@
+"""What chat and completions share: the serving context, sampling parameters,
+context-length checks, choices, usage/timings and token strings."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+from specserve.engine.types import SamplingParams, SpecStats
+from specserve.errors import RequestError
+from specserve.server.chat import ChatRenderer
+from specserve.server.config import ServerConfig
+from specserve.server.metrics import ServerMetrics
+from specserve.server.protocol import ApiError, SamplingFields
+from specserve.server.streaming import Choice
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+
+
+@dataclass
+class ServingContext:
+    engine: object
+    cfg: ServerConfig
+    metrics: ServerMetrics
+    renderer: ChatRenderer
+    served_model_name: str
+
+    @property
+    def model_names(self) -> set[str]:
+        return {self.served_model_name, self.engine.model_name}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves "
+                                f"`{self.served_model_name}`.", param="model", code="model_not_found")
+
+    def token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def bos_id(self) -> int | None:
+        tok = self.engine.tokenizer
+        bos_id = getattr(tok, "bos_token_id", None)
+        if bos_id is not None:
+            return bos_id
+        if not tok.bos_token:
+            return None
+        ids = tok.encode(tok.bos_token, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+
+    def encode_prompt(self, text: str, add_bos: bool) -> list[int]:
+        """Raw prompt text -> ids, with BOS in front when the tokenizer wants one."""
+        ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+        if add_bos and getattr(self.engine.tokenizer, "add_bos", False):
+            bos = self.bos_id()
+            if bos is not None and ids[:1] != [bos]:
+                ids = [bos] + ids
+        return ids
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.tokenizer.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def resolve_max_tokens(ctx: ServingContext, requested: int | None, default: int | None, prompt_len: int,
+                       prompt_param: str) -> int:
+    """The completion budget, checked against the context (OpenAI's context_length_exceeded)."""
+    limit = ctx.engine.max_model_len
+    if requested is not None and requested < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {requested}", param="max_tokens")
+    if prompt_len >= limit:
+        raise RequestError(f"This model's maximum context length is {limit} tokens, but the prompt has "
+                           f"{prompt_len} tokens, which leaves no room for a completion. Shorten the prompt.",
+                           param=prompt_param, code="context_length_exceeded")
+    if requested is None:  # the default never overflows the context
+        room = limit - prompt_len
+        return room if default is None else min(default, room)
+    max_tokens = requested
+    if prompt_len + max_tokens > limit:
+        raise RequestError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+                           "completion). Reduce the prompt or max_tokens.", param="max_tokens",
+                           code="context_length_exceeded")
+    return max_tokens
+
+
+def check_n(ctx: ServingContext, n: int) -> None:
+    if not 1 <= n <= ctx.cfg.max_n:
+        raise RequestError(f"n must be between 1 and {ctx.cfg.max_n} (--max-n), got {n}", param="n")
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+    """SamplingParams of choice ``choice``; with a seed, choice i uses seed + i. Raises RequestError."""
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    top_k = req.top_k if req.top_k is not None else 0
+    values = dict(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if top_k == -1 else top_k,  # vLLM clients send -1 for "off"
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=None if req.seed is None else req.seed + choice,
+        stop=tuple(s for s in stop if s),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+    )
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if not math.isfinite(values[name]):
+            raise RequestError(f"{name} must be a finite number", param=name)
+    return SamplingParams(**values)
+
+
+def make_choices(prompts: list[list[int]], req: SamplingFields, max_tokens: list[int], logprobs: int | None,
+                 request_id: str) -> list[Choice]:
+    """n choices per prompt; choice index = prompt_index * n + i (as vLLM)."""
+    choices = []
+    for p, ids in enumerate(prompts):
+        for i in range(req.n):
+            index = p * req.n + i
+            choices.append(Choice(index=index, prompt_index=p, prompt_ids=ids,
+                                  params=sampling_params(req, max_tokens[p], logprobs, i),
+                                  request_id=f"{request_id}-{index}"))
+    return choices
+
+
+def summed_spec(choices: list[Choice]) -> SpecStats | None:
+    specs = [c.spec for c in choices if c.spec is not None]
+    if not specs:
+        return None
+    total = SpecStats()
+    for s in specs:
+        total.merge(s)
+    return total
+
+
+def usage(choices: list[Choice]) -> dict:
+    """OpenAI usage (prompt tokens once per prompt) plus usage.speculative summed over choices."""
+    firsts: dict[int, Choice] = {}  # the first choice of each prompt
+    for c in sorted(choices, key=lambda c: c.index):
+        firsts.setdefault(c.prompt_index, c)
+    prompt_tokens = sum(c.prompt_tokens or len(c.prompt_ids) for c in firsts.values())
+    completion = sum(c.completion_tokens for c in choices)
+    out = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts.values())},
+    }
+    spec = summed_spec(choices)
+    if spec is not None:
+        out["speculative"] = {
+            "steps": spec.steps,
+            "draft_tokens": spec.draft_tokens,
+            "accepted_tokens": spec.accepted_tokens,
+            "accepted_per_pos": list(spec.accepted_per_pos),
+            "acceptance_rate": round(spec.acceptance_rate, 6),
+            "mean_acceptance_length": round(spec.mean_acceptance_length, 6),
+        }
+    return out
+
+
+def timings(choices: list[Choice]) -> dict:
+    """llama.cpp-style timings (choices run concurrently: times are the longest choice's)."""
+    u = usage(choices)
+    spec = summed_spec(choices)
+    prompt_s = max((c.prefill_time for c in choices), default=0.0)
+    decode_s = max((c.decode_time for c in choices), default=0.0)
+    return {
+        "prompt_n": u["prompt_tokens"],
+        "prompt_ms": round(prompt_s * 1000, 3),
+        "prompt_per_second": round(u["prompt_tokens"] / prompt_s, 3) if prompt_s > 0 else 0.0,
+        "predicted_n": u["completion_tokens"],
+        "predicted_ms": round(decode_s * 1000, 3),
+        "predicted_per_second": round(u["completion_tokens"] / decode_s, 3) if decode_s > 0 else 0.0,
+        "draft_n": spec.draft_tokens if spec else 0,
+        "draft_n_accepted": spec.accepted_tokens if spec else 0,
+    }
+
+
+def clean_logprob(value: float) -> float:
+    return value if math.isfinite(value) else LOGPROB_FLOOR

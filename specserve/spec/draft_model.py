@@ -1,0 +1,146 @@
+"""A separate small model with the same tokenizer, drafting k tokens autoregressively.
+
+It keeps its own paged KV cache. Per sequence it tracks how many of the sequence's tokens
+its cache holds; after verification the rejected draft positions are released by
+bookkeeping (the count goes back, surplus blocks return to the pool), never by copying.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.engine import sampler
+from specserve.engine.block_manager import BlockManager, BlockTable
+from specserve.engine.config import EngineConfig, kv_bytes_per_token
+from specserve.engine.sequence import Sequence
+from specserve.errors import SpecserveError
+from specserve.models.loader import LoadedModel, LoadOptions, load_model
+from specserve.models.transformer import ForwardBatch, KVCache
+from specserve.spec.config import SpecConfig
+from specserve.spec.drafter import Drafter, Proposal
+
+DRAFT_POOL_CAP = 1 << 30
+
+
+@dataclass
+class _State:
+    table: BlockTable = field(default_factory=BlockTable)
+    num_computed: int = 0  # tokens of the sequence (plus drafts) whose K/V this cache holds
+    base: int = 0  # sequence length when the last proposal was made
+    generator: torch.Generator | None = None
+
+
+class DraftModelDrafter(Drafter):
+    name = "draft_model"
+    has_cost = True
+
+    def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int, max_model_len: int):
+        self.draft = draft
+        self.model = draft.model
+        self.kv = KVCache.allocate(draft.config, num_blocks, block_size, self.model.dtype, self.model.device)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size) + 2
+        self.step_time = 0.0  # seconds per draft forward, running average
+
+    @classmethod
+    def build(cls, spec: SpecConfig, target: LoadedModel, options: LoadOptions, ecfg: EngineConfig,
+              max_model_len: int) -> "DraftModelDrafter":
+        opts = LoadOptions(options.device, options.dtype, spec.quantization or options.quantization)
+        draft = load_model(spec.model, opts)
+        check_same_vocab(target, draft)
+        per_token = kv_bytes_per_token(draft.config, draft.model.dtype)
+        want = ecfg.max_num_seqs * (max_model_len + 2 * ecfg.block_size) * per_token
+        num_blocks = max(min(want, DRAFT_POOL_CAP) // (ecfg.block_size * per_token),
+                         -(-max_model_len // ecfg.block_size) + 2)
+        return cls(draft, int(num_blocks), ecfg.block_size, max_model_len)
+
+    def weight_bytes(self) -> int:
+        return self.model.weight_bytes()
+
+    def _state(self, seq: Sequence) -> _State:
+        st = seq.drafter_state.get(self.name)
+        if st is None:
+            st = _State()
+            if not seq.params.greedy:
+                st.generator = sampler.make_generator((seq.params.seed or 0) + 7919, hash(seq.request_id) & 0xFFFF)
+            seq.drafter_state[self.name] = st
+        return st
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
+        active = [(s, k) for s, k in zip(seqs, num_tokens) if k > 0]
+        drafts: dict[int, list[int]] = {id(s): [] for s, _ in active}
+        probs: dict[int, list[torch.Tensor]] = {id(s): [] for s, _ in active}
+        for s, _ in active:
+            self._state(s).base = s.num_tokens
+        while active:
+            rows = [(s, (s.token_ids + drafts[id(s)])[self._state(s).num_computed:]) for s, _ in active]
+            logits = self._forward(rows)
+            for (s, _), lg in zip(active, logits):
+                self._pick(s, lg, drafts[id(s)], probs[id(s)])
+            active = [(s, k) for s, k in active if len(drafts[id(s)]) < k]
+        return [Proposal(drafts.get(id(s), []), torch.stack(probs[id(s)]) if probs.get(id(s)) else None)
+                for s in seqs]
+
+    def _pick(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], probs: list[torch.Tensor]) -> None:
+        """logits: [1, V] -> append the next draft token (and its distribution when sampling)."""
+        lg = sampler.penalize(logits, seq.params, seq.prompt_ids, seq.output_ids + drafts)
+        if seq.params.greedy:
+            drafts.append(int(lg[0].argmax()))
+            return
+        q = sampler.probs_from_logits(lg, seq.params)[0]
+        drafts.append(sampler.sample_from(q, self._state(seq).generator))
+        probs.append(q)
+
+    def _forward(self, rows: list[tuple[Sequence, list[int]]]) -> list[torch.Tensor]:
+        """Run the draft model over each sequence's pending tokens; logits of each last row."""
+        ids, pos, sids, slots, last = [], [], [], [], []
+        tables = torch.zeros((len(rows), self.max_blocks), dtype=torch.int32)
+        bs = self.block_size
+        for i, (seq, toks) in enumerate(rows):
+            st = self._state(seq)
+            start = st.num_computed
+            self.blocks.ensure_capacity(st.table, start + len(toks))
+            p = list(range(start, start + len(toks)))
+            ids += toks
+            pos += p
+            sids += [i] * len(toks)
+            slots += [st.table.blocks[x // bs] * bs + x % bs for x in p]
+            tables[i, :len(st.table.blocks)] = torch.tensor(st.table.blocks, dtype=torch.int32)
+            st.num_computed += len(toks)
+            last.append(len(ids) - 1)
+        dev = self.model.device
+        batch = ForwardBatch(torch.tensor(ids, device=dev), torch.tensor(pos, dtype=torch.int32, device=dev),
+                             torch.tensor(sids, dtype=torch.int32, device=dev), tables.to(dev),
+                             torch.tensor(slots, device=dev), torch.tensor(last, device=dev))
+        t0 = time.perf_counter()
+        logits = self.model.forward(batch, self.kv).logits
+        dt = time.perf_counter() - t0
+        self.step_time = dt if not self.step_time else 0.8 * self.step_time + 0.2 * dt
+        return [logits[i:i + 1] for i in range(len(rows))]
+
+    def on_verified(self, seq: Sequence, num_accepted: int) -> None:
+        st = seq.drafter_state.get(self.name)
+        if st is None:
+            return
+        st.num_computed = min(st.num_computed, st.base + num_accepted)
+        self.blocks.truncate(st.table, st.num_computed)
+
+    def on_finished(self, seq: Sequence) -> None:
+        st = seq.drafter_state.pop(self.name, None)
+        if st is not None:
+            self.blocks.free(st.table)
+
+    def draft_cost(self, k: int) -> float:
+        return self.step_time * k
+
+
+def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
+    """Drafts are token ids: both models must mean the same thing by each id."""
+    a, b = target.tokenizer, draft.tokenizer
+    if a.vocab_size != b.vocab_size or a.vocab_fingerprint() != b.vocab_fingerprint():
+        raise SpecserveError(f"draft model {draft.name} does not share the tokenizer of {target.name} "
+                             f"(vocabularies of {b.vocab_size} and {a.vocab_size} tokens differ)")
