@@ -133,7 +133,13 @@ class BlockManager:
         keep = self.blocks_needed(num_tokens)
         while len(table.blocks) > keep:
             self._release(table.blocks.pop())
-        del table.hashes[num_tokens // self.block_size:]
+        full = num_tokens // self.block_size
+        del table.hashes[full:]
+        for bid in table.blocks[full:]:  # a partial block will be written again: uncache it
+            blk = self.blocks[bid]
+            if blk.hash is not None and self.cached.get(blk.hash) == bid and blk.ref_count == 1:
+                del self.cached[blk.hash]
+                blk.hash, blk.token_ids = None, None
 
     def free(self, table: BlockTable) -> None:
         for bid in reversed(table.blocks):

@@ -86,6 +86,10 @@ def _read_gguf(path: Path, identity: str):
     reader = mweights.open_gguf(path)
     meta = mweights.gguf_metadata(reader)
     arch = meta.get("general.architecture")
+    if arch not in mconfig.SUPPORTED_ARCHS:
+        raise ModelLoadError(f"unsupported architecture {arch!r} in {path.name} "
+                             f"(supported: {', '.join(mconfig.SUPPORTED_ARCHS)})")
+    mweights.check_tensor_types(reader)
     vocab = _gguf_vocab_size(reader, meta)
     cfg = mconfig.from_gguf_metadata(meta, vocab)
     tensors = mweights.read_gguf_tensors(reader, arch, cfg.num_heads, cfg.num_kv_heads)

@@ -56,7 +56,7 @@ class RawTensor:
             import gguf
 
             arr = gguf.quants.dequantize(np.asarray(self.data), gguf.GGMLQuantizationType[self.qtype])
-            out = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(self.shape)
+            out = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(self.shape)
         if self.row_perm is not None:
             out = out[torch.from_numpy(self.row_perm)]
         return out.contiguous()
@@ -106,6 +106,13 @@ def _gguf_name(name: str) -> str | None:
     if m and m.group(2) in _GGUF_LAYER:
         return f"layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}{suffix}"
     return _GGUF_TOP.get(base)
+
+
+def check_tensor_types(reader) -> None:
+    for t in reader.tensors:
+        if t.tensor_type.name not in SUPPORTED_GGUF_TYPES:
+            raise ModelLoadError(f"unsupported GGUF quantization type {t.tensor_type.name} (tensor {t.name}); "
+                                 f"supported: {', '.join(sorted(SUPPORTED_GGUF_TYPES))}")
 
 
 def read_gguf_tensors(reader, arch: str, num_heads: int, num_kv_heads: int) -> dict[str, RawTensor]:

@@ -1,0 +1,1288 @@
+/*
+ * specserve CPU kernels: batch-invariant linear / paged attention / RMSNorm.
+ *
+ * Invariance contract
+ * -------------------
+ * Every output element is computed by exactly one thread, with a reduction
+ * order that depends only on the sizes of the reduced dimension (K, D, the
+ * key count), never on the number of rows in the call, the tiling or the
+ * thread count:
+ *
+ *   linear:   out[m][n] = hsum16(lane[0..15]) (* scale[n]) (+ bias[n]) where
+ *             lane[l] accumulates x[m][k] * w[n][k] for k = l, l+16, l+32,
+ *             ... in increasing k with a fused multiply-add, from +0.
+ *             hsum16(a) = hsum8(a[l] + a[l+8]) and
+ *             hsum8(a) = ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)).
+ *             (AVX-512: one zmm per output; AVX2: two ymm chains.)
+ *   attention: scores in key-position order, two passes (max, then exp/sum
+ *             and V accumulation in key order), dot products on 8 lanes
+ *             + hsum8.
+ *   rms_norm: sum of squares on 8 lanes + hsum8.
+ *
+ * The SIMD paths (AVX-512 / AVX2 + FMA) and the scalar path (fmaf on lanes)
+ * implement exactly the same arithmetic, so the AVX-512, AVX2 and scalar
+ * builds of this file give bit-identical results (tests check this).
+ *
+ * Quantized weights are dequantized to fp32 with the same operation order as
+ * gguf-py's reference dequantizers -- in registers for few rows (decode), or
+ * into a small L1-resident tile shared by all rows of the call -- and then
+ * multiplied with fp32 activations; activations are never quantized.
+ * Int8 weights: the per-channel scale multiplies the finished sum.
+ *
+ * Build: see specserve/kernels/build.py.  Must be compiled with
+ * -ffp-contract=off so that mul+add pairs are never silently fused.
+ */
+#include <stdint.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(SS_FORCE_SCALAR)
+#define SS_AVX2 1
+#include <immintrin.h>
+#endif
+
+/* AVX-512 variants of some loops; the arithmetic (16-lane accumulators,
+   elementwise dequantization) is the same as on AVX2 */
+#if defined(SS_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && !defined(SS_NO_AVX512)
+#define SS_AVX512 1
+#endif
+
+#if defined(__F16C__) && !defined(SS_FORCE_SCALAR)
+#define SS_F16C 1
+#include <immintrin.h>
+#endif
+
+#define SS_EXPORT __attribute__((visibility("default")))
+#define SS_ALIGN __attribute__((aligned(64)))
+#define SS_INLINE static inline __attribute__((always_inline))
+
+#define SS_ABI_VERSION 1
+
+/* weight formats (keep in sync with ops.py) */
+enum {
+    FMT_F32 = 0,
+    FMT_I8 = 1,   /* int8 [N,K] + per-row fp32 scale applied after the reduction */
+    FMT_Q8_0 = 2,
+    FMT_Q4_0 = 3,
+    FMT_Q4_1 = 4,
+    FMT_Q4_K = 5,
+    FMT_Q6_K = 6,
+};
+
+/* error codes */
+enum {
+    SS_OK = 0,
+    SS_EINVAL = -1,
+    SS_EFORMAT = -2,
+    SS_EBLOCK = -3,   /* block table entry out of range */
+    SS_EPOS = -4,     /* position out of range for the block table */
+    SS_ESEQ = -5,     /* seq id out of range */
+    SS_ENOMEM = -6,
+};
+
+/* ------------------------------------------------------------------------ */
+/* threads                                                                  */
+/* ------------------------------------------------------------------------ */
+
+SS_EXPORT void set_num_threads(int n) {
+#ifdef _OPENMP
+    if (n > 0) omp_set_num_threads(n);
+#else
+    (void)n;
+#endif
+}
+
+SS_EXPORT int ss_get_max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+SS_EXPORT int ss_abi_version(void) { return SS_ABI_VERSION; }
+
+SS_EXPORT int ss_has_avx2(void) {
+#ifdef SS_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+SS_EXPORT int ss_has_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+SS_EXPORT int ss_has_f16c(void) {
+#ifdef SS_F16C
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static int resolve_threads(int nthreads) {
+#ifdef _OPENMP
+    if (nthreads <= 0) nthreads = omp_get_max_threads();
+    return nthreads < 1 ? 1 : nthreads;
+#else
+    (void)nthreads;
+    return 1;
+#endif
+}
+
+/* ------------------------------------------------------------------------ */
+/* scalar helpers                                                           */
+/* ------------------------------------------------------------------------ */
+
+static inline float half_to_float_soft(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {
+            int e = -1;
+            do {
+                e++;
+                man <<= 1;
+            } while (!(man & 0x400u));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+SS_INLINE float h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef SS_F16C
+    return _cvtsh_ss(h);
+#else
+    return half_to_float_soft(h);
+#endif
+}
+
+/* fixed horizontal sum of 8 lanes */
+SS_INLINE float hsum8(const float *a) {
+    float s0 = a[0] + a[4];
+    float s1 = a[1] + a[5];
+    float s2 = a[2] + a[6];
+    float s3 = a[3] + a[7];
+    float t0 = s0 + s2;
+    float t1 = s1 + s3;
+    return t0 + t1;
+}
+
+/* 8-lane dot product, fixed order (see header) */
+SS_INLINE float dot8(const float *a, const float *b, int n) {
+#ifdef SS_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= n; k += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
+    if (k < n) {
+        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - k),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + k, mask), _mm256_maskload_ps(b + k, mask), acc);
+    }
+    float l[8] SS_ALIGN;
+    _mm256_store_ps(l, acc);
+    return hsum8(l);
+#else
+    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int k = 0; k < n; k++) l[k & 7] = fmaf(a[k], b[k], l[k & 7]);
+    return hsum8(l);
+#endif
+}
+
+/* ------------------------------------------------------------------------ */
+/* dequantization of a chunk of one weight row                              */
+/*   writes kc floats for elements [k0, k0+kc) of the row.                  */
+/*   k0 and kc are multiples of the format's block size (except F32/I8).    */
+/*   Arithmetic mirrors gguf-py's numpy dequantizers exactly.               */
+/* ------------------------------------------------------------------------ */
+
+static void deq_i8(const int8_t *q, int kc, float *out) {
+    int k = 0;
+#ifdef SS_AVX512
+    for (; k + 16 <= kc; k += 16) {
+        __m128i b = _mm_loadu_si128((const __m128i *)(q + k));
+        _mm512_storeu_ps(out + k, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
+    }
+#endif
+#ifdef SS_AVX2
+    for (; k + 8 <= kc; k += 8) {
+        __m128i b = _mm_loadl_epi64((const __m128i *)(q + k));
+        _mm256_storeu_ps(out + k, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+    }
+#endif
+    for (; k < kc; k++) out[k] = (float)q[k];
+}
+
+static void deq_q8_0(const uint8_t *blk, int nblk, float *out) {
+    for (int b = 0; b < nblk; b++, blk += 34, out += 32) {
+        float d = h2f(blk);
+        const int8_t *qs = (const int8_t *)(blk + 2);
+#if defined(SS_AVX512)
+        __m512 vd = _mm512_set1_ps(d);
+        for (int g = 0; g < 2; g++) {
+            __m128i b16 = _mm_loadu_si128((const __m128i *)(qs + 16 * g));
+            _mm512_storeu_ps(out + 16 * g, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b16)), vd));
+        }
+#elif defined(SS_AVX2)
+        __m256 vd = _mm256_set1_ps(d);
+        for (int g = 0; g < 4; g++) {
+            __m128i b8 = _mm_loadl_epi64((const __m128i *)(qs + 8 * g));
+            __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8));
+            _mm256_storeu_ps(out + 8 * g, _mm256_mul_ps(v, vd));
+        }
+#else
+        for (int i = 0; i < 32; i++) out[i] = (float)qs[i] * d;
+#endif
+    }
+}
+
+#ifdef SS_AVX2
+/* unpack 16 bytes of nibbles into 32 int32 lanes (4 x __m256i):
+   low nibbles -> elements 0..15, high nibbles -> 16..31 */
+SS_INLINE void unpack_nibbles32(const uint8_t *qs, __m256i v[4]) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
+    __m128i m4 = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(bytes, m4);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), m4);
+    v[0] = _mm256_cvtepu8_epi32(lo);
+    v[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+    v[2] = _mm256_cvtepu8_epi32(hi);
+    v[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+}
+#endif
+
+static void deq_q4_0(const uint8_t *blk, int nblk, float *out) {
+    for (int b = 0; b < nblk; b++, blk += 18, out += 32) {
+        float d = h2f(blk);
+        const uint8_t *qs = blk + 2;
+#if defined(SS_AVX512)
+        __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
+        __m128i m4 = _mm_set1_epi8(0x0F);
+        __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(bytes, m4));
+        __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4));
+        __m512 vd = _mm512_set1_ps(d);
+        __m512i eight = _mm512_set1_epi32(8);
+        _mm512_storeu_ps(out, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight))));
+        _mm512_storeu_ps(out + 16, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight))));
+#elif defined(SS_AVX2)
+        __m256i v[4];
+        unpack_nibbles32(qs, v);
+        __m256 vd = _mm256_set1_ps(d);
+        __m256i eight = _mm256_set1_epi32(8);
+        for (int g = 0; g < 4; g++) {
+            __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(v[g], eight));
+            _mm256_storeu_ps(out + 8 * g, _mm256_mul_ps(vd, f));
+        }
+#else
+        for (int i = 0; i < 16; i++) {
+            out[i] = d * (float)((int)(qs[i] & 0x0F) - 8);
+            out[i + 16] = d * (float)((int)(qs[i] >> 4) - 8);
+        }
+#endif
+    }
+}
+
+static void deq_q4_1(const uint8_t *blk, int nblk, float *out) {
+    for (int b = 0; b < nblk; b++, blk += 20, out += 32) {
+        float d = h2f(blk);
+        float m = h2f(blk + 2);
+        const uint8_t *qs = blk + 4;
+#if defined(SS_AVX512)
+        __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
+        __m128i m4 = _mm_set1_epi8(0x0F);
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, m4)));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4)));
+        __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_mul_ps(vd, lo), vm));
+        _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_mul_ps(vd, hi), vm));
+#elif defined(SS_AVX2)
+        __m256i v[4];
+        unpack_nibbles32(qs, v);
+        __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+        for (int g = 0; g < 4; g++) {
+            __m256 f = _mm256_cvtepi32_ps(v[g]);
+            _mm256_storeu_ps(out + 8 * g, _mm256_add_ps(_mm256_mul_ps(vd, f), vm));
+        }
+#else
+        for (int i = 0; i < 16; i++) {
+            out[i] = d * (float)(qs[i] & 0x0F) + m;
+            out[i + 16] = d * (float)(qs[i] >> 4) + m;
+        }
+#endif
+    }
+}
+
+static inline void q4k_scale_min(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Q4_K: 144 bytes per 256 elements: f16 d, f16 dmin, 12 bytes scales, 128 bytes qs */
+static void deq_q4_k(const uint8_t *blk, int nblk, float *out) {
+    for (int b = 0; b < nblk; b++, blk += 144, out += 256) {
+        float d = h2f(blk);
+        float dmin = h2f(blk + 2);
+        const uint8_t *scales = blk + 4;
+        const uint8_t *qs = blk + 16;
+        for (int g = 0; g < 4; g++) {
+            int sc1, m1i, sc2, m2i;
+            q4k_scale_min(2 * g, scales, &sc1, &m1i);
+            q4k_scale_min(2 * g + 1, scales, &sc2, &m2i);
+            float d1 = d * (float)sc1, m1 = dmin * (float)m1i;
+            float d2 = d * (float)sc2, m2 = dmin * (float)m2i;
+            const uint8_t *q = qs + 32 * g;
+            float *y = out + 64 * g;
+#if defined(SS_AVX512)
+            const __m512 vd1 = _mm512_set1_ps(d1), vm1 = _mm512_set1_ps(m1);
+            const __m512 vd2 = _mm512_set1_ps(d2), vm2 = _mm512_set1_ps(m2);
+            const __m128i m4 = _mm_set1_epi8(0x0F);
+            for (int h = 0; h < 2; h++) {
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + 16 * h));
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, m4)));
+                const __m512 g2 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4)));
+                _mm512_storeu_ps(y + 16 * h, _mm512_sub_ps(_mm512_mul_ps(vd1, f), vm1));
+                _mm512_storeu_ps(y + 32 + 16 * h, _mm512_sub_ps(_mm512_mul_ps(vd2, g2), vm2));
+            }
+#elif defined(SS_AVX2)
+            __m256 vd1 = _mm256_set1_ps(d1), vm1 = _mm256_set1_ps(m1);
+            __m256 vd2 = _mm256_set1_ps(d2), vm2 = _mm256_set1_ps(m2);
+            __m128i m4 = _mm_set1_epi8(0x0F);
+            for (int h = 0; h < 2; h++) {
+                __m128i bytes = _mm_loadu_si128((const __m128i *)(q + 16 * h));
+                __m128i lo = _mm_and_si128(bytes, m4);
+                __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), m4);
+                __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+                __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+                __m256 g0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+                __m256 g1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+                _mm256_storeu_ps(y + 16 * h, _mm256_sub_ps(_mm256_mul_ps(vd1, f0), vm1));
+                _mm256_storeu_ps(y + 16 * h + 8, _mm256_sub_ps(_mm256_mul_ps(vd1, f1), vm1));
+                _mm256_storeu_ps(y + 32 + 16 * h, _mm256_sub_ps(_mm256_mul_ps(vd2, g0), vm2));
+                _mm256_storeu_ps(y + 32 + 16 * h + 8, _mm256_sub_ps(_mm256_mul_ps(vd2, g1), vm2));
+            }
+#else
+            for (int l = 0; l < 32; l++) {
+                y[l] = d1 * (float)(q[l] & 0xF) - m1;
+                y[l + 32] = d2 * (float)(q[l] >> 4) - m2;
+            }
+#endif
+        }
+    }
+}
+
+/* Q6_K: 210 bytes per 256 elements: ql[128], qh[64], int8 scales[16], f16 d */
+static void deq_q6_k(const uint8_t *blk, int nblk, float *out) {
+    for (int b = 0; b < nblk; b++, blk += 210, out += 256) {
+        const uint8_t *ql = blk;
+        const uint8_t *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        float d = h2f(blk + 208);
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *pl = ql + 64 * half;
+            const uint8_t *ph = qh + 32 * half;
+            const int8_t *ps = sc + 8 * half;
+            float *y = out + 128 * half;
+#if defined(SS_AVX512)
+            const __m512i m15 = _mm512_set1_epi32(15), m3 = _mm512_set1_epi32(3), c32 = _mm512_set1_epi32(32);
+            for (int l = 0; l < 32; l += 16) {
+                const int is = l / 16;
+                const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pl + l)));
+                const __m512i bq = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pl + 32 + l)));
+                const __m512i hb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ph + l)));
+                __m512i q1 = _mm512_or_si512(_mm512_and_si512(a, m15), _mm512_slli_epi32(_mm512_and_si512(hb, m3), 4));
+                __m512i q2 = _mm512_or_si512(_mm512_and_si512(bq, m15),
+                                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hb, 2), m3), 4));
+                __m512i q3 = _mm512_or_si512(_mm512_srli_epi32(a, 4),
+                                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hb, 4), m3), 4));
+                __m512i q4 = _mm512_or_si512(_mm512_srli_epi32(bq, 4),
+                                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hb, 6), m3), 4));
+                _mm512_storeu_ps(y + l, _mm512_mul_ps(_mm512_set1_ps(d * (float)ps[is + 0]),
+                                                      _mm512_cvtepi32_ps(_mm512_sub_epi32(q1, c32))));
+                _mm512_storeu_ps(y + l + 32, _mm512_mul_ps(_mm512_set1_ps(d * (float)ps[is + 2]),
+                                                           _mm512_cvtepi32_ps(_mm512_sub_epi32(q2, c32))));
+                _mm512_storeu_ps(y + l + 64, _mm512_mul_ps(_mm512_set1_ps(d * (float)ps[is + 4]),
+                                                           _mm512_cvtepi32_ps(_mm512_sub_epi32(q3, c32))));
+                _mm512_storeu_ps(y + l + 96, _mm512_mul_ps(_mm512_set1_ps(d * (float)ps[is + 6]),
+                                                           _mm512_cvtepi32_ps(_mm512_sub_epi32(q4, c32))));
+            }
+#elif defined(SS_AVX2)
+            __m256i m15 = _mm256_set1_epi32(15), m3 = _mm256_set1_epi32(3), c32 = _mm256_set1_epi32(32);
+            for (int l = 0; l < 32; l += 8) {
+                int is = l / 16;
+                __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(pl + l)));
+                __m256i bq = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(pl + 32 + l)));
+                __m256i hb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ph + l)));
+                __m256i q1 = _mm256_or_si256(_mm256_and_si256(a, m15),
+                                             _mm256_slli_epi32(_mm256_and_si256(hb, m3), 4));
+                __m256i q2 = _mm256_or_si256(_mm256_and_si256(bq, m15),
+                                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb, 2), m3), 4));
+                __m256i q3 = _mm256_or_si256(_mm256_srli_epi32(a, 4),
+                                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb, 4), m3), 4));
+                __m256i q4 = _mm256_or_si256(_mm256_srli_epi32(bq, 4),
+                                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb, 6), m3), 4));
+                q1 = _mm256_sub_epi32(q1, c32);
+                q2 = _mm256_sub_epi32(q2, c32);
+                q3 = _mm256_sub_epi32(q3, c32);
+                q4 = _mm256_sub_epi32(q4, c32);
+                _mm256_storeu_ps(y + l, _mm256_mul_ps(_mm256_set1_ps(d * (float)ps[is + 0]), _mm256_cvtepi32_ps(q1)));
+                _mm256_storeu_ps(y + l + 32, _mm256_mul_ps(_mm256_set1_ps(d * (float)ps[is + 2]), _mm256_cvtepi32_ps(q2)));
+                _mm256_storeu_ps(y + l + 64, _mm256_mul_ps(_mm256_set1_ps(d * (float)ps[is + 4]), _mm256_cvtepi32_ps(q3)));
+                _mm256_storeu_ps(y + l + 96, _mm256_mul_ps(_mm256_set1_ps(d * (float)ps[is + 6]), _mm256_cvtepi32_ps(q4)));
+            }
+#else
+            for (int l = 0; l < 32; l++) {
+                int is = l / 16;
+                int q1 = (int)((pl[l] & 0xF) | (((ph[l] >> 0) & 3) << 4)) - 32;
+                int q2 = (int)((pl[l + 32] & 0xF) | (((ph[l] >> 2) & 3) << 4)) - 32;
+                int q3 = (int)((pl[l] >> 4) | (((ph[l] >> 4) & 3) << 4)) - 32;
+                int q4 = (int)((pl[l + 32] >> 4) | (((ph[l] >> 6) & 3) << 4)) - 32;
+                y[l] = (d * (float)ps[is + 0]) * (float)q1;
+                y[l + 32] = (d * (float)ps[is + 2]) * (float)q2;
+                y[l + 64] = (d * (float)ps[is + 4]) * (float)q3;
+                y[l + 96] = (d * (float)ps[is + 6]) * (float)q4;
+            }
+#endif
+        }
+    }
+}
+
+static int fmt_block(int fmt, int *block_elems, int *block_bytes) {
+    switch (fmt) {
+    case FMT_F32: *block_elems = 1; *block_bytes = 4; return 0;
+    case FMT_I8: *block_elems = 1; *block_bytes = 1; return 0;
+    case FMT_Q8_0: *block_elems = 32; *block_bytes = 34; return 0;
+    case FMT_Q4_0: *block_elems = 32; *block_bytes = 18; return 0;
+    case FMT_Q4_1: *block_elems = 32; *block_bytes = 20; return 0;
+    case FMT_Q4_K: *block_elems = 256; *block_bytes = 144; return 0;
+    case FMT_Q6_K: *block_elems = 256; *block_bytes = 210; return 0;
+    default: return -1;
+    }
+}
+
+/* dequantize elements [k0, k0+kc) of one row; k0 is a multiple of the block
+   size and kc is a multiple of it unless the chunk ends the row. */
+static void deq_chunk(int fmt, const uint8_t *row, int64_t k0, int kc, float *out) {
+    switch (fmt) {
+    case FMT_F32: memcpy(out, (const float *)row + k0, sizeof(float) * (size_t)kc); break;
+    case FMT_I8: deq_i8((const int8_t *)row + k0, kc, out); break;
+    case FMT_Q8_0: deq_q8_0(row + (k0 / 32) * 34, kc / 32, out); break;
+    case FMT_Q4_0: deq_q4_0(row + (k0 / 32) * 18, kc / 32, out); break;
+    case FMT_Q4_1: deq_q4_1(row + (k0 / 32) * 20, kc / 32, out); break;
+    case FMT_Q4_K: deq_q4_k(row + (k0 / 256) * 144, kc / 256, out); break;
+    case FMT_Q6_K: deq_q6_k(row + (k0 / 256) * 210, kc / 256, out); break;
+    default: break;
+    }
+}
+
+/* Dequantize a whole [N, K] matrix (scale of I8 not applied). */
+SS_EXPORT int ss_dequantize(int fmt, const void *w, int64_t N, int64_t K, int64_t row_bytes,
+                            float *out, int nthreads) {
+    int be, bb;
+    if (fmt_block(fmt, &be, &bb) != 0) return SS_EFORMAT;
+    if (N < 0 || K < 0 || K % be != 0 || row_bytes < (K / be) * bb) return SS_EINVAL;
+    nthreads = resolve_threads(nthreads);
+    const uint8_t *wb = (const uint8_t *)w;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && N * K > 65536)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t k0 = 0; k0 < K; k0 += 4096) {
+            int kc = (int)(K - k0 < 4096 ? K - k0 : 4096);
+            deq_chunk(fmt, wb + n * row_bytes, k0, kc, out + n * K + k0);
+        }
+    }
+    return SS_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* linear                                                                   */
+/* ------------------------------------------------------------------------ */
+
+#define LIN_NB 8    /* output channels per block (one thread owns a block) */
+#ifndef LIN_KC
+#define LIN_KC 1024 /* max K chunk dequantized at once (multiple of 256) */
+#endif
+#ifndef LIN_MS
+#define LIN_MS 32   /* rows per super tile (accumulators kept in memory) */
+#endif
+#define LIN_L 16    /* accumulator lanes per output element */
+#define LIN_ACCS (LIN_NB * LIN_L) /* floats of accumulators per row */
+
+/* fixed reduction of the 16 lanes of one output */
+SS_INLINE float hsum16(const float *a) {
+    float s[8];
+    for (int l = 0; l < 8; l++) s[l] = a[l] + a[l + 8];
+    return hsum8(s);
+}
+
+#if defined(SS_AVX512)
+/* One zmm per output element holds its 16 lanes.
+   R rows x C channels; acc layout acc[r * LIN_ACCS + j * 16 + lane]. */
+SS_INLINE void lin_micro(const int R, const int C, const float *x, int64_t ldx,
+                         const float *const *wp, int kc, float *acc) {
+    __m512 a[4][8];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) a[r][j] = _mm512_load_ps(acc + r * LIN_ACCS + j * 16);
+    int k = 0;
+    for (; k + 16 <= kc; k += 16) {
+        __m512 xv[4];
+        for (int r = 0; r < R; r++) xv[r] = _mm512_loadu_ps(x + r * ldx + k);
+        for (int j = 0; j < C; j++) {
+            __m512 wv = _mm512_loadu_ps(wp[j] + k);
+            for (int r = 0; r < R; r++) a[r][j] = _mm512_fmadd_ps(xv[r], wv, a[r][j]);
+        }
+    }
+    if (k < kc) {
+        const __mmask16 mask = (__mmask16)((1u << (kc - k)) - 1u);
+        __m512 xv[4];
+        for (int r = 0; r < R; r++) xv[r] = _mm512_maskz_loadu_ps(mask, x + r * ldx + k);
+        for (int j = 0; j < C; j++) {
+            __m512 wv = _mm512_maskz_loadu_ps(mask, wp[j] + k);
+            for (int r = 0; r < R; r++) a[r][j] = _mm512_fmadd_ps(xv[r], wv, a[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) _mm512_store_ps(acc + r * LIN_ACCS + j * 16, a[r][j]);
+}
+
+static void lin_chunk(const float *x, int64_t ldx, int ms, const float *const *wp, int kc, float *acc) {
+    int m = 0;
+    for (; m + 3 <= ms; m += 3) lin_micro(3, 8, x + m * ldx, ldx, wp, kc, acc + m * LIN_ACCS);
+    if (m + 2 <= ms) {
+        lin_micro(2, 8, x + m * ldx, ldx, wp, kc, acc + m * LIN_ACCS);
+        m += 2;
+    }
+    if (m < ms) lin_micro(1, 8, x + m * ldx, ldx, wp, kc, acc + m * LIN_ACCS);
+}
+
+#elif defined(SS_AVX2)
+/* Lanes 0..7 and 8..15 of an output are independent chains: run one pass
+   per half (h = 0, 1) over the chunk, stepping 16 elements, with one ymm
+   accumulator per (row, channel). */
+SS_INLINE void lin_micro_half(const int R, const int C, const int h, const float *x, int64_t ldx,
+                              const float *const *wp, int kc, float *acc) {
+    __m256 a[4][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) a[r][j] = _mm256_load_ps(acc + r * LIN_ACCS + j * 16 + 8 * h);
+    int k = 8 * h;
+    for (; k + 8 <= kc; k += 16) {
+        __m256 xv[4];
+        for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + k);
+        for (int j = 0; j < C; j++) {
+            __m256 wv = _mm256_loadu_ps(wp[j] + k);
+            for (int r = 0; r < R; r++) a[r][j] = _mm256_fmadd_ps(xv[r], wv, a[r][j]);
+        }
+    }
+    if (k < kc) {
+        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(kc - k),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 xv[4];
+        for (int r = 0; r < R; r++) xv[r] = _mm256_maskload_ps(x + r * ldx + k, mask);
+        for (int j = 0; j < C; j++) {
+            __m256 wv = _mm256_maskload_ps(wp[j] + k, mask);
+            for (int r = 0; r < R; r++) a[r][j] = _mm256_fmadd_ps(xv[r], wv, a[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) _mm256_store_ps(acc + r * LIN_ACCS + j * 16 + 8 * h, a[r][j]);
+}
+
+SS_INLINE void lin_micro(const int R, const int C, const float *x, int64_t ldx,
+                         const float *const *wp, int kc, float *acc) {
+    lin_micro_half(R, C, 0, x, ldx, wp, kc, acc);
+    lin_micro_half(R, C, 1, x, ldx, wp, kc, acc);
+}
+
+static void lin_chunk(const float *x, int64_t ldx, int ms, const float *const *wp, int kc, float *acc) {
+    int m = 0;
+    for (; m + 3 <= ms; m += 3) {
+        lin_micro(3, 4, x + m * ldx, ldx, wp, kc, acc + m * LIN_ACCS);
+        lin_micro(3, 4, x + m * ldx, ldx, wp + 4, kc, acc + m * LIN_ACCS + 64);
+    }
+    if (m + 2 <= ms) {
+        lin_micro(2, 4, x + m * ldx, ldx, wp, kc, acc + m * LIN_ACCS);
+        lin_micro(2, 4, x + m * ldx, ldx, wp + 4, kc, acc + m * LIN_ACCS + 64);
+        m += 2;
+    }
+    if (m < ms) {
+        lin_micro(1, 4, x + m * ldx, ldx, wp, kc, acc + m * LIN_ACCS);
+        lin_micro(1, 4, x + m * ldx, ldx, wp + 4, kc, acc + m * LIN_ACCS + 64);
+    }
+}
+#else  /* scalar mirror */
+static void lin_chunk(const float *x, int64_t ldx, int ms, const float *const *wp, int kc, float *acc) {
+    for (int m = 0; m < ms; m++) {
+        const float *xr = x + m * ldx;
+        for (int j = 0; j < LIN_NB; j++) {
+            float *l = acc + m * LIN_ACCS + j * 16;
+            const float *w = wp[j];
+            for (int k = 0; k < kc; k++) l[k & 15] = fmaf(xr[k], w[k], l[k & 15]);
+        }
+    }
+}
+#endif
+
+
+/* ---- fused dequantize + FMA for few rows (decode): the weights are
+   converted in registers, no tile round trip. Same lane assignment and
+   order as the tiled path: lane l gets k = l, l+16, l+32, ... in order. */
+#if defined(SS_AVX512)
+/* rows up to which the fused path beats the dequantized tile (measured on
+   Zen 5): 8-bit formats convert cheaply, 4-bit ones less so */
+#define LIN_FUSED_RMAX 8
+#define LIN_FUSED_RMAX_Q4 4
+SS_INLINE void deq32_v(const int fmt, const uint8_t *row, int64_t k, __m512 w[2]) {
+    if (fmt == FMT_I8) {
+        const int8_t *q = (const int8_t *)row + k;
+        w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+        w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+    } else if (fmt == FMT_Q8_0) {
+        const uint8_t *blk = row + (k / 32) * 34;
+        const __m512 vd = _mm512_set1_ps(h2f(blk));
+        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)))), vd);
+        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)))), vd);
+    } else if (fmt == FMT_Q4_0) {
+        const uint8_t *blk = row + (k / 32) * 18;
+        const __m512 vd = _mm512_set1_ps(h2f(blk));
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 2));
+        const __m128i m4 = _mm_set1_epi8(0x0F);
+        const __m512i eight = _mm512_set1_epi32(8);
+        __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(bytes, m4));
+        __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4));
+        w[0] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)));
+        w[1] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)));
+    } else { /* FMT_Q4_1 */
+        const uint8_t *blk = row + (k / 32) * 20;
+        const __m512 vd = _mm512_set1_ps(h2f(blk)), vm = _mm512_set1_ps(h2f(blk + 2));
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 4));
+        const __m128i m4 = _mm_set1_epi8(0x0F);
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, m4)));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4)));
+        w[0] = _mm512_add_ps(_mm512_mul_ps(vd, lo), vm);
+        w[1] = _mm512_add_ps(_mm512_mul_ps(vd, hi), vm);
+    }
+}
+
+/* R rows x C channels over the whole K (K % 32 == 0); overwrites acc */
+SS_INLINE void lin_fused_rc(const int fmt, const int R, const int C, const float *x, int64_t ldx,
+                            const uint8_t *const *rows, int64_t K, float *acc) {
+    __m512 a[4][8];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) a[r][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512 x0[4], x1[4];
+        for (int r = 0; r < R; r++) {
+            x0[r] = _mm512_loadu_ps(x + r * ldx + k);
+            x1[r] = _mm512_loadu_ps(x + r * ldx + k + 16);
+        }
+        for (int j = 0; j < C; j++) {
+            __m512 w[2];
+            deq32_v(fmt, rows[j], k, w);
+            for (int r = 0; r < R; r++) {
+                a[r][j] = _mm512_fmadd_ps(x0[r], w[0], a[r][j]);
+                a[r][j] = _mm512_fmadd_ps(x1[r], w[1], a[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) _mm512_store_ps(acc + r * LIN_ACCS + j * 16, a[r][j]);
+}
+
+/* rows [0, ms) of the super tile x all LIN_NB channels */
+SS_INLINE void lin_fused(const int fmt, int ms, const float *x, int64_t ldx,
+                         const uint8_t *const *rows, int64_t K, float *acc) {
+    int m = 0;
+    for (; m + 4 <= ms; m += 4) {
+        lin_fused_rc(fmt, 4, 4, x + m * ldx, ldx, rows, K, acc + m * LIN_ACCS);
+        lin_fused_rc(fmt, 4, 4, x + m * ldx, ldx, rows + 4, K, acc + m * LIN_ACCS + 64);
+    }
+    if (ms - m == 3) {
+        lin_fused_rc(fmt, 3, 4, x + m * ldx, ldx, rows, K, acc + m * LIN_ACCS);
+        lin_fused_rc(fmt, 3, 4, x + m * ldx, ldx, rows + 4, K, acc + m * LIN_ACCS + 64);
+    } else if (ms - m == 2) {
+        lin_fused_rc(fmt, 2, 8, x + m * ldx, ldx, rows, K, acc + m * LIN_ACCS);
+    } else if (ms - m == 1) {
+        lin_fused_rc(fmt, 1, 8, x + m * ldx, ldx, rows, K, acc + m * LIN_ACCS);
+    }
+}
+
+#elif defined(SS_AVX2)
+#ifndef LIN_FUSED_RMAX
+#define LIN_FUSED_RMAX 8
+#endif
+#ifndef LIN_FUSED_RMAX_Q4
+#define LIN_FUSED_RMAX_Q4 4
+#endif
+/* elements k..k+31 as 4 ymm: [0..7], [8..15], [16..23], [24..31] */
+SS_INLINE void deq32_v(const int fmt, const uint8_t *row, int64_t k, __m256 w[4]) {
+    if (fmt == FMT_I8 || fmt == FMT_Q8_0) {
+        const int8_t *q;
+        __m256 vd = _mm256_set1_ps(1.0f);
+        if (fmt == FMT_I8) {
+            q = (const int8_t *)row + k;
+        } else {
+            const uint8_t *blk = row + (k / 32) * 34;
+            vd = _mm256_set1_ps(h2f(blk));
+            q = (const int8_t *)(blk + 2);
+        }
+        for (int g = 0; g < 4; g++) {
+            w[g] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * g))));
+            if (fmt == FMT_Q8_0) w[g] = _mm256_mul_ps(w[g], vd);
+        }
+    } else if (fmt == FMT_Q4_0) {
+        const uint8_t *blk = row + (k / 32) * 18;
+        const __m256 vd = _mm256_set1_ps(h2f(blk));
+        const __m256i eight = _mm256_set1_epi32(8);
+        __m256i v[4];
+        unpack_nibbles32(blk + 2, v);
+        for (int g = 0; g < 4; g++) w[g] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_sub_epi32(v[g], eight)));
+    } else { /* FMT_Q4_1 */
+        const uint8_t *blk = row + (k / 32) * 20;
+        const __m256 vd = _mm256_set1_ps(h2f(blk)), vm = _mm256_set1_ps(h2f(blk + 2));
+        __m256i v[4];
+        unpack_nibbles32(blk + 4, v);
+        for (int g = 0; g < 4; g++) w[g] = _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(v[g])), vm);
+    }
+}
+
+/* R rows x C channels over the whole K (K % 32 == 0): lanes 0..7 in lo,
+   lanes 8..15 in hi; overwrites acc */
+SS_INLINE void lin_fused_rc(const int fmt, const int R, const int C, const float *x, int64_t ldx,
+                            const uint8_t *const *rows, int64_t K, float *acc) {
+    __m256 lo[4][4], hi[4][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) lo[r][j] = hi[r][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        for (int j = 0; j < C; j++) {
+            __m256 w[4];
+            deq32_v(fmt, rows[j], k, w);
+            for (int r = 0; r < R; r++) {
+                const float *xr = x + r * ldx + k;
+                lo[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w[0], lo[r][j]);
+                hi[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w[1], hi[r][j]);
+                lo[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], lo[r][j]);
+                hi[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], hi[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) {
+            _mm256_store_ps(acc + r * LIN_ACCS + j * 16, lo[r][j]);
+            _mm256_store_ps(acc + r * LIN_ACCS + j * 16 + 8, hi[r][j]);
+        }
+}
+
+SS_INLINE void lin_fused(const int fmt, int ms, const float *x, int64_t ldx,
+                         const uint8_t *const *rows, int64_t K, float *acc) {
+    int m = 0;
+    for (; m + 4 <= ms; m += 4)
+        for (int j = 0; j < LIN_NB; j++)
+            lin_fused_rc(fmt, 4, 1, x + m * ldx, ldx, rows + j, K, acc + m * LIN_ACCS + j * 16);
+    if (ms - m == 3) {
+        for (int j = 0; j < LIN_NB; j++)
+            lin_fused_rc(fmt, 3, 1, x + m * ldx, ldx, rows + j, K, acc + m * LIN_ACCS + j * 16);
+    } else if (ms - m == 2) {
+        for (int j = 0; j < LIN_NB; j += 2)
+            lin_fused_rc(fmt, 2, 2, x + m * ldx, ldx, rows + j, K, acc + m * LIN_ACCS + j * 16);
+    } else if (ms - m == 1) {
+        lin_fused_rc(fmt, 1, 4, x + m * ldx, ldx, rows, K, acc + m * LIN_ACCS);
+        lin_fused_rc(fmt, 1, 4, x + m * ldx, ldx, rows + 4, K, acc + m * LIN_ACCS + 64);
+    }
+}
+#else
+#define LIN_FUSED_RMAX 0
+#define LIN_FUSED_RMAX_Q4 0
+#endif
+
+#if LIN_FUSED_RMAX > 0
+static void lin_fused_dispatch(int fmt, int ms, const float *x, int64_t ldx, const uint8_t *const *rows,
+                               int64_t K, float *acc) {
+#define SS_FUSED_CASE(F)                          \
+    case F:                                       \
+        lin_fused(F, ms, x, ldx, rows, K, acc);   \
+        break;
+    switch (fmt) {
+        SS_FUSED_CASE(FMT_I8)
+        SS_FUSED_CASE(FMT_Q8_0)
+        SS_FUSED_CASE(FMT_Q4_0)
+        SS_FUSED_CASE(FMT_Q4_1)
+    default: break;
+    }
+#undef SS_FUSED_CASE
+}
+#endif
+
+/*
+ * out[M, N] = x[M, K] @ W[N, K]^T (* scale) (+ bias)
+ *   w: rows of row_bytes bytes in format fmt.
+ *   scale: per-row scale for FMT_I8 (required), ignored otherwise.
+ *   bias: optional (NULL).
+ *   ldx / ldo: row strides (in floats) of x and out.
+ */
+SS_EXPORT int ss_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int fmt,
+                        int64_t row_bytes, const float *scale, const float *bias, float *out,
+                        int64_t N, int64_t ldo, int nthreads) {
+    int be, bb;
+    if (fmt_block(fmt, &be, &bb) != 0) return SS_EFORMAT;
+    if (M < 0 || N < 0 || K <= 0 || ldx < K || ldo < N) return SS_EINVAL;
+    if (K % be != 0 || row_bytes < (K / be) * bb) return SS_EINVAL;
+    if (fmt == FMT_I8 && scale == NULL) return SS_EINVAL;
+    if (M == 0 || N == 0) return SS_OK;
+    nthreads = resolve_threads(nthreads);
+    const uint8_t *wb = (const uint8_t *)w;
+    const int64_t nblocks = (N + LIN_NB - 1) / LIN_NB;
+    const double work = (double)M * (double)N * (double)K;
+    const int par = nthreads > 1 && work > 200000.0 && nblocks > 1;
+    /* row count up to which the fused (in-register dequantization) path is used */
+    int fused = 0;
+    if (K % 32 == 0) {
+        if (fmt == FMT_I8 || fmt == FMT_Q8_0) fused = LIN_FUSED_RMAX;
+        else if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1) fused = LIN_FUSED_RMAX_Q4;
+    }
+    const int prefetch = N * row_bytes > (1 << 20);
+    /* K chunk: K itself when it fits, else equal parts rounded up to 256 */
+    int64_t kchunk = K;
+    if (K > LIN_KC) {
+        const int64_t parts = (K + LIN_KC - 1) / LIN_KC;
+        kchunk = ((K + parts - 1) / parts + 255) / 256 * 256;
+    }
+    (void)fused;
+
+#pragma omp parallel num_threads(nthreads) if (par)
+    {
+        float acc[LIN_MS * LIN_ACCS] SS_ALIGN;
+        float wbuf[LIN_NB][LIN_KC] SS_ALIGN;
+        for (int64_t m0 = 0; m0 < M; m0 += LIN_MS) {
+            const int ms = (int)(M - m0 < LIN_MS ? M - m0 : LIN_MS);
+#pragma omp for schedule(static) nowait
+            for (int64_t blk = 0; blk < nblocks; blk++) {
+                const int64_t n0 = blk * LIN_NB;
+                const int nb = (int)(N - n0 < LIN_NB ? N - n0 : LIN_NB);
+                memset(acc, 0, sizeof(float) * (size_t)ms * LIN_ACCS);
+                if (prefetch && blk + 1 < nblocks) {
+                    /* the next block's rows are contiguous: pull them in
+                       while this block computes */
+                    const uint8_t *p = wb + (n0 + LIN_NB) * row_bytes;
+                    const uint8_t *pe = wb + (n0 + 2 * LIN_NB < N ? n0 + 2 * LIN_NB : N) * row_bytes;
+                    for (; p < pe; p += 64) __builtin_prefetch(p, 0, 3);
+                }
+#if LIN_FUSED_RMAX > 0
+                if (ms <= fused) {
+                    const uint8_t *rows[LIN_NB];
+                    for (int j = 0; j < LIN_NB; j++) rows[j] = wb + (n0 + (j < nb ? j : 0)) * row_bytes;
+                    lin_fused_dispatch(fmt, ms, x + m0 * ldx, ldx, rows, K, acc);
+                } else
+#endif
+                for (int64_t k0 = 0; k0 < K; k0 += kchunk) {
+                    const int kc = (int)(K - k0 < kchunk ? K - k0 : kchunk);
+                    const float *wp[LIN_NB];
+                    for (int j = 0; j < LIN_NB; j++) {
+                        /* channels past N reuse channel n0 (results discarded) */
+                        const int64_t n = n0 + (j < nb ? j : 0);
+                        const uint8_t *row = wb + n * row_bytes;
+                        if (fmt == FMT_F32 && ms < 8) {
+                            /* few rows: stream the weight rows directly; with
+                               more rows a copy into the L1 tile is faster */
+                            wp[j] = (const float *)row + k0;
+                        } else {
+                            if (j < nb || j == 0) deq_chunk(fmt, row, k0, kc, wbuf[j]);
+                            wp[j] = (j < nb) ? wbuf[j] : wbuf[0];
+                        }
+                    }
+                    lin_chunk(x + m0 * ldx + k0, ldx, ms, wp, kc, acc);
+                }
+                for (int m = 0; m < ms; m++) {
+                    /* note: keep the optional pointers out of vectorizable
+                       loops: a masked load from NULL costs a slow fault
+                       suppression assist on some CPUs */
+                    float s[LIN_NB];
+                    for (int j = 0; j < LIN_NB; j++) s[j] = hsum16(acc + m * LIN_ACCS + j * 16);
+                    if (fmt == FMT_I8)
+                        for (int j = 0; j < nb; j++) s[j] = s[j] * scale[n0 + j];
+                    if (bias != NULL)
+                        for (int j = 0; j < nb; j++) s[j] = s[j] + bias[n0 + j];
+                    memcpy(out + (m0 + m) * ldo + n0, s, sizeof(float) * (size_t)nb);
+                }
+            }
+        }
+    }
+    return SS_OK;
+}
+
+SS_EXPORT int ss_has_avx512(void) {
+#ifdef SS_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------------------------------ */
+/* exp (Cephes-style polynomial), vector and bit-identical scalar mirror    */
+/* ------------------------------------------------------------------------ */
+
+#define EXP_HI 88.3762626647949f
+#define EXP_LO -87.3365447504f
+#define LOG2EF 1.44269504088896341f
+#define EXP_C1 0.693359375f
+#define EXP_C2 -2.12194440e-4f
+#define EXP_P0 1.9875691500E-4f
+#define EXP_P1 1.3981999507E-3f
+#define EXP_P2 8.3334519073E-3f
+#define EXP_P3 4.1665795894E-2f
+#define EXP_P4 1.6666665459E-1f
+#define EXP_P5 5.0000001201E-1f
+
+static inline float exp_scalar(float x) {
+    x = fminf(fmaxf(x, EXP_LO), EXP_HI);
+    float n = nearbyintf(x * LOG2EF);
+    float r = fmaf(-n, EXP_C1, x);
+    r = fmaf(-n, EXP_C2, r);
+    float z = r * r;
+    float y = EXP_P0;
+    y = fmaf(y, r, EXP_P1);
+    y = fmaf(y, r, EXP_P2);
+    y = fmaf(y, r, EXP_P3);
+    y = fmaf(y, r, EXP_P4);
+    y = fmaf(y, r, EXP_P5);
+    y = fmaf(y, z, r);
+    y = y + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float p;
+    memcpy(&p, &e, 4);
+    return y * p;
+}
+
+#ifdef SS_AVX2
+SS_INLINE __m256 exp_avx2(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2EF)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_C1), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_C2), r);
+    __m256 z = _mm256_mul_ps(r, r);
+    __m256 y = _mm256_set1_ps(EXP_P0);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P5));
+    y = _mm256_fmadd_ps(y, z, r);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* in-place exp(v[i] - mx); returns the sum in a fixed order (8 lanes + hsum8) */
+static float exp_sub_sum(float *v, int n, float mx) {
+    float lanes[8] SS_ALIGN = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+#ifdef SS_AVX2
+    __m256 vm = _mm256_set1_ps(mx);
+    __m256 s = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(v + i), vm));
+        _mm256_storeu_ps(v + i, e);
+        s = _mm256_add_ps(s, e);
+    }
+    _mm256_store_ps(lanes, s);
+#else
+    for (; i + 8 <= n; i += 8) {
+        for (int l = 0; l < 8; l++) {
+            float e = exp_scalar(v[i + l] - mx);
+            v[i + l] = e;
+            lanes[l] = lanes[l] + e;
+        }
+    }
+#endif
+    for (int l = 0; i < n; i++, l++) {
+        float e = exp_scalar(v[i] - mx);
+        v[i] = e;
+        lanes[l] = lanes[l] + e;
+    }
+    return hsum8(lanes);
+}
+
+/* ------------------------------------------------------------------------ */
+/* paged attention                                                          */
+/* ------------------------------------------------------------------------ */
+
+#define ATT_DMAX 1024
+
+#ifdef SS_AVX2
+/* hsum8 of 8 vectors at once: out[j] = hsum8(a[j]) with exactly the same
+   additions as the scalar hsum8 (only the data movement differs) */
+SS_INLINE __m256 hsum8x8(const __m256 a[8]) {
+    __m256 p01 = _mm256_add_ps(_mm256_permute2f128_ps(a[0], a[1], 0x20), _mm256_permute2f128_ps(a[0], a[1], 0x31));
+    __m256 p23 = _mm256_add_ps(_mm256_permute2f128_ps(a[2], a[3], 0x20), _mm256_permute2f128_ps(a[2], a[3], 0x31));
+    __m256 p45 = _mm256_add_ps(_mm256_permute2f128_ps(a[4], a[5], 0x20), _mm256_permute2f128_ps(a[4], a[5], 0x31));
+    __m256 p67 = _mm256_add_ps(_mm256_permute2f128_ps(a[6], a[7], 0x20), _mm256_permute2f128_ps(a[6], a[7], 0x31));
+    /* p01 = [s(a0) | s(a1)] with s_l = a_l + a_{l+4} */
+    __m256 q0 = _mm256_add_ps(_mm256_shuffle_ps(p01, p23, _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm256_shuffle_ps(p01, p23, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 q1 = _mm256_add_ps(_mm256_shuffle_ps(p45, p67, _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm256_shuffle_ps(p45, p67, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* q0 = [t0(a0), t1(a0), t0(a2), t1(a2) | t0(a1), t1(a1), t0(a3), t1(a3)] */
+    __m256 r = _mm256_add_ps(_mm256_shuffle_ps(q0, q1, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm256_shuffle_ps(q0, q1, _MM_SHUFFLE(3, 1, 3, 1)));
+    /* r = [a0, a2, a4, a6 | a1, a3, a5, a7] */
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* dot8(q, k_j) for 8 keys at once (kp[j] may repeat for padding) */
+SS_INLINE __m256 dot8x8(const float *qv, const float *const *kp, int D) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    int d = 0;
+    for (; d + 8 <= D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(qv + d);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kp[j] + d), a[j]);
+    }
+    if (d < D) {
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(D - d), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 qd = _mm256_maskload_ps(qv + d, mask);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qd, _mm256_maskload_ps(kp[j] + d, mask), a[j]);
+    }
+    return hsum8x8(a);
+}
+#endif
+
+/* scores of one query head over keys [0, L): sc[i] = softcap(dot8(q, k_i) * scale) */
+static float attn_scores(const float *qv, const float *kbase, const int64_t *koff, int64_t L, int D,
+                         float scale, float softcap, float *sc) {
+    float mx = -INFINITY;
+    int64_t i = 0;
+#ifdef SS_AVX2
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (; i < L; i += 8) {
+        const float *kp[8];
+        const int n8 = (int)(L - i < 8 ? L - i : 8);
+        for (int j = 0; j < 8; j++) kp[j] = kbase + koff[i + (j < n8 ? j : 0)];
+        float v[8] SS_ALIGN;
+        _mm256_store_ps(v, _mm256_mul_ps(dot8x8(qv, kp, D), vscale));
+        for (int j = 0; j < n8; j++) {
+            float x = v[j];
+            if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+            sc[i + j] = x;
+            mx = x > mx ? x : mx;
+        }
+    }
+#else
+    for (; i < L; i++) {
+        float x = dot8(qv, kbase + koff[i], D) * scale;
+        if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+        sc[i] = x;
+        mx = x > mx ? x : mx;
+    }
+#endif
+    return mx;
+}
+
+/* o[d] = (sum_i p[i] * v_i[d], in increasing i, fused multiply-add) / sum */
+static void attn_values(const float *pw, const float *vbase, const int64_t *voff, int64_t L, int D,
+                        float sum, float *o, float *accbuf) {
+    int d0 = 0;
+#if defined(SS_AVX512)
+    for (; d0 + 128 <= D; d0 += 128) {
+        __m512 a[8];
+        for (int c = 0; c < 8; c++) a[c] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < L; i++) {
+            const __m512 p = _mm512_set1_ps(pw[i]);
+            const float *v = vbase + voff[i] + d0;
+            for (int c = 0; c < 8; c++) a[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), a[c]);
+        }
+        const __m512 vs = _mm512_set1_ps(sum);
+        for (int c = 0; c < 8; c++) _mm512_storeu_ps(o + d0 + 16 * c, _mm512_div_ps(a[c], vs));
+    }
+#endif
+#if defined(SS_AVX2)
+    for (; d0 + 64 <= D; d0 += 64) {
+        __m256 a[8];
+        for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < L; i++) {
+            const __m256 p = _mm256_set1_ps(pw[i]);
+            const float *v = vbase + voff[i] + d0;
+            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), a[c]);
+        }
+        const __m256 vs = _mm256_set1_ps(sum);
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_div_ps(a[c], vs));
+    }
+#endif
+    if (d0 < D) {
+        const int dn = D - d0;
+        for (int d = 0; d < dn; d++) accbuf[d] = 0.0f;
+        for (int64_t i = 0; i < L; i++) {
+            const float pv = pw[i];
+            const float *v = vbase + voff[i] + d0;
+            for (int d = 0; d < dn; d++) accbuf[d] = fmaf(pv, v[d], accbuf[d]);
+        }
+        for (int d = 0; d < dn; d++) o[d0 + d] = accbuf[d] / sum;
+    }
+}
+
+/*
+ * q:            [T, Hq, D]
+ * k/v cache:    [NB, BS, Hkv, D]
+ * block_tables: [S, max_blocks]
+ * seq_ids, positions: [T]
+ * out:          [T, Hq, D]
+ *
+ * Work item = (query, kv head, group of query heads sharing it); the key
+ * offsets are resolved once per item. Per (query, head) the arithmetic is
+ * fixed: scores in key order, max, exp/sum (exp_sub_sum), V accumulation in
+ * key order, division by the sum.
+ */
+SS_EXPORT int ss_paged_attention(const float *q, const float *kc, const float *vc, int64_t num_blocks,
+                                 int64_t BS, int64_t Hkv, const int32_t *block_tables, int64_t S,
+                                 int64_t max_blocks, const int32_t *seq_ids, const int32_t *positions,
+                                 int64_t T, int64_t Hq, int64_t D, float scale, int64_t window,
+                                 float softcap, float *out, int nthreads) {
+    if (T < 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || D > ATT_DMAX || BS <= 0 || Hq % Hkv != 0)
+        return SS_EINVAL;
+    if (T == 0) return SS_OK;
+    /* validate indices before touching memory */
+    int64_t maxlen = 0;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t s = seq_ids[t], pos = positions[t];
+        if (s < 0 || s >= S) return SS_ESEQ;
+        if (pos < 0 || pos / BS >= max_blocks) return SS_EPOS;
+        int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+        for (int64_t b = start / BS; b <= pos / BS; b++) {
+            int32_t blk = block_tables[s * max_blocks + b];
+            if (blk < 0 || blk >= num_blocks) return SS_EBLOCK;
+        }
+        if (pos - start + 1 > maxlen) maxlen = pos - start + 1;
+    }
+    nthreads = resolve_threads(nthreads);
+    const int64_t group = Hq / Hkv;
+    /* heads per work item: the whole group (K/V rows read once for all of
+       them) unless that leaves too few items for the threads */
+    const int64_t gsub = (T * Hkv >= 2 * (int64_t)nthreads) ? group : 1;
+    const int64_t per_kv = group / gsub;
+    const int64_t items = T * Hkv * per_kv;
+    const int par = nthreads > 1 && items > 1 && (double)T * Hq * (double)maxlen * (double)D > 30000.0;
+    int err = 0;
+
+#pragma omp parallel num_threads(nthreads) if (par)
+    {
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(gsub * maxlen + 16));
+        int64_t *off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(maxlen + 16));
+        float accbuf[ATT_DMAX] SS_ALIGN;
+        if (!sc || !off) {
+#pragma omp atomic write
+            err = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!sc || !off) continue;
+            const int64_t t = it / (Hkv * per_kv);
+            const int64_t rem = it % (Hkv * per_kv);
+            const int64_t kvh = rem / per_kv;
+            const int64_t h0 = kvh * group + (rem % per_kv) * gsub;
+            const int64_t s = seq_ids[t], pos = positions[t];
+            const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+            const int64_t L = pos - start + 1;
+            const int32_t *bt = block_tables + s * max_blocks;
+            for (int64_t i = 0; i < L; i++) {
+                const int64_t p = start + i;
+                off[i] = (((int64_t)bt[p / BS] * BS + p % BS) * Hkv + kvh) * D;
+            }
+            for (int64_t g = 0; g < gsub; g++) {
+                const int64_t h = h0 + g;
+                float *scg = sc + g * maxlen;
+                const float mx = attn_scores(q + (t * Hq + h) * D, kc, off, L, (int)D, scale, softcap, scg);
+                const float sum = exp_sub_sum(scg, (int)L, mx);
+                attn_values(scg, vc, off, L, (int)D, sum, out + (t * Hq + h) * D, accbuf);
+            }
+        }
+        free(sc);
+        free(off);
+    }
+    return err ? SS_ENOMEM : SS_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* RMSNorm                                                                  */
+/* ------------------------------------------------------------------------ */
+
+SS_INLINE void rms_row(const float *x, const float *w, float *o, int64_t K, float eps, int unit) {
+    const float ss = dot8(x, x, (int)K);
+    const float r = 1.0f / sqrtf(ss / (float)K + eps);
+    int64_t k = 0;
+#ifdef SS_AVX2
+    __m256 vr = _mm256_set1_ps(r), one = _mm256_set1_ps(1.0f);
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv = _mm256_loadu_ps(w + k);
+        if (unit) wv = _mm256_add_ps(one, wv);
+        _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k), vr), wv));
+    }
+#endif
+    for (; k < K; k++) {
+        float wv = unit ? 1.0f + w[k] : w[k];
+        o[k] = (x[k] * r) * wv;
+    }
+}
+
+/* out = rmsnorm(x) * (w or 1 + w); rows of length K, strides ldx / ldo */
+SS_EXPORT int ss_rms_norm(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, float eps,
+                          int unit_offset, float *out, int64_t ldo, int nthreads) {
+    if (M < 0 || K <= 0 || K > 0x7fffffff || ldx < K || ldo < K) return SS_EINVAL;
+    nthreads = resolve_threads(nthreads);
+    const int par = nthreads > 1 && M > 1 && (double)M * (double)K > 32768.0;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
+    for (int64_t m = 0; m < M; m++) rms_row(x + m * ldx, w, out + m * ldo, K, eps, unit_offset);
+    return SS_OK;
+}
+
+/* h = x + residual; out = rmsnorm(h) * w'.  h written to h_out (may alias residual). */
+SS_EXPORT int ss_add_rms_norm(const float *x, const float *residual, int64_t M, int64_t K,
+                              const float *w, float eps, int unit_offset, float *h_out, float *out,
+                              int nthreads) {
+    if (M < 0 || K <= 0 || K > 0x7fffffff) return SS_EINVAL;
+    nthreads = resolve_threads(nthreads);
+    const int par = nthreads > 1 && M > 1 && (double)M * (double)K > 32768.0;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * K;
+        const float *rr = residual + m * K;
+        float *hr = h_out + m * K;
+        int64_t k = 0;
+#ifdef SS_AVX2
+        for (; k + 8 <= K; k += 8)
+            _mm256_storeu_ps(hr + k, _mm256_add_ps(_mm256_loadu_ps(xr + k), _mm256_loadu_ps(rr + k)));
+#endif
+        for (; k < K; k++) hr[k] = xr[k] + rr[k];
+        rms_row(hr, w, out + m * K, K, eps, unit_offset);
+    }
+    return SS_OK;
+}

@@ -1,0 +1,672 @@
+"""Batch-invariant CPU kernels (linear, paged attention, RMSNorm).
+
+Every per-row result is bit-identical whatever the number of rows in the call
+and whatever the thread count: each output element is reduced by one thread
+in a fixed order (see ``csrc/cpu_kernels.c``). This is what lets speculative
+decoding (verification of k draft tokens in one call) reproduce plain greedy
+decoding token for token.
+
+The C library is compiled on first use (``build.py``). Without a compiler a
+pure-torch fallback is used: it processes one row (one query) per torch call,
+so it is batch-invariant too, but slow. Force it with ``impl="torch"``, with
+``set_default_impl("torch")`` or the environment variable
+``SPECSERVE_KERNELS=torch`` (read on first use; ``SPECSERVE_KERNELS=c`` makes
+a missing C library an error instead).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import build as _build
+
+__all__ = [
+    "F32Weight",
+    "Int8Weight",
+    "GGUFBlockWeight",
+    "GGUF_QTYPES",
+    "linear",
+    "paged_attention",
+    "rms_norm",
+    "add_rms_norm",
+    "kernels_available",
+    "kernels_info",
+    "set_num_threads",
+    "get_num_threads",
+    "set_default_impl",
+    "KernelError",
+]
+
+
+class KernelError(RuntimeError):
+    pass
+
+
+# format ids shared with the C file
+_FMT_F32, _FMT_I8, _FMT_Q8_0, _FMT_Q4_0, _FMT_Q4_1, _FMT_Q4_K, _FMT_Q6_K = range(7)
+
+# qtype -> (format id, elements per block, bytes per block)
+GGUF_QTYPES: dict[str, tuple[int, int, int]] = {
+    "Q8_0": (_FMT_Q8_0, 32, 34),
+    "Q4_0": (_FMT_Q4_0, 32, 18),
+    "Q4_1": (_FMT_Q4_1, 32, 20),
+    "Q4_K": (_FMT_Q4_K, 256, 144),
+    "Q6_K": (_FMT_Q6_K, 256, 210),
+}
+
+_ERRORS = {
+    -1: (ValueError, "invalid arguments"),
+    -2: (ValueError, "unknown weight format"),
+    -3: (IndexError, "block table entry out of range of the kv cache"),
+    -4: (IndexError, "position beyond the block table (or negative)"),
+    -5: (IndexError, "seq id out of range of block_tables"),
+    -6: (MemoryError, "out of memory in kernel"),
+}
+
+# --------------------------------------------------------------------------
+# library loading / dispatch
+# --------------------------------------------------------------------------
+
+_lib_lock = threading.Lock()
+_lib_cache: dict[str, ctypes.CDLL | None] = {}
+_num_threads_override: int | None = None
+
+_vp, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.set_num_threads.argtypes = [_i32]
+    lib.set_num_threads.restype = None
+    for name in ("ss_get_max_threads", "ss_abi_version", "ss_has_avx2", "ss_has_avx512", "ss_has_openmp",
+                 "ss_has_f16c"):
+        getattr(lib, name).argtypes = []
+        getattr(lib, name).restype = _i32
+    lib.ss_dequantize.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp, _i32]
+    lib.ss_dequantize.restype = _i32
+    lib.ss_linear.argtypes = [_vp, _i64, _i64, _i64, _vp, _i32, _i64, _vp, _vp, _vp, _i64, _i64, _i32]
+    lib.ss_linear.restype = _i32
+    lib.ss_paged_attention.argtypes = [_vp, _vp, _vp, _i64, _i64, _i64, _vp, _i64, _i64, _vp, _vp,
+                                       _i64, _i64, _i64, _f32, _i64, _f32, _vp, _i32]
+    lib.ss_paged_attention.restype = _i32
+    lib.ss_rms_norm.argtypes = [_vp, _i64, _i64, _i64, _vp, _f32, _i32, _vp, _i64, _i32]
+    lib.ss_rms_norm.restype = _i32
+    lib.ss_add_rms_norm.argtypes = [_vp, _vp, _i64, _i64, _vp, _f32, _i32, _vp, _vp, _i32]
+    lib.ss_add_rms_norm.restype = _i32
+    return lib
+
+
+def _get_lib(variant: str = "native") -> ctypes.CDLL | None:
+    lib = _lib_cache.get(variant, False)
+    if lib is not False:
+        return lib  # type: ignore[return-value]
+    with _lib_lock:
+        if variant not in _lib_cache:
+            lib = _build.load_library(variant)
+            _lib_cache[variant] = _declare(lib) if lib is not None else None
+        return _lib_cache[variant]
+
+
+def kernels_available() -> bool:
+    """True when the compiled C kernels can be used (builds them on first call)."""
+    return _get_lib() is not None
+
+
+_default_impl: str | None = None  # None: read SPECSERVE_KERNELS on next use
+
+
+def set_default_impl(impl: str | None) -> None:
+    """Implementation used when a call passes no ``impl``: "auto" (C when
+    available), "c" (C or error) or "torch" (fallback). None re-reads the
+    SPECSERVE_KERNELS environment variable (it is read once, on first use)."""
+    global _default_impl
+    if impl is not None:
+        _select(impl)  # validate
+    _default_impl = impl.lower() if impl is not None else None
+
+
+def _select(impl: str | None) -> ctypes.CDLL | None:
+    """The C library to use, or None for the torch fallback."""
+    global _default_impl
+    if impl is None:
+        if _default_impl is None:
+            _default_impl = (os.environ.get("SPECSERVE_KERNELS", "auto") or "auto").lower()
+        impl = _default_impl
+    impl = impl.lower()
+    if impl in ("torch", "fallback", "python"):
+        return None
+    if impl in ("auto", ""):
+        return _get_lib()
+    if impl == "c":
+        lib = _get_lib()
+        if lib is None:
+            raise KernelError(f"C kernels requested but unavailable: {_build.get_build().error}")
+        return lib
+    if impl in ("c-scalar", "c-avx2"):  # test builds with SIMD paths compiled out
+        variant = impl[2:]
+        lib = _get_lib(variant)
+        if lib is None:
+            raise KernelError(f"{variant} C kernels unavailable: {_build.get_build(variant).error}")
+        return lib
+    raise ValueError(f"unknown kernel implementation {impl!r} (expected auto, c, torch)")
+
+
+def set_num_threads(n: int | None) -> None:
+    """Threads used by the C kernels; None (default) = torch.get_num_threads().
+
+    The count is passed to every kernel call (OpenMP ``num_threads``), so it
+    does not touch torch's own setting. Results never depend on it."""
+    global _num_threads_override
+    if n is not None and n < 1:
+        raise ValueError("thread count must be >= 1")
+    _num_threads_override = int(n) if n is not None else None
+
+
+def get_num_threads() -> int:
+    return _num_threads_override if _num_threads_override is not None else torch.get_num_threads()
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        exc, msg = _ERRORS.get(rc, (KernelError, f"error {rc}"))
+        raise exc(f"{what}: {msg}")
+
+
+def kernels_info() -> dict[str, Any]:
+    res = _build.get_build()
+    lib = res.lib
+    info: dict[str, Any] = {
+        "available": lib is not None,
+        "library": res.path,
+        "flags": list(res.flags),
+        "compiler": res.compiler,
+        "compiler_version": (res.compiler_version or "").splitlines()[0] if res.compiler_version else None,
+        "error": res.error,
+        "impl_env": os.environ.get("SPECSERVE_KERNELS", "auto"),
+        "default_impl": _default_impl or "auto",
+        "num_threads": get_num_threads(),
+    }
+    if lib is not None:
+        lib = _get_lib()
+        info.update(
+            avx2=bool(lib.ss_has_avx2()),
+            avx512=bool(lib.ss_has_avx512()),
+            f16c=bool(lib.ss_has_f16c()),
+            openmp=bool(lib.ss_has_openmp()),
+            abi_version=int(lib.ss_abi_version()),
+            omp_max_threads=int(lib.ss_get_max_threads()),
+        )
+    else:
+        info.update(avx2=False, avx512=False, f16c=False, openmp=False)
+    return info
+
+
+# --------------------------------------------------------------------------
+# weight containers
+# --------------------------------------------------------------------------
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_2d_float(w: torch.Tensor, name: str) -> None:
+    _require(isinstance(w, torch.Tensor), f"{name} must be a torch.Tensor, got {type(w).__name__}")
+    _require(w.dim() == 2, f"{name} must be 2-D [N, K], got shape {tuple(w.shape)}")
+    _require(w.dtype == torch.float32, f"{name} must be float32, got {w.dtype}")
+    _require(w.device.type == "cpu", f"{name} must be on the CPU, got {w.device}")
+
+
+class F32Weight:
+    """Plain fp32 weight [N, K] (row-major, contiguous)."""
+
+    __slots__ = ("w",)
+    fmt = _FMT_F32
+
+    def __init__(self, w: torch.Tensor):
+        _check_2d_float(w, "F32Weight.w")
+        _require(w.is_contiguous(), "F32Weight.w must be contiguous")
+        self.w = w
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> F32Weight:
+        return cls(w.detach().to(device="cpu", dtype=torch.float32).contiguous())
+
+    @property
+    def n(self) -> int:
+        return self.w.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.w.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.numel() * 4
+
+    def dequantize(self) -> torch.Tensor:
+        return self.w
+
+    def _c_args(self) -> tuple[int, int, int, int]:
+        return self.w.data_ptr(), _FMT_F32, self.w.shape[1] * 4, 0
+
+    def __repr__(self) -> str:
+        return f"F32Weight(n={self.n}, k={self.k})"
+
+
+class Int8Weight:
+    """Symmetric per-output-channel int8: w[n, k] ~= q[n, k] * scale[n].
+
+    The kernel computes (sum_k x[k] * q[n, k]) * scale[n] (+ bias)."""
+
+    __slots__ = ("q", "scale", "_fallback")
+    fmt = _FMT_I8
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        _require(isinstance(q, torch.Tensor) and q.dim() == 2 and q.dtype == torch.int8,
+                 f"Int8Weight.q must be an int8 [N, K] tensor, got {getattr(q, 'dtype', type(q))} "
+                 f"{tuple(getattr(q, 'shape', ()))}")
+        _require(q.is_contiguous() and q.device.type == "cpu", "Int8Weight.q must be a contiguous CPU tensor")
+        _require(isinstance(scale, torch.Tensor) and scale.dtype == torch.float32
+                 and tuple(scale.shape) == (q.shape[0],) and scale.is_contiguous(),
+                 f"Int8Weight.scale must be a contiguous float32 [{q.shape[0]}] tensor")
+        self.q = q
+        self.scale = scale
+        self._fallback: torch.Tensor | None = None
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> Int8Weight:
+        w = w.detach().to(device="cpu", dtype=torch.float32)
+        _check_2d_float(w, "weight")
+        absmax = w.abs().amax(dim=1)
+        scale = absmax / 127.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+        return cls(q, scale.contiguous())
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 4
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale[:, None]
+
+    def _c_args(self) -> tuple[int, int, int, int]:
+        return self.q.data_ptr(), _FMT_I8, self.q.shape[1], self.scale.data_ptr()
+
+    def __repr__(self) -> str:
+        return f"Int8Weight(n={self.n}, k={self.k})"
+
+
+def _qtype_name(qtype: Any) -> str:
+    if isinstance(qtype, str):
+        name = qtype.upper()
+    elif hasattr(qtype, "name"):  # gguf.GGMLQuantizationType
+        name = str(qtype.name).upper()
+    elif isinstance(qtype, int):
+        import gguf
+
+        name = gguf.GGMLQuantizationType(qtype).name
+    else:
+        raise ValueError(f"unsupported qtype {qtype!r}")
+    if name not in GGUF_QTYPES:
+        raise ValueError(f"unsupported GGUF qtype {name!r}; supported: {', '.join(GGUF_QTYPES)}")
+    return name
+
+
+class GGUFBlockWeight:
+    """A GGUF block-quantized weight kept in the file's raw byte layout.
+
+    raw: uint8 [N, bytes_per_row]; each row is K / block_size blocks."""
+
+    __slots__ = ("raw", "qtype", "n", "k", "_fallback")
+
+    def __init__(self, raw: torch.Tensor, qtype: Any, n: int, k: int):
+        name = _qtype_name(qtype)
+        _, be, bb = GGUF_QTYPES[name]
+        _require(n > 0 and k > 0, f"bad shape n={n}, k={k}")
+        _require(k % be == 0, f"{name}: K={k} must be a multiple of the block size {be}")
+        row_bytes = k // be * bb
+        _require(isinstance(raw, torch.Tensor) and raw.dtype == torch.uint8,
+                 f"raw must be a uint8 tensor, got {getattr(raw, 'dtype', type(raw))}")
+        _require(tuple(raw.shape) == (n, row_bytes),
+                 f"{name} [{n}, {k}] needs raw shape ({n}, {row_bytes}), got {tuple(raw.shape)}")
+        _require(raw.is_contiguous() and raw.device.type == "cpu", "raw must be a contiguous CPU tensor")
+        self.raw = raw
+        self.qtype = name
+        self.n = int(n)
+        self.k = int(k)
+        self._fallback: torch.Tensor | None = None
+
+    @classmethod
+    def from_raw(cls, raw: Any, qtype: Any, n: int, k: int) -> GGUFBlockWeight:
+        """raw: uint8 bytes of the tensor (torch or numpy, 1-D or 2-D)."""
+        name = _qtype_name(qtype)
+        _, be, bb = GGUF_QTYPES[name]
+        _require(k % be == 0, f"{name}: K={k} must be a multiple of the block size {be}")
+        if not isinstance(raw, torch.Tensor):
+            import numpy as np
+
+            raw = torch.from_numpy(np.ascontiguousarray(np.asarray(raw)).view(np.uint8))
+        _require(raw.dtype == torch.uint8, f"raw must be uint8, got {raw.dtype}")
+        row_bytes = k // be * bb
+        _require(raw.numel() == n * row_bytes,
+                 f"{name} [{n}, {k}] needs {n * row_bytes} bytes, got {raw.numel()}")
+        return cls(raw.reshape(n, row_bytes).contiguous(), name, n, k)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, qtype: Any) -> GGUFBlockWeight:
+        """Quantize with gguf-py's reference quantizer (Q8_0, Q4_0, Q4_1)."""
+        import gguf
+        import numpy as np
+
+        name = _qtype_name(qtype)
+        w = w.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        _check_2d_float(w, "weight")
+        raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[name])
+        return cls.from_raw(torch.from_numpy(np.ascontiguousarray(raw)), name, w.shape[0], w.shape[1])
+
+    @property
+    def fmt(self) -> int:
+        return GGUF_QTYPES[self.qtype][0]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.raw.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def dequantize(self, *, impl: str | None = None) -> torch.Tensor:
+        """fp32 [N, K]; bit-identical to gguf.quants.dequantize."""
+        lib = _select(impl)
+        if lib is None:
+            import gguf
+
+            arr = gguf.quants.dequantize(self.raw.numpy(), gguf.GGMLQuantizationType[self.qtype])
+            return torch.from_numpy(arr.reshape(self.n, self.k).astype("float32", copy=False))
+        out = torch.empty(self.n, self.k, dtype=torch.float32)
+        _check(lib.ss_dequantize(self.fmt, self.raw.data_ptr(), self.n, self.k, self.row_bytes,
+                                 out.data_ptr(), get_num_threads()), "dequantize")
+        return out
+
+    def _c_args(self) -> tuple[int, int, int, int]:
+        return self.raw.data_ptr(), GGUF_QTYPES[self.qtype][0], self.raw.shape[1], 0
+
+    def __repr__(self) -> str:
+        return f"GGUFBlockWeight({self.qtype}, n={self.n}, k={self.k})"
+
+
+Weight = F32Weight | Int8Weight | GGUFBlockWeight
+
+
+# --------------------------------------------------------------------------
+# linear
+# --------------------------------------------------------------------------
+
+
+def _as_weight(w: Any) -> Weight:
+    if isinstance(w, (F32Weight, Int8Weight, GGUFBlockWeight)):
+        return w
+    if isinstance(w, torch.Tensor):
+        return F32Weight(w)
+    raise TypeError(f"unsupported weight type {type(w).__name__}")
+
+
+def _fallback_weight(w: Weight) -> torch.Tensor:
+    """fp32 matrix used by the torch fallback (cached on the weight object)."""
+    if isinstance(w, F32Weight):
+        return w.w
+    if w._fallback is None:
+        if isinstance(w, Int8Weight):
+            w._fallback = w.q.float()
+        else:
+            w._fallback = w.dequantize(impl="torch")
+    return w._fallback
+
+
+def linear(x: torch.Tensor, w: Any, bias: torch.Tensor | None = None, *, impl: str | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T (+ bias), batch invariant.
+
+    x: float32 [M, K] (or [..., K]); rows must be contiguous (a 2-D view with
+    a row stride is accepted). w: F32Weight | Int8Weight | GGUFBlockWeight
+    (a plain float32 [N, K] tensor is taken as F32Weight). Returns [M, N]
+    (or [..., N]) float32. ``linear(x, w)[i]`` is bit-identical to
+    ``linear(x[i:i+1], w)[0]`` for any M and any thread count.
+    """
+    w = _as_weight(w)
+    N, K = w.shape
+    # cheap checks first; messages are only built on failure
+    if not (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.device.type == "cpu"
+            and x.dim() >= 1 and x.shape[-1] == K):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError("linear: x must be a torch.Tensor")
+        raise ValueError(f"linear: x must be a float32 CPU tensor [..., K] with K={K} (the weight's), "
+                         f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= K:
+        x2 = x
+    elif x.is_contiguous():
+        x2 = x.reshape(-1, K)
+    else:
+        raise ValueError(f"linear: x must be contiguous (shape {tuple(x.shape)}, strides {tuple(x.stride())})")
+    M = x2.shape[0]
+    if bias is not None and not (isinstance(bias, torch.Tensor) and bias.dtype == torch.float32
+                                 and bias.dim() == 1 and bias.shape[0] == N and bias.is_contiguous()):
+        raise ValueError(f"linear: bias must be a contiguous float32 [{N}] tensor")
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.float32)
+    elif not (out.dtype == torch.float32 and tuple(out.shape) == (M, N) and out.is_contiguous()):
+        raise ValueError(f"linear: out must be a contiguous float32 [{M}, {N}] tensor")
+    lib = _select(impl)
+    if lib is not None:
+        if M > 0:
+            wptr, fmt, row_bytes, sptr = w._c_args()
+            rc = lib.ss_linear(x2.data_ptr(), M, K, x2.stride(0), wptr, fmt, row_bytes, sptr,
+                               bias.data_ptr() if bias is not None else None, out.data_ptr(), N, N,
+                               get_num_threads())
+            if rc:
+                _check(rc, "linear")
+    else:
+        wf = _fallback_weight(w)
+        with torch.no_grad():
+            for i in range(M):
+                r = F.linear(x2[i:i + 1], wf)
+                if isinstance(w, Int8Weight):
+                    r = r * w.scale
+                if bias is not None:
+                    r = r + bias
+                out[i:i + 1] = r
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], N)
+
+
+# --------------------------------------------------------------------------
+# paged attention
+# --------------------------------------------------------------------------
+
+
+def _check_i32_1d(t: torch.Tensor, name: str, n: int) -> None:
+    if not (isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1 and t.shape[0] == n
+            and t.is_contiguous() and t.device.type == "cpu"):
+        raise ValueError(f"paged_attention: {name} must be a contiguous int32 CPU tensor of shape ({n},), "
+                         f"got {getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_ids: torch.Tensor, positions: torch.Tensor, scale: float, sliding_window: int = 0,
+                    softcap: float = 0.0, *, impl: str | None = None) -> torch.Tensor:
+    """Causal attention of T queries over a paged KV cache.
+
+    q [T, Hq, D] f32; k_cache / v_cache [num_blocks, block_size, Hkv, D] f32;
+    block_tables [S, max_blocks] int32; seq_ids [T] int32 (row of
+    block_tables); positions [T] int32 (the query attends to keys 0..pos of
+    its sequence; key p lives in block block_tables[s][p // block_size] at
+    offset p % block_size). GQA: head h uses kv head h // (Hq // Hkv).
+    sliding_window > 0 keeps keys with pos - key_pos < window. softcap > 0
+    applies softcap * tanh(score / softcap). Returns [T, Hq, D] f32; each
+    query's result is bit-identical however the queries are batched.
+    """
+    if not (isinstance(q, torch.Tensor) and q.dim() == 3):
+        raise ValueError("paged_attention: q must be a [T, Hq, D] tensor")
+    T, Hq, D = q.shape
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.is_contiguous()
+                and t.device.type == "cpu"):
+            raise ValueError(f"paged_attention: {name} must be a contiguous float32 CPU tensor")
+    if k_cache.dim() != 4:
+        raise ValueError(f"paged_attention: k_cache must be [num_blocks, block_size, Hkv, D], "
+                         f"got {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError("paged_attention: v_cache must have the shape of k_cache")
+    NB, BS, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"paged_attention: head dim of q ({D}) != cache ({Dk})")
+    if not (Hkv > 0 and Hq % Hkv == 0):
+        raise ValueError(f"paged_attention: Hq={Hq} must be a multiple of Hkv={Hkv}")
+    if not (isinstance(block_tables, torch.Tensor) and block_tables.dtype == torch.int32
+            and block_tables.dim() == 2 and block_tables.is_contiguous()):
+        raise ValueError("paged_attention: block_tables must be a contiguous int32 [S, max_blocks] tensor")
+    _check_i32_1d(seq_ids, "seq_ids", T)
+    _check_i32_1d(positions, "positions", T)
+    if D > 1024:
+        raise ValueError("paged_attention: head dim > 1024 not supported")
+    window = int(sliding_window or 0)
+    cap = float(softcap or 0.0)
+    if window < 0 or cap < 0.0:
+        raise ValueError("paged_attention: sliding_window and softcap must be >= 0")
+    out = torch.empty(T, Hq, D, dtype=torch.float32)
+    if T == 0:
+        return out
+    S, MAXB = block_tables.shape
+    lib = _select(impl)
+    if lib is not None:
+        rc = lib.ss_paged_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), NB, BS, Hkv,
+                                    block_tables.data_ptr(), S, MAXB, seq_ids.data_ptr(), positions.data_ptr(),
+                                    T, Hq, D, float(scale), window, cap, out.data_ptr(), get_num_threads())
+        _check(rc, "paged_attention")
+        return out
+    # torch fallback: one query per torch call (batch invariant by construction)
+    group = Hq // Hkv
+    sid = seq_ids.tolist()
+    pos_l = positions.tolist()
+    with torch.no_grad():
+        for t in range(T):
+            s, pos = sid[t], pos_l[t]
+            if not 0 <= s < S:
+                raise IndexError(f"paged_attention: seq id {s} out of range of block_tables")
+            if pos < 0 or pos // BS >= MAXB:
+                raise IndexError(f"paged_attention: position {pos} beyond the block table")
+            start = max(0, pos - window + 1) if window > 0 else 0
+            p = torch.arange(start, pos + 1)
+            blocks = block_tables[s].long()[p // BS]
+            if bool((blocks < 0).any()) or bool((blocks >= NB).any()):
+                raise IndexError("paged_attention: block table entry out of range of the kv cache")
+            offs = p % BS
+            k = k_cache[blocks, offs]  # [L, Hkv, D]
+            v = v_cache[blocks, offs]
+            if group > 1:
+                k = k.repeat_interleave(group, dim=1)
+                v = v.repeat_interleave(group, dim=1)
+            scores = torch.einsum("hd,lhd->hl", q[t], k) * scale
+            if cap > 0.0:
+                scores = torch.tanh(scores / cap) * cap
+            probs = torch.softmax(scores, dim=-1)
+            out[t] = torch.einsum("hl,lhd->hd", probs, v)
+    return out
+
+
+# --------------------------------------------------------------------------
+# RMSNorm
+# --------------------------------------------------------------------------
+
+
+def _check_norm_args(x: torch.Tensor, weight: torch.Tensor, fn: str) -> int:
+    if not (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.dim() >= 1
+            and x.device.type == "cpu" and x.is_contiguous()):
+        raise ValueError(f"{fn}: x must be a contiguous float32 CPU tensor")
+    K = x.shape[-1]
+    if not (isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.dim() == 1
+            and weight.shape[0] == K and weight.is_contiguous()):
+        raise ValueError(f"{fn}: weight must be a contiguous float32 [{K}] tensor")
+    return K
+
+
+def _rms_row_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    var = x.pow(2).mean(-1, keepdim=True)
+    return (x * torch.rsqrt(var + eps)) * w
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add_unit_offset: bool = False, *,
+             impl: str | None = None) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * w, with w = 1 + weight when add_unit_offset
+    (Gemma). x: float32 [M, K] (or [..., K]); bit-identical per row for any M."""
+    K = _check_norm_args(x, weight, "rms_norm")
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    out = torch.empty_like(x2)
+    lib = _select(impl)
+    if lib is not None:
+        if M:
+            _check(lib.ss_rms_norm(x2.data_ptr(), M, K, K, weight.data_ptr(), float(eps), int(bool(add_unit_offset)),
+                                   out.data_ptr(), K, get_num_threads()), "rms_norm")
+    else:
+        w = (1.0 + weight) if add_unit_offset else weight
+        with torch.no_grad():
+            for i in range(M):
+                out[i:i + 1] = _rms_row_torch(x2[i:i + 1], w, eps)
+    return out.reshape(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 add_unit_offset: bool = False, *, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual; returns (rms_norm(h), h). Fused single pass in C."""
+    K = _check_norm_args(x, weight, "add_rms_norm")
+    if not (isinstance(residual, torch.Tensor) and residual.dtype == torch.float32
+            and residual.shape == x.shape and residual.is_contiguous()):
+        raise ValueError("add_rms_norm: residual must be a contiguous float32 tensor shaped like x")
+    x2 = x.reshape(-1, K)
+    r2 = residual.reshape(-1, K)
+    M = x2.shape[0]
+    lib = _select(impl)
+    if lib is not None:
+        h = torch.empty_like(x2)
+        out = torch.empty_like(x2)
+        if M:
+            _check(lib.ss_add_rms_norm(x2.data_ptr(), r2.data_ptr(), M, K, weight.data_ptr(), float(eps),
+                                       int(bool(add_unit_offset)), h.data_ptr(), out.data_ptr(),
+                                       get_num_threads()), "add_rms_norm")
+    else:
+        h = x2 + r2  # elementwise: batch invariant
+        out = torch.empty_like(x2)
+        w = (1.0 + weight) if add_unit_offset else weight
+        with torch.no_grad():
+            for i in range(M):
+                out[i:i + 1] = _rms_row_torch(h[i:i + 1], w, eps)
+    return out.reshape(x.shape), h.reshape(x.shape)

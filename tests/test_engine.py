@@ -1,0 +1,96 @@
+"""Engine behaviour on the real default model: batching, chunking, prefix cache, sampling, limits."""
+
+import pytest
+
+from engine_utils import bench_prompts, chat_ids, make_engine, run_all, run_one
+from specserve.engine.types import SamplingParams
+from specserve.errors import RequestError
+
+GREEDY = SamplingParams(max_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return make_engine("--model", "smollm2-135m", "--max-num-seqs", "8", "--max-model-len", "2048")
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    return [chat_ids(engine, t) for t in bench_prompts(3)[:8]]
+
+
+def test_alone_equals_batched_with_seven_others(engine, prompts):
+    batched = run_all(engine, prompts, GREEDY)
+    alone = [run_one(engine, p, GREEDY)[0] for p in prompts[:3]]
+    assert alone == batched[:3]
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_chunked_prefill_equals_one_shot(prompts):
+    long_prompt = sum(prompts[:4], [])  # a few hundred tokens
+    one_shot = make_engine("--model", "smollm2-135m", "--max-num-seqs", "2", "--max-model-len", "2048",
+                           "--no-enable-prefix-caching")
+    chunked = make_engine("--model", "smollm2-135m", "--max-num-seqs", "2", "--max-model-len", "2048",
+                          "--max-num-batched-tokens", "37", "--no-enable-prefix-caching")
+    assert run_one(one_shot, long_prompt, GREEDY)[0] == run_one(chunked, long_prompt, GREEDY)[0]
+
+
+def test_prefix_cache_hit_counts_and_same_output(engine, prompts):
+    base = prompts[0] + prompts[1]
+    cold, out_cold = run_one(engine, base, GREEDY)
+    warm, out_warm = run_one(engine, base, GREEDY)
+    assert warm == cold
+    bs = engine.ecfg.block_size
+    assert out_warm.cached_tokens == ((len(base) - 1) // bs) * bs  # every full block but the last token's
+    other, out_other = run_one(engine, base[:bs * 2] + [42, 43, 44], GREEDY)
+    assert out_other.cached_tokens == 2 * bs
+
+
+def test_preemption_when_the_pool_is_full_keeps_outputs(prompts):
+    params = SamplingParams(max_tokens=64)
+    roomy = make_engine("--model", "smollm2-135m", "--max-num-seqs", "4", "--max-model-len", "512")
+    want = run_all(roomy, prompts[:4], params)
+    per_token = roomy.plan.kv_bytes_per_token
+    tight = make_engine("--model", "smollm2-135m", "--max-num-seqs", "4", "--max-model-len", "512",
+                        "--kv-cache-memory", str(per_token * 16 * 34), "--no-enable-prefix-caching")
+    assert run_all(tight, prompts[:4], params) == want
+    assert tight.blocks.num_free == tight.blocks.num_blocks
+
+
+def test_seeded_sampling_reproduces_and_differs_across_seeds(engine, prompts):
+    p1 = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=123)
+    a = run_one(engine, prompts[2], p1)[0]
+    b = run_one(engine, prompts[2], p1)[0]
+    c = run_one(engine, prompts[2], SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=7))[0]
+    assert a == b and a != c
+
+
+def test_stop_strings_max_tokens_and_logprobs(engine, prompts):
+    toks, last = run_one(engine, prompts[0], SamplingParams(max_tokens=5, logprobs=3))
+    assert len(toks) == 5 and last.finish_reason == "length"
+    full = engine.tokenizer.decode(run_one(engine, prompts[0], SamplingParams(max_tokens=40))[0])
+    stop = full[10:14]
+    text = []
+    for out in engine.generate(prompts[0], SamplingParams(max_tokens=40, stop=(stop,)), request_id="stop-test"):
+        text.append(out.new_text)
+    assert "".join(text) == full[:full.index(stop)]
+    assert out.finish_reason == "stop"
+
+
+def test_logprobs_are_of_the_chosen_tokens(engine, prompts):
+    tokens, chunks = [], []
+    for out in engine.generate(prompts[1], SamplingParams(max_tokens=6, logprobs=2), request_id="lp"):
+        tokens += out.new_token_ids
+        chunks += out.new_logprobs
+    assert [lp.token_id for lp in chunks] == tokens
+    for lp in chunks:  # greedy: the chosen token is the top alternative
+        assert lp.top[0][0] == lp.token_id and lp.logprob <= 0 and len(lp.top) == 2
+
+
+def test_requests_that_cannot_fit_are_refused(engine):
+    with pytest.raises(RequestError, match="maximum context length"):
+        engine.add_request("too-long", [1] * 2000, SamplingParams(max_tokens=100))
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request("empty", [], GREEDY)
+    with pytest.raises(RequestError):
+        SamplingParams(temperature=-1)

@@ -1,0 +1,460 @@
+"""Tests of the batch-invariant CPU kernels (specserve.kernels.ops).
+
+Invariance is checked bit for bit (torch.equal): a row computed in a call of
+M rows must equal the same row computed alone, for any M, any grouping of
+queries and any thread count. Correctness is checked against float64
+references; GGUF dequantization against gguf-py's reference dequantizer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specserve.kernels import build, ops
+
+HAVE_C = ops.kernels_available()
+needs_c = pytest.mark.skipif(not HAVE_C, reason="C kernels unavailable (no compiler?)")
+
+ROW_COUNTS = (1, 2, 3, 7, 8, 9, 17, 64)
+IMPLS = [pytest.param("c", marks=needs_c), "torch"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_by_default():
+    """Tests run single-threaded unless they compare thread counts: the
+    per-row torch fallback issues many tiny ops, and on an oversubscribed
+    machine every OpenMP barrier can wait a whole scheduler slice."""
+    n = torch.get_num_threads()
+    _set_threads(1)
+    yield
+    torch.set_num_threads(n)
+    ops.set_num_threads(None)
+
+
+def _set_threads(n: int) -> None:
+    torch.set_num_threads(n)
+    ops.set_num_threads(n)
+
+
+# --------------------------------------------------------------------------
+# weights
+# --------------------------------------------------------------------------
+
+_rng = np.random.default_rng(1234)
+
+
+def random_kquant(qtype: str, n: int, k: int) -> ops.GGUFBlockWeight:
+    """Random Q4_K / Q6_K bytes with valid (finite, small) f16 scales.
+    gguf-py has no quantizer for the K-quants."""
+    _, be, bb = ops.GGUF_QTYPES[qtype]
+    raw = _rng.integers(0, 256, size=(n, k // be, bb), dtype=np.uint8)
+    d = (_rng.standard_normal((n, k // be)) * 1e-2).astype(np.float16).view(np.uint8).reshape(n, k // be, 2)
+    if qtype == "Q4_K":
+        dmin = (np.abs(_rng.standard_normal((n, k // be))) * 1e-2).astype(np.float16)
+        raw[..., 0:2] = d
+        raw[..., 2:4] = dmin.view(np.uint8).reshape(n, k // be, 2)
+    else:  # Q6_K: ql, qh, scales, d at the end
+        raw[..., 208:210] = d
+    return ops.GGUFBlockWeight.from_raw(torch.from_numpy(raw.reshape(n, -1)), qtype, n, k)
+
+
+def make_weight(fmt: str, n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.1
+    if fmt == "f32":
+        return ops.F32Weight.from_float(w)
+    if fmt == "int8":
+        return ops.Int8Weight.from_float(w)
+    if fmt in ("Q8_0", "Q4_0", "Q4_1"):
+        return ops.GGUFBlockWeight.from_float(w, fmt)
+    return random_kquant(fmt, n, k)
+
+
+FORMATS = ["f32", "int8", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+
+
+def _shape_for(fmt: str) -> tuple[int, int]:
+    # N not a multiple of the 8-channel block; K a multiple of the block size
+    return (203, 512) if fmt in ("Q4_K", "Q6_K") else (203, 576)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_weight_containers(fmt):
+    n, k = _shape_for(fmt)
+    w = make_weight(fmt, n, k)
+    assert w.shape == (n, k)
+    d = w.dequantize()
+    assert d.dtype == torch.float32 and d.shape == (n, k)
+    assert torch.isfinite(d).all()
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gguf_dequantize_matches_gguf_py(qtype, impl):
+    import gguf
+
+    n, k = (13, 768) if qtype in ("Q4_K", "Q6_K") else (13, 320)
+    w = make_weight(qtype, n, k, seed=3)
+    ref = gguf.quants.dequantize(w.raw.numpy(), gguf.GGMLQuantizationType[qtype]).reshape(n, k)
+    got = w.dequantize(impl=impl).numpy()
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
+
+
+def test_gguf_from_raw_layout_and_errors():
+    import gguf
+
+    x = np.linspace(-1, 1, 4 * 64, dtype=np.float32).reshape(4, 64)
+    raw = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q4_1)
+    # 1-D bytes (as read from a file) are accepted
+    w = ops.GGUFBlockWeight.from_raw(torch.from_numpy(raw.reshape(-1).copy()), "q4_1", 4, 64)
+    assert w.raw.shape == (4, 2 * 20)
+    # nibble order: low nibbles are elements 0..15 of each block
+    d = w.dequantize(impl="torch")
+    assert torch.allclose(d, torch.from_numpy(x), atol=0.1)
+    w2 = ops.GGUFBlockWeight.from_raw(raw, gguf.GGMLQuantizationType.Q4_1, 4, 64)
+    assert torch.equal(w2.raw, w.raw)
+    with pytest.raises(ValueError):
+        ops.GGUFBlockWeight.from_raw(torch.from_numpy(raw.reshape(-1).copy()), "Q4_1", 4, 65)
+    with pytest.raises(ValueError):
+        ops.GGUFBlockWeight.from_raw(torch.from_numpy(raw.reshape(-1)[:-1].copy()), "Q4_1", 4, 64)
+    with pytest.raises(ValueError):
+        ops.GGUFBlockWeight.from_raw(torch.from_numpy(raw.reshape(-1).copy()), "Q5_1", 4, 64)
+
+
+def test_int8_from_float():
+    w = torch.randn(17, 40)
+    w[3] = 0.0
+    q = ops.Int8Weight.from_float(w)
+    assert q.q.dtype == torch.int8 and q.scale.shape == (17,)
+    assert int(q.q.abs().max()) == 127
+    assert torch.allclose(q.dequantize(), w, atol=float(w.abs().max()) / 127)
+    assert torch.equal(q.dequantize()[3], torch.zeros(40))
+
+
+# --------------------------------------------------------------------------
+# linear
+# --------------------------------------------------------------------------
+
+
+def _ref_linear(x, w, bias=None):
+    r = x.double() @ w.dequantize().double().T
+    if bias is not None:
+        r = r + bias.double()
+    return r
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_linear_accuracy(fmt, impl):
+    n, k = _shape_for(fmt)
+    w = make_weight(fmt, n, k, seed=1)
+    x = torch.randn(11, k)
+    bias = torch.randn(n)
+    y = ops.linear(x, w, bias, impl=impl)
+    ref = _ref_linear(x, w, bias)
+    assert y.shape == (11, n) and y.dtype == torch.float32
+    err = (y.double() - ref).abs().max() / ref.abs().max()
+    assert err < 1e-5, float(err)
+
+
+@needs_c
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_batch_and_thread_invariance(fmt):
+    n, k = _shape_for(fmt)
+    w = make_weight(fmt, n, k, seed=2)
+    bias = torch.randn(n)
+    x = torch.randn(max(ROW_COUNTS), k)
+    _set_threads(2)
+    single = [ops.linear(x[i:i + 1], w, bias, impl="c")[0] for i in range(x.shape[0])]
+    for threads in (2, 1):
+        _set_threads(threads)
+        for m in ROW_COUNTS:
+            y = ops.linear(x[:m], w, bias, impl="c")
+            for i in range(m):
+                assert torch.equal(y[i], single[i]), (fmt, threads, m, i)
+    # a row in the middle of a large (prefill-like) call with other offsets
+    _set_threads(2)
+    y = ops.linear(x[5:], w, bias, impl="c")
+    assert all(torch.equal(y[i], single[5 + i]) for i in range(y.shape[0]))
+
+
+@needs_c
+def test_linear_large_m_and_odd_shapes():
+    # M beyond the 32-row super tile; K not a multiple of 16 (f32 / int8 tails)
+    for n, k in [(45, 37), (9, 8), (70, 1000), (1, 3)]:
+        wf = torch.randn(n, k)
+        for w in (ops.F32Weight.from_float(wf), ops.Int8Weight.from_float(wf)):
+            x = torch.randn(75, k)
+            y = ops.linear(x, w, impl="c")
+            ref = _ref_linear(x, w)
+            assert ((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+            for i in (0, 31, 32, 33, 74):
+                assert torch.equal(y[i], ops.linear(x[i:i + 1], w, impl="c")[0])
+
+
+@needs_c
+@pytest.mark.parametrize("variant", ["c-avx2", "c-scalar"])
+def test_simd_and_scalar_builds_bit_identical(variant):
+    """Every code path (AVX-512 / AVX2 / scalar) implements the same
+    arithmetic, so results do not depend on the machine's ISA."""
+    try:
+        ops._select(variant)
+    except ops.KernelError as e:  # e.g. a non-x86 host for c-avx2
+        pytest.skip(str(e))
+    for fmt in FORMATS:
+        n, k = _shape_for(fmt)
+        w = make_weight(fmt, n, k, seed=4)
+        bias = torch.randn(n)
+        for m in (1, 2, 5, 8, 40):
+            x = torch.randn(m, k)
+            assert torch.equal(ops.linear(x, w, bias, impl="c"), ops.linear(x, w, bias, impl=variant)), (fmt, m)
+    q, kc, vc, bt, sid, pos = _attention_case(D=72, Hq=4, Hkv=2)
+    for window, cap in [(0, 0.0), (5, 30.0)]:
+        a = ops.paged_attention(q, kc, vc, bt, sid, pos, 0.3, window, cap, impl="c")
+        b = ops.paged_attention(q, kc, vc, bt, sid, pos, 0.3, window, cap, impl=variant)
+        assert torch.equal(a, b)
+    x = torch.randn(6, 100)
+    wn = torch.randn(100)
+    assert torch.equal(ops.rms_norm(x, wn, 1e-6, impl="c"), ops.rms_norm(x, wn, 1e-6, impl=variant))
+
+
+@pytest.mark.parametrize("fmt", ["f32", "int8", "Q4_1"])
+def test_linear_fallback_invariance(fmt):
+    n, k = _shape_for(fmt)
+    w = make_weight(fmt, n, k, seed=5)
+    x = torch.randn(9, k)
+    bias = torch.randn(n)
+    single = [ops.linear(x[i:i + 1], w, bias, impl="torch")[0] for i in range(9)]
+    for threads in (2, 1):
+        _set_threads(threads)
+        for m in (1, 2, 3, 8, 9):
+            y = ops.linear(x[:m], w, bias, impl="torch")
+            assert all(torch.equal(y[i], single[i]) for i in range(m)), (fmt, threads, m)
+
+
+def test_linear_fallback_env(monkeypatch):
+    w = make_weight("int8", 16, 64)
+    x = torch.randn(3, 64)
+    try:
+        monkeypatch.setenv("SPECSERVE_KERNELS", "torch")
+        ops.set_default_impl(None)  # re-read the environment
+        assert ops.kernels_info()["default_impl"] in ("auto", "torch")
+        a = ops.linear(x, w)
+        assert ops.kernels_info()["default_impl"] == "torch"
+        assert torch.equal(a, ops.linear(x, w, impl="torch"))
+        monkeypatch.setenv("SPECSERVE_KERNELS", "bogus")
+        ops.set_default_impl(None)
+        with pytest.raises(ValueError):
+            ops.linear(x, w)
+        with pytest.raises(ValueError):
+            ops.set_default_impl("bogus")
+    finally:
+        monkeypatch.delenv("SPECSERVE_KERNELS")
+        ops.set_default_impl(None)
+
+
+def test_linear_argument_checks():
+    w = make_weight("f32", 8, 32)
+    with pytest.raises(ValueError, match="float32"):
+        ops.linear(torch.randn(2, 32, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match="K=32"):
+        ops.linear(torch.randn(2, 31), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.linear(torch.randn(32, 2).T, w)
+    with pytest.raises(ValueError, match="bias"):
+        ops.linear(torch.randn(2, 32), w, torch.randn(7))
+    with pytest.raises(TypeError):
+        ops.linear(torch.randn(2, 32), "nope")
+    # plain tensors are taken as fp32 weights; leading dims are kept
+    x = torch.randn(2, 3, 32)
+    y = ops.linear(x, w.w)
+    assert y.shape == (2, 3, 8)
+    assert torch.equal(y.reshape(6, 8), ops.linear(x.reshape(6, 32), w))
+    # a row-strided 2-D view (e.g. a slice of a fused projection) is accepted
+    big = torch.randn(4, 64)
+    assert torch.equal(ops.linear(big[:, :32], w), ops.linear(big[:, :32].contiguous(), w))
+
+
+# --------------------------------------------------------------------------
+# paged attention
+# --------------------------------------------------------------------------
+
+
+def _attention_case(D=64, Hq=6, Hkv=2, BS=16, lengths=(37, 70), seed=0, score_scale=1.0):
+    """Two sequences sharing one block pool with scattered block ids.
+    Every position of each sequence has a query (prefill-like)."""
+    g = torch.Generator().manual_seed(seed)
+    nblocks_needed = [(L + BS - 1) // BS for L in lengths]
+    NB = sum(nblocks_needed) + 5
+    perm = torch.randperm(NB, generator=g).to(torch.int32)
+    maxb = max(nblocks_needed) + 1
+    bt = torch.full((len(lengths), maxb), -1, dtype=torch.int32)  # unused entries invalid
+    o = 0
+    for s, nb in enumerate(nblocks_needed):
+        bt[s, :nb] = perm[o:o + nb]
+        o += nb
+    kc = torch.randn(NB, BS, Hkv, D, generator=g) * score_scale
+    vc = torch.randn(NB, BS, Hkv, D, generator=g)
+    sid = torch.cat([torch.full((L,), s, dtype=torch.int32) for s, L in enumerate(lengths)])
+    pos = torch.cat([torch.arange(L, dtype=torch.int32) for L in lengths])
+    q = torch.randn(len(sid), Hq, D, generator=g)
+    return q, kc, vc, bt, sid, pos
+
+
+def _dense_reference(q, kc, vc, bt, sid, pos, scale, window=0, softcap=0.0):
+    """float64 attention per sequence on the gathered (dense) keys/values."""
+    T, Hq, D = q.shape
+    _, BS, Hkv, _ = kc.shape
+    group = Hq // Hkv
+    out = torch.empty(T, Hq, D, dtype=torch.float64)
+    for s in sid.unique().tolist():
+        idx = (sid == s).nonzero().flatten()
+        qpos = pos[idx].long()
+        kp = torch.arange(int(qpos.max()) + 1)
+        blocks = bt[s].long()[kp // BS]
+        k = kc[blocks, kp % BS].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = vc[blocks, kp % BS].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,lhd->thl", q[idx].double(), k) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        masked = kp[None, :] > qpos[:, None]
+        if window > 0:
+            masked |= kp[None, :] <= qpos[:, None] - window
+        scores = scores.masked_fill(masked[:, None, :], float("-inf"))
+        out[idx] = torch.einsum("thl,lhd->thd", torch.softmax(scores, -1), v)
+    return out
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "D,Hq,Hkv,window,cap",
+    [(64, 6, 2, 0, 0.0), (128, 4, 4, 0, 0.0), (256, 8, 4, 0, 0.0), (64, 6, 3, 9, 0.0),
+     (36, 4, 1, 0, 5.0), (64, 4, 2, 17, 20.0)],
+)
+def test_paged_attention_matches_dense(impl, D, Hq, Hkv, window, cap):
+    q, kc, vc, bt, sid, pos = _attention_case(D=D, Hq=Hq, Hkv=Hkv, score_scale=3.0 if cap else 1.0)
+    scale = D ** -0.5
+    out = ops.paged_attention(q, kc, vc, bt, sid, pos, scale, window, cap, impl=impl)
+    ref = _dense_reference(q, kc, vc, bt, sid, pos, scale, window, cap)
+    assert out.shape == q.shape
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_paged_attention_grouping_invariance(impl):
+    q, kc, vc, bt, sid, pos = _attention_case(D=64, Hq=6, Hkv=2, lengths=(29, 45))
+    T = q.shape[0]
+    args = dict(scale=0.125, sliding_window=0, softcap=0.0, impl=impl)
+    full = ops.paged_attention(q, kc, vc, bt, sid, pos, **args)
+    # one query at a time (decode-like)
+    for t in range(T):
+        one = ops.paged_attention(q[t:t + 1], kc, vc, bt, sid[t:t + 1], pos[t:t + 1], **args)
+        assert torch.equal(one[0], full[t]), t
+    # random groupings / orders (verification blocks of mixed sequences)
+    g = torch.Generator().manual_seed(7)
+    perm = torch.randperm(T, generator=g)
+    for size in (3, 8, 17):
+        for i in range(0, T, size):
+            idx = perm[i:i + size]
+            part = ops.paged_attention(q[idx].contiguous(), kc, vc, bt, sid[idx].contiguous(),
+                                       pos[idx].contiguous(), **args)
+            assert torch.equal(part, full[idx])
+
+
+@needs_c
+def test_paged_attention_thread_invariance():
+    q, kc, vc, bt, sid, pos = _attention_case(D=128, Hq=4, Hkv=2, lengths=(50, 33))
+    _set_threads(2)
+    a = ops.paged_attention(q, kc, vc, bt, sid, pos, 0.1, 16, 0.0, impl="c")
+    _set_threads(1)
+    b = ops.paged_attention(q, kc, vc, bt, sid, pos, 0.1, 16, 0.0, impl="c")
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_paged_attention_index_errors(impl):
+    q, kc, vc, bt, sid, pos = _attention_case(D=32, Hq=2, Hkv=1, lengths=(20,))
+    bad = bt.clone()
+    bad[0, 0] = kc.shape[0]  # block id out of range
+    with pytest.raises(IndexError):
+        ops.paged_attention(q, kc, vc, bad, sid, pos, 0.1, impl=impl)
+    bad_pos = pos.clone()
+    bad_pos[-1] = bt.shape[1] * kc.shape[1]  # beyond the block table
+    with pytest.raises(IndexError):
+        ops.paged_attention(q, kc, vc, bt, sid, bad_pos, 0.1, impl=impl)
+    with pytest.raises(IndexError):
+        ops.paged_attention(q, kc, vc, bt, sid + 1, pos, 0.1, impl=impl)
+    with pytest.raises(ValueError):
+        ops.paged_attention(q, kc, vc, bt, sid.long(), pos, 0.1, impl=impl)
+    with pytest.raises(ValueError):
+        ops.paged_attention(q[:, :, :16].contiguous(), kc, vc, bt, sid, pos, 0.1, impl=impl)
+
+
+# --------------------------------------------------------------------------
+# RMSNorm
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("unit", [False, True])
+def test_rms_norm(impl, unit):
+    K = 576
+    x = torch.randn(max(ROW_COUNTS), K) * 3
+    w = torch.randn(K)
+    eps = 1e-6
+    y = ops.rms_norm(x, w, eps, add_unit_offset=unit, impl=impl)
+    xd = x.double()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * ((1 + w.double()) if unit else w.double())
+    assert ((y.double() - ref).abs().max() / ref.abs().max()) < 1e-6
+    for threads in (2, 1):
+        _set_threads(threads)
+        for m in ROW_COUNTS:
+            ym = ops.rms_norm(x[:m], w, eps, add_unit_offset=unit, impl=impl)
+            assert torch.equal(ym, y[:m]), (threads, m)
+    # leading dims
+    assert torch.equal(ops.rms_norm(x[:8].reshape(2, 4, K), w, eps, unit, impl=impl).reshape(8, K), y[:8])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_add_rms_norm(impl):
+    x = torch.randn(9, 200)
+    r = torch.randn(9, 200)
+    w = torch.randn(200)
+    out, h = ops.add_rms_norm(x, r, w, 1e-5, impl=impl)
+    assert torch.equal(h, x + r)
+    assert torch.equal(out, ops.rms_norm(x + r, w, 1e-5, impl=impl))
+    out1, h1 = ops.add_rms_norm(x[4:5], r[4:5], w, 1e-5, impl=impl)
+    assert torch.equal(out1[0], out[4]) and torch.equal(h1[0], h[4])
+
+
+# --------------------------------------------------------------------------
+# build / info
+# --------------------------------------------------------------------------
+
+
+def test_kernels_info():
+    info = ops.kernels_info()
+    for key in ("available", "library", "flags", "avx2", "num_threads"):
+        assert key in info
+    assert info["available"] == HAVE_C
+    if HAVE_C:
+        assert info["library"] and any(f.startswith("-O") for f in info["flags"])
+
+
+@needs_c
+def test_build_cache_reuse(tmp_path):
+    a = build.build("scalar", directory=tmp_path)
+    assert a.lib is not None and a.path.startswith(str(tmp_path))
+    libs = list(tmp_path.glob("*.so"))
+    assert len(libs) == 1 and not list(tmp_path.glob(".*.so"))  # no temp files left
+    b = build.build("scalar", directory=tmp_path)  # cache hit: same file, no rebuild
+    assert b.path == a.path and b.flags == a.flags
+    assert list(tmp_path.glob("*.so")) == libs
+
+
+def test_build_without_compiler(monkeypatch, tmp_path):
+    monkeypatch.setattr(build, "find_compiler", lambda: None)
+    res = build.build("native", directory=tmp_path)
+    assert res.lib is None and "compiler" in res.error

@@ -1,0 +1,51 @@
+"""Greedy output with speculation is token-for-token the greedy output without it."""
+
+import pytest
+
+from engine_utils import bench_prompts, chat_ids, make_engine, run_all
+from specserve.engine.types import SamplingParams
+
+CHAT = [
+    "Hi! How are you today?",
+    "Tell me a short joke about computers.",
+    "What should I cook for dinner tonight? Give three ideas.",
+    "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog.",
+]
+GREEDY_128 = SamplingParams(max_tokens=128, ignore_eos=False)
+
+
+@pytest.fixture(scope="module")
+def prompts_and_plain():
+    plain = make_engine("--model", "smollm2-135m", "--max-num-seqs", "8")
+    texts = bench_prompts(6) + CHAT  # 22 prompts: code, math, prose, chat
+    prompts = [chat_ids(plain, t) for t in texts]
+    return prompts, run_all(plain, prompts, GREEDY_128)
+
+
+@pytest.mark.parametrize("spec", [
+    '{"method": "ngram", "num_speculative_tokens": 8, "adaptive": false}',
+    '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 3}',
+    '{"method": "draft_model", "model": "smollm2-135m", "quantization": "int8", "num_speculative_tokens": 4}',
+])
+def test_speculative_greedy_equals_plain_greedy_smollm2(prompts_and_plain, spec):
+    prompts, plain = prompts_and_plain
+    engine = make_engine("--model", "smollm2-135m", "--max-num-seqs", "8", "--speculative-config", spec)
+    got = run_all(engine, prompts, GREEDY_128)
+    for i, (a, b) in enumerate(zip(plain, got)):
+        assert a == b, f"prompt {i}: first difference at token {next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)}"
+    assert engine.totals.draft_tokens > 0 and engine.totals.accepted_tokens > 0  # speculation really ran
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_draft_model_pair_qwen_coder_is_lossless():
+    params = SamplingParams(max_tokens=24)
+    target = make_engine("--model", "qwen2.5-coder-1.5b", "--max-num-seqs", "2", "--max-model-len", "1024")
+    texts = ["Write a Python function that reverses a linked list.", "What is 17 * 23? Answer briefly."]
+    prompts = [chat_ids(target, t) for t in texts]
+    plain = run_all(target, prompts, params)
+    del target
+    spec = make_engine("--model", "qwen2.5-coder-1.5b", "--max-num-seqs", "2", "--max-model-len", "1024",
+                       "--speculative-config",
+                       '{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}')
+    assert run_all(spec, prompts, params) == plain
+    assert spec.totals.accepted_tokens > 0
