@@ -108,7 +108,7 @@ def from_gguf_metadata(meta: dict, vocab_size: int) -> ModelConfig:
                   rope_scaling_factor=float(g("rope.scaling.factor", 1.0) or 1.0),
                   embed_scale=hidden ** 0.5, attn_scale=256 ** -0.5, activation="gelu_tanh",
                   sandwich_norms=True, final_softcap=float(g("final_logit_softcapping", 0.0) or 0.0),
-                  attn_softcap=float(g("attn_logit_softcapping", 0.0) or 0.0))
+                  attn_softcap=0.0)  # Gemma 3 has no attention soft-capping: see from_hf_config
     return ModelConfig(**kw)
 
 
@@ -134,6 +134,14 @@ def from_hf_config(cfg: dict) -> ModelConfig:
     )
     if arch == "llama" and cfg.get("sliding_window"):
         kw.update(sliding_window=cfg["sliding_window"], layer_is_sliding=(True,) * cfg["num_hidden_layers"])
+    if arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        # as transformers does: layer_types if given, else layers from max_window_layers on slide
+        n = cfg["num_hidden_layers"]
+        types = cfg.get("layer_types")
+        sliding = (tuple(t == "sliding_attention" for t in types) if types
+                   else tuple(i >= cfg.get("max_window_layers", n) for i in range(n)))
+        if any(sliding):
+            kw.update(sliding_window=cfg["sliding_window"], layer_is_sliding=sliding)
     if arch == "gemma3":
         n = cfg["num_hidden_layers"]
         types = cfg.get("layer_types")
@@ -146,5 +154,8 @@ def from_hf_config(cfg: dict) -> ModelConfig:
                   rope_theta_local=float(local), rope_scaling_factor=factor, embed_scale=hidden ** 0.5,
                   attn_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5, activation="gelu_tanh",
                   sandwich_norms=True, final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
-                  attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0))
+                  # Gemma 3 replaced Gemma 2's attention soft-capping with q/k norms: transformers'
+                  # Gemma 3 and llama.cpp's gemma3 graph both ignore an attn_logit_softcapping left
+                  # in a config (the model was trained without it), so we do too.
+                  attn_softcap=0.0)
     return ModelConfig(**kw)
