@@ -122,6 +122,10 @@ def from_hf_config(cfg: dict) -> ModelConfig:
                              f"(supported: llama, mistral, qwen2, qwen3, gemma3)")
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or rope
+    kind = scaling.get("rope_type") or scaling.get("type") if isinstance(scaling, dict) else None
+    if kind not in (None, "default", "linear") and arch != "gemma3":
+        raise ModelLoadError(f"unsupported rope scaling {kind!r} in config.json (supported: none, linear)")
     theta = cfg.get("rope_theta") or rope.get("rope_theta") or rope.get("full_attention", {}).get("rope_theta")
     kw = dict(
         arch=arch, vocab_size=cfg["vocab_size"], hidden_size=hidden, intermediate_size=cfg["intermediate_size"],

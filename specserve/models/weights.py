@@ -110,6 +110,8 @@ def _gguf_name(name: str) -> str | None:
 
 def check_tensor_types(reader) -> None:
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            raise ModelLoadError("unsupported rope scaling: this GGUF carries rope_freqs (Llama 3.1-style scaling)")
         if t.tensor_type.name not in SUPPORTED_GGUF_TYPES:
             raise ModelLoadError(f"unsupported GGUF quantization type {t.tensor_type.name} (tensor {t.name}); "
                                  f"supported: {', '.join(sorted(SUPPORTED_GGUF_TYPES))}")
