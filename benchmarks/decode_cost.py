@@ -1,0 +1,135 @@
+"""Forward-pass cost vs the number of rows in the pass, per model and weight format.
+
+    python benchmarks/decode_cost.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--formats none,int8,q4]
+        [--rows 1,2,4,8,16] [--context 256] [--layout verify|batch] [--min-time 2] [--markdown cost.md]
+
+One forward of the full model (all layers + lm_head, logits for every row) is timed for M rows:
+  verify: ONE sequence with M new tokens after --context cached tokens (the shape of verifying M-1
+          drafted tokens: what speculation pays per step);
+  batch:  M sequences with one new token each, every one after --context cached tokens
+          (the shape of decoding M requests together).
+t(M)/t(1) is what matters for speculation: with k drafts and mean acceptance length L, a step
+yields L tokens for t(k+1), so speculation wins when L > t(k+1)/t(1) (ignoring drafting cost).
+The row counts are interleaved within each round and the median per M is reported. The KV cache is
+zero-filled rather than prefilled: the values do not change the arithmetic, only the length does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from specserve.engine.builder import set_threads  # noqa: E402
+from specserve.models.loader import LoadOptions, load_model  # noqa: E402
+from specserve.models.transformer import ForwardBatch, KVCache  # noqa: E402
+
+BLOCK = 16
+
+
+def make_batch(m: int, context: int, layout: str, blocks_per_seq: int, vocab: int) -> ForwardBatch:
+    g = torch.Generator().manual_seed(m)
+    ids = torch.randint(0, vocab, (m,), generator=g, dtype=torch.int64)
+    if layout == "verify":
+        pos = torch.arange(context, context + m, dtype=torch.int32)
+        sids = torch.zeros(m, dtype=torch.int32)
+        tables = torch.arange(blocks_per_seq, dtype=torch.int32).unsqueeze(0)
+    else:
+        pos = torch.full((m,), context, dtype=torch.int32)
+        sids = torch.arange(m, dtype=torch.int32)
+        tables = torch.arange(m * blocks_per_seq, dtype=torch.int32).view(m, blocks_per_seq)
+    slots = tables[sids.long(), (pos // BLOCK).long()].long() * BLOCK + (pos % BLOCK).long()
+    return ForwardBatch(input_ids=ids, positions=pos, seq_ids=sids, block_tables=tables, slot_mapping=slots,
+                        logits_indices=torch.arange(m, dtype=torch.int64))
+
+
+def measure(model_name: str, fmt: str, a: argparse.Namespace) -> dict:
+    t = time.perf_counter()
+    lm = load_model(model_name, LoadOptions("cpu", "auto", fmt))
+    load_s = time.perf_counter() - t
+    cfg, model = lm.config, lm.model
+    rows = [int(x) for x in a.rows.split(",")]
+    bps = -(-(a.context + max(rows)) // BLOCK)
+    n_seqs = 1 if a.layout == "verify" else max(rows)
+    kv = KVCache.allocate(cfg, bps * n_seqs, BLOCK, model.dtype, model.device)
+    batches = {m: make_batch(m, a.context, a.layout, bps, cfg.vocab_size) for m in rows}
+    times: dict[int, list[float]] = {m: [] for m in rows}
+    with torch.inference_mode():
+        for m in rows:  # warm-up
+            for _ in range(2):
+                model.forward(batches[m], kv)
+        t_end, rnd = time.perf_counter() + a.min_time * len(rows), 0
+        while rnd < a.min_rounds or (time.perf_counter() < t_end and rnd < a.max_rounds):
+            order = rows[rnd % len(rows):] + rows[:rnd % len(rows)]
+            for m in order:
+                t0 = time.perf_counter()
+                model.forward(batches[m], kv)
+                times[m].append(time.perf_counter() - t0)
+            rnd += 1
+    med = {m: statistics.median(v) for m, v in times.items()}
+    res = {"model": model_name, "format": fmt, "weights_mb": model.weight_bytes() / 1e6, "load_s": load_s,
+           "rounds": rnd, "median_ms": {m: med[m] * 1e3 for m in rows},
+           "min_ms": {m: min(times[m]) * 1e3 for m in rows},
+           "ratio_vs_1": {m: med[m] / med[rows[0]] for m in rows}}
+    del lm, model, kv, batches
+    gc.collect()
+    return res
+
+
+def markdown(results: list[dict], a: argparse.Namespace, threads: int) -> str:
+    rows = [int(x) for x in a.rows.split(",")]
+    head = (f"Forward time (median ms) vs rows, layout {a.layout}, context {a.context}, {threads} threads, "
+            f"float32 activations. t(M)/t(1) in brackets.")
+    lines = [head, "", "| model | weights | MB | " + " | ".join(f"M={m}" for m in rows) + " | t(8)/t(1) |",
+             "|---|---|---|" + "---|" * (len(rows) + 1)]
+    for r in results:
+        cells = [f"{r['median_ms'][m]:.1f} ({r['ratio_vs_1'][m]:.2f})" for m in rows]
+        r8 = f"{r['ratio_vs_1'][8]:.2f}" if 8 in r["ratio_vs_1"] else "-"
+        lines.append(f"| {r['model']} | {r['format']} | {r['weights_mb']:.0f} | " + " | ".join(cells) + f" | {r8} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-1.5b")
+    ap.add_argument("--formats", default="none,int8,q4")
+    ap.add_argument("--rows", default="1,2,4,8,16", help="row counts M; the first is the baseline")
+    ap.add_argument("--context", type=int, default=256, help="cached tokens before the new rows")
+    ap.add_argument("--layout", choices=["verify", "batch"], default="verify")
+    ap.add_argument("--min-time", type=float, default=2.0, help="seconds of timing per row count (at least)")
+    ap.add_argument("--min-rounds", type=int, default=5)
+    ap.add_argument("--max-rounds", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=None, help="default: the cores this process may use")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--markdown", default=None)
+    a = ap.parse_args()
+    threads = set_threads(a.threads)
+    results = []
+    for model in a.models.split(","):
+        for fmt in a.formats.split(","):
+            r = measure(model.strip(), fmt.strip(), a)
+            print(f"{r['model']} {r['format']}: " + "  ".join(
+                f"M={m} {v:.1f}ms" for m, v in r["median_ms"].items()) + f"  ({r['rounds']} rounds)",
+                file=sys.stderr, flush=True)
+            results.append(r)
+    md = markdown(results, a, threads)
+    print(md)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"args": vars(a), "threads": threads, "results": results}, f, indent=1)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

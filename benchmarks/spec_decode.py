@@ -1,0 +1,206 @@
+"""Decode speed with and without each drafter, interleaved per prompt, as ratios vs plain greedy.
+
+    python benchmarks/spec_decode.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--tokens 128]
+        [--runs 3] [--suites code,math,prose] [--prompts-per-suite 4] [--adaptive on|off|both]
+        [--out spec.json] [--markdown spec.md]
+
+For each model the target is loaded once and every configuration (plain greedy, ngram, draft
+model...) gets its own engine around it (own KV pool, drafter, adaptive policy); then for
+each run and prompt the configurations generate one after the other (order rotated per prompt),
+greedy, ignoring EOS, exactly --tokens tokens. Decode tok/s = (tokens - 1) / (time from the first
+token to the last), as `specserve generate` reports it. "speedup" is the median over (prompt, run)
+of the paired ratio config / plain measured back to back; "identical" counts prompts whose tokens
+equal plain greedy's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from specserve.bench.suites import load_suites  # noqa: E402
+from specserve.commands.args import add_engine_args  # noqa: E402
+from specserve.engine.builder import set_threads  # noqa: E402
+from specserve.engine.config import EngineConfig  # noqa: E402
+from specserve.engine.llm_engine import LLMEngine  # noqa: E402
+from specserve.engine.types import SamplingParams  # noqa: E402
+from specserve.models.chat_template import ChatTemplate  # noqa: E402
+from specserve.models.loader import LoadOptions, load_model  # noqa: E402
+from specserve.spec.config import parse_spec_config  # noqa: E402
+from specserve.spec.registry import build_drafter  # noqa: E402
+
+# model -> drafters worth trying on it: (label, speculative config without "adaptive")
+DRAFTERS = {
+    "smollm2-135m": [("ngram", {"method": "ngram", "num_speculative_tokens": 8})],
+    "qwen2.5-coder-1.5b": [
+        ("ngram", {"method": "ngram", "num_speculative_tokens": 8}),
+        ("draft 0.5b", {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5}),
+    ],
+}
+DEFAULT_DRAFTERS = [("ngram", {"method": "ngram", "num_speculative_tokens": 8})]
+
+
+def make_engines(model: str, cfgs: list[tuple[str, dict | None]], a: argparse.Namespace) -> dict:
+    """One engine per configuration, all sharing ONE loaded target model (what build_engine does,
+    minus reloading the target per engine): each engine has its own KV pool, drafter and policy."""
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    argv = ["--model", model, "--quantization", a.quantization, "--max-num-seqs", "1", "--max-model-len", str(a.ctx)]
+    args = p.parse_args(argv + (["--threads", str(a.threads)] if a.threads else []))
+    set_threads(args.threads)
+    options = LoadOptions(args.device, args.dtype, args.quantization)
+    ecfg = EngineConfig.from_args(args)
+    t = time.perf_counter()
+    target = load_model(model, options)
+    print(f"[{model}] loaded in {time.perf_counter() - t:.1f}s", file=sys.stderr, flush=True)
+    max_len = min(ecfg.max_model_len or target.config.max_position, target.config.max_position)
+    engines = {}
+    for name, spec_dict in cfgs:
+        spec = parse_spec_config(spec_dict)
+        engines[name] = LLMEngine(target, ecfg, spec, build_drafter(spec, target, options, ecfg, max_len))
+    return engines
+
+
+_counter = itertools.count()
+
+
+def run_one(engine, ids: list[int], tokens: int) -> dict:
+    out, last = [], None
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    for o in engine.generate(ids, params, request_id=f"bench-{next(_counter)}"):
+        out += o.new_token_ids
+        last = o
+    n = len(out)
+    dec = max(last.decode_time, 1e-9)
+    r = {"tokens": out, "decode_tps": (n - 1) / dec if n > 1 else 0.0, "decode_s": last.decode_time,
+         "prefill_s": last.prefill_time}
+    if last.spec is not None:
+        r["spec"] = {k: last.spec.to_dict()[k] for k in ("steps", "draft_tokens", "accepted_tokens")}
+    return r
+
+
+def configs_for(model: str, a: argparse.Namespace) -> list[tuple[str, dict | None]]:
+    drafters = DRAFTERS.get(model, DEFAULT_DRAFTERS)
+    if a.drafters:
+        drafters = [d for d in drafters if d[0].split()[0] in a.drafters.split(",")]
+    modes = {"on": [True], "off": [False], "both": [True, False]}[a.adaptive]
+    out: list[tuple[str, dict | None]] = [("plain", None)]
+    for label, spec in drafters:
+        for ad in modes:
+            name = label + ("" if a.adaptive != "both" else (" adaptive" if ad else " fixed-k"))
+            out.append((name, dict(spec, adaptive=ad)))
+    return out
+
+
+def bench_model(model: str, a: argparse.Namespace, suites: dict) -> list[dict]:
+    cfgs = configs_for(model, a)
+    engines = make_engines(model, cfgs, a)
+    tok = next(iter(engines.values())).tokenizer
+    ct = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
+    prompts = [(s, p.id, tok.encode(ct.render(p.as_messages()), add_special_tokens=False))
+               for s, ps in suites.items() for p in ps]
+    for name, eng in engines.items():  # warm-up: first-call costs stay out of the numbers
+        run_one(eng, prompts[0][2], 8)
+    rows = []  # one per (config, prompt, run)
+    for run in range(a.runs):
+        for pi, (suite, pid, ids) in enumerate(prompts):
+            k = (pi + run) % len(cfgs)
+            order = cfgs[k:] + cfgs[:k]
+            res = {name: run_one(engines[name], ids, a.tokens) for name, _ in order}
+            for name, _ in cfgs:
+                r = res[name]
+                rows.append({"model": model, "config": name, "suite": suite, "prompt": pid, "run": run,
+                             "decode_tps": r["decode_tps"], "ratio": r["decode_tps"] / res["plain"]["decode_tps"],
+                             "identical": r["tokens"] == res["plain"]["tokens"], "spec": r.get("spec")})
+            print(f"[{model}] run {run + 1}/{a.runs} {pid}: " + "  ".join(
+                f"{n}={res[n]['decode_tps']:.1f}" for n, _ in cfgs), file=sys.stderr, flush=True)
+    engines.clear()
+    gc.collect()
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["config"], r["suite"]), []).append(r)
+        groups.setdefault((r["model"], r["config"], "all"), []).append(r)
+    out = []
+    for (model, cfg, suite), rs in groups.items():
+        tps = [r["decode_tps"] for r in rs]
+        steps = sum(r["spec"]["steps"] for r in rs if r["spec"])
+        drafted = sum(r["spec"]["draft_tokens"] for r in rs if r["spec"])
+        acc = sum(r["spec"]["accepted_tokens"] for r in rs if r["spec"])
+        prompts = {r["prompt"] for r in rs}
+        same = {p for p in prompts if all(r["identical"] for r in rs if r["prompt"] == p)}
+        out.append({"model": model, "config": cfg, "suite": suite, "n": len(rs),
+                    "decode_tps_median": statistics.median(tps), "decode_tps_min": min(tps),
+                    "decode_tps_max": max(tps), "speedup_median": statistics.median(r["ratio"] for r in rs),
+                    "acceptance_rate": acc / drafted if drafted else None,
+                    "mean_acceptance_length": (acc + steps) / steps if steps else None,
+                    "identical": f"{len(same)}/{len(prompts)}"})
+    first = {}
+    for r in rows:
+        for key in (r["model"], r["config"], r["suite"]):
+            first.setdefault(key, len(first))
+    first["all"] = len(first)
+    return sorted(out, key=lambda s: (first[s["model"]], first[s["suite"]], first[s["config"]]))
+
+
+def markdown(summary: list[dict], a: argparse.Namespace) -> str:
+    lines = [f"Decode tok/s, greedy, {a.tokens} tokens (EOS ignored), {a.runs} run(s), "
+             f"{a.prompts_per_suite} prompt(s) per suite, quantization {a.quantization}, "
+             f"threads {a.threads or 'auto'}. Speedup: median of paired ratios vs plain greedy.", "",
+             "| model | config | suite | decode tok/s (min / median / max) | speedup | acceptance | "
+             "mean acc. length | identical to greedy |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        fmt = (lambda v, f: "-" if v is None else f.format(v))
+        lines.append(f"| {s['model']} | {s['config']} | {s['suite']} | {s['decode_tps_min']:.1f} / "
+                     f"**{s['decode_tps_median']:.1f}** / {s['decode_tps_max']:.1f} | "
+                     f"{s['speedup_median']:.2f}x | {fmt(s['acceptance_rate'], '{:.1%}')} | "
+                     f"{fmt(s['mean_acceptance_length'], '{:.2f}')} | {s['identical']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-1.5b")
+    ap.add_argument("--drafters", default=None, help="comma list to keep, e.g. ngram or draft")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--suites", default="code,math,prose")
+    ap.add_argument("--prompts-per-suite", type=int, default=4)
+    ap.add_argument("--adaptive", choices=["on", "off", "both"], default="on",
+                    help='"adaptive" in the speculative config (both: compare the two)')
+    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "q4"])
+    ap.add_argument("--ctx", type=int, default=2048, help="--max-model-len of every engine (KV pool size)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None, help="write raw rows and summary as JSON")
+    ap.add_argument("--markdown", default=None, help="write the summary table as Markdown")
+    a = ap.parse_args()
+    suites = load_suites(a.suites, a.prompts_per_suite)
+    rows = []
+    for model in a.models.split(","):
+        rows += bench_model(model.strip(), a, suites)
+    summary = summarize(rows)
+    md = markdown(summary, a)
+    print(md)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"args": vars(a), "summary": summary, "rows": rows}, f, indent=1)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
