@@ -671,6 +671,9 @@ def test_serve_command_wiring(monkeypatch):
     calls = []
     lock_mod.check_lock = lambda path, argv, allow: calls.append((path, argv, allow)) or ["model: a != b"]
     monkeypatch.setitem(sys.modules, "specserve.lock", lock_mod)
+    import specserve
+
+    monkeypatch.setattr(specserve, "lock", lock_mod, raising=False)  # `from specserve import lock` reads this
     monkeypatch.setattr(sys, "argv", ["specserve", "serve", "--lock", "l.json", "--lock-allow", "threads"])
     started.clear()
     assert main() == 3 and not started
