@@ -114,6 +114,11 @@ _ENTRIES = (
                     for n in range(1, 5)),
         family="gemma3", chat_template=False,
     ),
+    CatalogEntry(
+        name="smollm2-135m-dflash", kind="drafter", format="hf", path=Path("drafters/smollm2-135m-dflash"),
+        target="smollm2-135m", family="smollm2",
+        description="dflash block drafter for smollm2-135m (1 layer, block 8; trained 19 min on CPU, weak)",
+    ),
 )
 
 CATALOG: dict[str, CatalogEntry] = {e.name: e for e in _ENTRIES}

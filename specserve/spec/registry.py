@@ -22,7 +22,20 @@ def _draft_model(spec: SpecConfig, target: LoadedModel, options: LoadOptions, ec
     return DraftModelDrafter.build(spec, target, options, ecfg, max_model_len)
 
 
-BUILDERS: dict[str, Callable[..., Drafter]] = {"ngram": _ngram, "draft_model": _draft_model}
+def _dflash(spec: SpecConfig, target: LoadedModel, options: LoadOptions, ecfg, max_model_len: int) -> Drafter:
+    from specserve.spec.dflash import build
+
+    return build(spec, target, options, ecfg, max_model_len)
+
+
+def _mtp(spec: SpecConfig, target: LoadedModel, options: LoadOptions, ecfg, max_model_len: int) -> Drafter:
+    from specserve.spec.mtp import build
+
+    return build(spec, target, options, ecfg, max_model_len)
+
+
+BUILDERS: dict[str, Callable[..., Drafter]] = {"ngram": _ngram, "draft_model": _draft_model, "dflash": _dflash,
+                                               "mtp": _mtp}
 
 
 def build_drafter(spec: SpecConfig | None, target: LoadedModel, options: LoadOptions, ecfg,

@@ -1,0 +1,505 @@
+"""DFlash-style block drafter: one forward of a small transformer proposes a whole block.
+
+Layout (after DFlash, "block diffusion for flash speculative decoding"):
+
+* **No embedding table or LM head of its own.** Inputs are embedded with the target's
+  table (``target.model.embed``); outputs go through the drafter's own final norm and then
+  the target's LM head (``target.model.logits``).
+* **Input block**: the last verified token followed by ``B - 1`` copies of a learned mask
+  embedding, at positions ``p .. p + B - 1`` (``p`` = position of the last verified token).
+  Inside the block attention is bidirectional (non-causal); the output at block row ``j``
+  (1 <= j < B) is the draft for position ``p + j``. One forward gives ``B - 1`` drafts.
+* **Conditioning**: the target's hidden states from a few layers spread from early to late
+  (``target_layer_ids``) are concatenated, projected ``k*H -> H`` (``fc``) and RMS-normed
+  (``hidden_norm``). In every drafter layer these context features are turned into extra
+  keys/values (the layer's own k/v projections, rope at their real positions) placed in
+  front of the block, so a block row sees the injected context of every verified token
+  before the anchor plus the whole block.
+* **Per-sequence cache**: the engine hands the drafter the target's hidden states of every
+  token whose K/V it keeps (``observe``); the drafter immediately turns them into per-layer
+  context K/V and appends them to a per-sequence tensor. Only kept tokens are ever observed,
+  so nothing needs undoing after verification; a re-observed position (preemption and
+  recompute) truncates the cache back to it. The cache keeps the last ``context_window``
+  positions (default 1024, trimmed in chunks of 64, so a block sees between
+  ``context_window`` and ``context_window + 64`` context positions); training uses the same
+  window.
+
+Sampling: at temperature 0 the drafts are the argmax of the (penalized) draft logits. At
+temperature > 0 each draft is sampled from the draft logits warped exactly like the target's
+(``sampler.penalize`` counting the earlier drafts, then ``sampler.probs_from_logits``), and
+those probabilities are returned with the proposal so rejection sampling stays exact.
+
+The drafter is pure torch; its outputs need only be deterministic, because losslessness
+comes from the target's verification.
+
+A drafter directory holds ``config.json`` (``"drafter": "dflash"``, shapes, target identity,
+layer ids, block size, ...) and ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.engine import sampler
+from specserve.engine.sequence import Sequence
+from specserve.errors import SpecserveError
+from specserve.models.loader import LoadedModel
+from specserve.spec.drafter import Drafter, Proposal
+
+CONTEXT_TRIM = 64  # the per-sequence context cache is trimmed in chunks of this many positions
+
+
+# ---- building blocks shared with the MTP head -------------------------------------------------
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Differentiable RMS norm in float32 (x: [..., H])."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def rope_tables(head_dim: int, theta: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = positions.float()[..., None] * inv.to(positions.device)  # [..., D/2]
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [..., T, heads, D]; cos/sin: [..., T, D/2] (half-split layout, as the target)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP; attention over (extra keys/values ++ own rows) with a mask."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
+                 theta: float, qk_norm: bool = False, qkv_bias: bool = False):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.eps, self.theta = heads, kv_heads, head_dim, eps, theta
+        self.attn_norm = nn.Parameter(torch.ones(hidden))
+        self.q = nn.Linear(hidden, heads * head_dim, bias=qkv_bias)
+        self.k = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
+        self.v = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
+        self.o = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(head_dim))
+            self.k_norm = nn.Parameter(torch.ones(head_dim))
+        self.ffn_norm = nn.Parameter(torch.ones(hidden))
+        self.gate = nn.Linear(hidden, inter, bias=False)
+        self.up = nn.Linear(hidden, inter, bias=False)
+        self.down = nn.Linear(inter, hidden, bias=False)
+
+    def kv(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [..., T, H] (already normed) -> rotated k, v: [..., T, kv_heads, D]."""
+        k = self.k(h).unflatten(-1, (self.kv_heads, self.head_dim))
+        v = self.v(h).unflatten(-1, (self.kv_heads, self.head_dim))
+        if self.qk_norm:
+            k = rms(k, self.k_norm, self.eps)
+        cos, sin = rope_tables(self.head_dim, self.theta, positions)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, extra_k: torch.Tensor | None,
+                extra_v: torch.Tensor | None, mask: torch.Tensor | None, return_kv: bool = False):
+        """x: [b, T, H]; positions: [b, T]; extra_k/v: [b, C, kvh, D] or None;
+        mask: [b, T, C + T] bool (True = may attend) or None (everything).
+        Returns x [b, T, H], plus the rows' own (k, v) with return_kv."""
+        h = rms(x, self.attn_norm, self.eps)
+        q = self.q(h).unflatten(-1, (self.heads, self.head_dim))
+        if self.qk_norm:
+            q = rms(q, self.q_norm, self.eps)
+        cos, sin = rope_tables(self.head_dim, self.theta, positions)
+        q = apply_rope(q, cos, sin)
+        k, v = self.kv(h, positions)
+        own = (k, v)
+        if extra_k is not None:
+            k, v = torch.cat([extra_k, k], dim=1), torch.cat([extra_v, v], dim=1)
+        rep = self.heads // self.kv_heads
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, T, D]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None])
+        x = x + self.o(attn.transpose(1, 2).flatten(-2))
+        h = rms(x, self.ffn_norm, self.eps)
+        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return (x, own) if return_kv else x
+
+
+def spread_layers(num_layers: int, k: int) -> tuple[int, ...]:
+    """k target layers spread from early to late (e.g. 30 layers, k=3 -> (1, 15, 28))."""
+    if k <= 1:
+        return (num_layers - 2 if num_layers > 2 else num_layers - 1,)
+    first, last = (1, num_layers - 2) if num_layers > 4 else (0, num_layers - 1)
+    return tuple(sorted({round(first + i * (last - first) / (k - 1)) for i in range(k)}))
+
+
+def vocab_hash(target: LoadedModel) -> str:
+    tok = target.tokenizer
+    return hashlib.sha256("\x00".join(tok.vocab_fingerprint()).encode()).hexdigest()[:16]
+
+
+def target_identity(target: LoadedModel) -> dict:
+    c = target.config
+    return {"name": target.name, "arch": c.arch, "hidden_size": c.hidden_size, "num_layers": c.num_layers,
+            "vocab_size": c.vocab_size, "vocab_hash": vocab_hash(target)}
+
+
+def check_target(cfg_target: dict, target: LoadedModel, where: str) -> None:
+    """A trained drafter only makes sense on the target it was trained for."""
+    have = target_identity(target)
+    for key in ("hidden_size", "num_layers", "vocab_size"):
+        if key in cfg_target and cfg_target[key] != have[key]:
+            raise SpecserveError(f"drafter {where} was trained for {cfg_target.get('name')!r} ({key} "
+                                 f"{cfg_target[key]}), but the target {target.name!r} has {key} {have[key]}")
+    if cfg_target.get("vocab_hash") and cfg_target["vocab_hash"] != have["vocab_hash"]:
+        raise SpecserveError(f"drafter {where} was trained for {cfg_target.get('name')!r}, whose vocabulary "
+                             f"differs from that of {target.name!r}")
+
+
+class TargetHead:
+    """The frozen target pieces a drafter uses: embedding, final norm weight, LM head.
+
+    At inference the drafter calls the target's own ``embed``/``logits`` (its kernels); for
+    training, ``float_head()`` gives a differentiable float copy of the LM head weight.
+    """
+
+    def __init__(self, target: LoadedModel):
+        self.model = target.model
+        self.cfg = target.config
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(ids).float()
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(h.to(self.model.dtype).contiguous())
+
+    def float_head(self) -> torch.Tensor:
+        w = self.model.lm_head.weight
+        w = w if isinstance(w, torch.Tensor) else w.dequantize()
+        return w.float()
+
+
+def head_logits(h: torch.Tensor, head_w: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Differentiable LM head (training): h [.., H] normed -> [.., V]."""
+    out = F.linear(h, head_w)
+    return torch.tanh(out / softcap) * softcap if softcap else out
+
+
+# ---- config + model ---------------------------------------------------------------------------
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_layer_ids: tuple[int, ...]
+    block_size: int = 8
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    qk_norm: bool = False
+    context_window: int = 1024
+    target: dict = field(default_factory=dict)
+    training: dict = field(default_factory=dict)
+    drafter: str = "dflash"
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DFlashConfig":
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        d["target_layer_ids"] = tuple(d["target_layer_ids"])
+        return cls(**d)
+
+    @classmethod
+    def for_target(cls, target: LoadedModel, *, num_layers: int = 1, block_size: int = 8,
+                   num_target_layers: int = 3, intermediate_size: int | None = None,
+                   context_window: int = 1024) -> "DFlashConfig":
+        c = target.config
+        if not 1 <= num_layers <= 5:
+            raise SpecserveError(f"dflash drafter: 1 to 5 layers, got {num_layers}")
+        if block_size < 2:
+            raise SpecserveError(f"dflash drafter: block size must be >= 2, got {block_size}")
+        return cls(c.hidden_size, num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
+                   intermediate_size or c.intermediate_size, spread_layers(c.num_layers, num_target_layers),
+                   block_size, c.rms_eps, c.rope_theta, c.qk_norm, context_window, target_identity(target))
+
+
+class DFlashModel(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, k = cfg.hidden_size, len(cfg.target_layer_ids)
+        self.fc = nn.Linear(k * H, H, bias=False)
+        self.hidden_norm = nn.Parameter(torch.ones(H))
+        self.mask_embedding = nn.Parameter(torch.zeros(H))
+        self.layers = nn.ModuleList(DecoderLayer(H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                 cfg.intermediate_size, cfg.rms_eps, cfg.rope_theta, cfg.qk_norm)
+                                    for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(H))
+
+    def init_weights(self, target_embed_std: float, final_norm: torch.Tensor | None, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        with torch.no_grad():
+            self.mask_embedding.copy_(torch.randn(self.mask_embedding.shape, generator=g) * target_embed_std)
+            for layer in self.layers:  # small residual branches at the start
+                layer.o.weight.mul_(1 / math.sqrt(2 * len(self.layers)))
+                layer.down.weight.mul_(1 / math.sqrt(2 * len(self.layers)))
+            if final_norm is not None:
+                self.norm.copy_(final_norm.float())
+
+    def context(self, hidden_cat: torch.Tensor) -> torch.Tensor:
+        """[..., k*H] concatenated target hidden states -> [..., H] context features."""
+        return rms(self.fc(hidden_cat.float()), self.hidden_norm, self.cfg.rms_eps)
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (k, v) of context features ctx [..., C, H] at positions [..., C]."""
+        return [layer.kv(ctx, positions) for layer in self.layers]
+
+    def block_input(self, anchor_emb: torch.Tensor) -> torch.Tensor:
+        """anchor_emb [..., H] -> [..., B, H]: the anchor token then B-1 mask embeddings."""
+        B = self.cfg.block_size
+        masks = self.mask_embedding.expand(*anchor_emb.shape[:-1], B - 1, anchor_emb.shape[-1])
+        return torch.cat([anchor_emb.unsqueeze(-2).float(), masks.float()], dim=-2)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """x: [b, T, H] block inputs; ctx_kv per layer [b, C, kvh, D]; -> [b, T, H] final-normed."""
+        for layer, (ck, cv) in zip(self.layers, ctx_kv):
+            x = layer(x, positions, ck, cv, mask)
+        return rms(x, self.norm, self.cfg.rms_eps)
+
+    # ---- training: many blocks per sequence, block-causal mask -------------------------------
+    def train_forward(self, hidden_cat: torch.Tensor, anchor_emb: torch.Tensor, anchors: torch.Tensor,
+                      valid_ctx: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden_cat: [b, T, k*H] target hidden states of the sequences; anchors: [b, m]
+        anchor positions; anchor_emb: [b, m, H] embeddings of the anchor tokens.
+
+        Block i of a sequence sits at positions a_i .. a_i + B - 1 and may attend to the
+        injected context at positions [a_i - context_window, a_i) and to the whole of its own
+        block, never to other blocks. Returns final-normed outputs [b, m, B, H].
+        """
+        b, T, _ = hidden_cat.shape
+        m, B = anchors.shape[1], self.cfg.block_size
+        dev = hidden_cat.device
+        ctx_pos = torch.arange(T, device=dev).expand(b, T)
+        ctx = self.context(hidden_cat)
+        kv = self.context_kv(ctx, ctx_pos)
+        x = self.block_input(anchor_emb).reshape(b, m * B, -1)
+        offs = torch.arange(B, device=dev)
+        pos = (anchors[:, :, None] + offs).reshape(b, m * B)
+        mask = self.block_mask(anchors, T, valid_ctx)
+        out = self.forward(x, pos, kv, mask)
+        return out.reshape(b, m, B, -1)
+
+    def block_mask(self, anchors: torch.Tensor, T: int, valid_ctx: torch.Tensor | None = None) -> torch.Tensor:
+        """[b, m*B, T + m*B] bool: context j visible to block i iff a_i - W <= j < a_i; block rows
+        visible iff in the same block."""
+        b, m = anchors.shape
+        B, W = self.cfg.block_size, self.cfg.context_window
+        dev = anchors.device
+        j = torch.arange(T, device=dev)
+        a = anchors[:, :, None]  # [b, m, 1]
+        ctx_ok = (j < a) & (j >= a - W)  # [b, m, T]
+        if valid_ctx is not None:
+            ctx_ok &= valid_ctx[:, None, :]
+        ctx_ok = ctx_ok[:, :, None, :].expand(b, m, B, T).reshape(b, m * B, T)
+        blk = torch.arange(m, device=dev).repeat_interleave(B)
+        same = (blk[:, None] == blk[None, :]).expand(b, m * B, m * B)
+        return torch.cat([ctx_ok, same], dim=-1)
+
+
+def save_drafter(model: nn.Module, cfg_json: dict, out: Path, dtype: torch.dtype = torch.float32) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600
+    (out / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
+
+
+def load_state(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    cfg_path = directory / "config.json"
+    if not cfg_path.is_file() or not (directory / "model.safetensors").is_file():
+        raise SpecserveError(f"{directory} is not a drafter directory (needs config.json and model.safetensors)")
+    cfg = json.loads(cfg_path.read_text())
+    state = {k: v.float() for k, v in load_file(str(directory / "model.safetensors")).items()}
+    return cfg, state
+
+
+# ---- the drafter ------------------------------------------------------------------------------
+@dataclass
+class _Ctx:
+    start: int = 0  # position of the first cached context row
+    k: list[torch.Tensor] = field(default_factory=list)  # per layer [n, kvh, D]
+    v: list[torch.Tensor] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + (self.k[0].shape[0] if self.k else 0)
+
+
+class DFlashDrafter(Drafter):
+    name = "dflash"
+    has_cost = True
+
+    def __init__(self, model: DFlashModel, target: LoadedModel):
+        self.model = model.eval().requires_grad_(False).to(target.model.device)
+        self.cfg = model.cfg
+        self.head = TargetHead(target)
+        self.hidden_layers = tuple(self.cfg.target_layer_ids)
+        self.step_time = 0.0
+
+    @classmethod
+    def load(cls, directory: str | Path, target: LoadedModel) -> "DFlashDrafter":
+        directory = Path(directory).expanduser()
+        raw, state = load_state(directory)
+        if raw.get("drafter") != "dflash":
+            raise SpecserveError(f"{directory} holds a {raw.get('drafter')!r} drafter, not a dflash one")
+        cfg = DFlashConfig.from_json(raw)
+        check_target(cfg.target, target, str(directory))
+        if max(cfg.target_layer_ids) >= target.config.num_layers:
+            raise SpecserveError(f"drafter {directory} reads target layer {max(cfg.target_layer_ids)}, but "
+                                 f"{target.name} has {target.config.num_layers} layers")
+        model = DFlashModel(cfg)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise SpecserveError(f"{directory}/model.safetensors does not match its config "
+                                 f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        return cls(model, target)
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    # ---- context cache ----------------------------------------------------------------------
+    def _state(self, seq: Sequence) -> _Ctx:
+        st = seq.drafter_state.get(self.name)
+        if st is None:
+            st = _Ctx()
+            if not seq.params.greedy:
+                st.generator = sampler.make_generator((seq.params.seed or 0) + 7919, hash(seq.request_id) & 0xFFFF)
+            seq.drafter_state[self.name] = st
+        return st
+
+    @torch.inference_mode()
+    def observe(self, seq: Sequence, hidden: dict[int, torch.Tensor], positions: list[int]) -> None:
+        if not positions:
+            return
+        st = self._state(seq)
+        first = positions[0]
+        if st.k and first < st.end:  # recompute after preemption: drop what follows
+            keep = max(first - st.start, 0)
+            st.k = [k[:keep] for k in st.k]
+            st.v = [v[:keep] for v in st.v]
+            if keep == 0:
+                st.k, st.v = [], []
+        if not st.k or first > st.end:  # first rows, or a gap (prefix-cached prompt): start here
+            st.k, st.v, st.start = [], [], first
+        h = torch.cat([hidden[i].float() for i in self.cfg.target_layer_ids], dim=-1)
+        pos = torch.tensor(positions, device=h.device)
+        kv = self.model.context_kv(self.model.context(h), pos)
+        if not st.k:
+            st.k, st.v = [k for k, _ in kv], [v for _, v in kv]
+        else:
+            st.k = [torch.cat([a, k]) for a, (k, _) in zip(st.k, kv)]
+            st.v = [torch.cat([a, v]) for a, (_, v) in zip(st.v, kv)]
+        W = self.cfg.context_window
+        n = st.k[0].shape[0]
+        if n > W + CONTEXT_TRIM:
+            drop = n - W
+            st.k = [k[drop:].clone() for k in st.k]
+            st.v = [v[drop:].clone() for v in st.v]
+            st.start += drop
+
+    def on_finished(self, seq: Sequence) -> None:
+        seq.drafter_state.pop(self.name, None)
+
+    # ---- proposing --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def block_hidden(self, seq: Sequence) -> torch.Tensor:
+        """Final-normed drafter outputs [B, H] for the block anchored at the last token."""
+        st = self._state(seq)
+        p = seq.num_tokens - 1
+        dev = self.head.model.device
+        anchor = self.head.embed(torch.tensor([seq.token_ids[-1]], device=dev))[0]
+        x = self.model.block_input(anchor)[None]  # [1, B, H]
+        pos = torch.arange(p, p + self.cfg.block_size, device=dev)[None]
+        n = min(st.end, p) - st.start
+        if st.k and n > 0:  # context: the cached positions before the anchor
+            kv = [(k[None, :n], v[None, :n]) for k, v in zip(st.k, st.v)]
+        else:  # no context yet (should not happen: the prompt is observed first)
+            kv = [(None, None)] * len(self.model.layers)
+        return self.model(x, pos, kv, None)[0]
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
+        out = []
+        for seq, k in zip(seqs, num_tokens):
+            if k <= 0:
+                out.append(Proposal([]))
+                continue
+            t0 = time.perf_counter()
+            k = min(k, self.cfg.block_size - 1)
+            h = self.block_hidden(seq)[1:1 + k]
+            logits = self.head.logits(h)  # [k, V]
+            out.append(pick_tokens(seq, logits, self._state(seq).generator))
+            dt = time.perf_counter() - t0
+            self.step_time = dt if not self.step_time else 0.8 * self.step_time + 0.2 * dt
+        return out
+
+    def draft_cost(self, k: int) -> float:
+        # one forward yields the whole block: spread its cost over the block's drafts
+        return self.step_time * k / (self.cfg.block_size - 1)
+
+
+def pick_tokens(seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None) -> Proposal:
+    """Draft tokens from draft logits [k, V] (row j = distribution of draft j), warped exactly like
+    the target's rows: penalties count the sequence's tokens plus the earlier drafts."""
+    p = seq.params
+    drafts: list[int] = []
+    probs: list[torch.Tensor] = []
+    for j in range(logits.shape[0]):
+        if p.has_penalties:
+            row = sampler.penalize(logits[:j + 1], p, seq.prompt_ids, seq.output_ids, drafts)[j:j + 1]
+        else:
+            row = logits[j:j + 1]
+        if p.greedy:
+            drafts.append(int(row[0].argmax()))
+            continue
+        q = sampler.probs_from_logits(row, p)[0]
+        drafts.append(sampler.sample_from(q, generator))
+        probs.append(q)
+    return Proposal(drafts, torch.stack(probs) if probs else None)
+
+
+def build(spec, target: LoadedModel, options, ecfg, max_model_len: int) -> DFlashDrafter:
+    if not spec.model:
+        raise SpecserveError('speculative config: method "dflash" needs "model" (a drafter directory '
+                             "written by `specserve train-drafter --method dflash`)")
+    from specserve.models.catalog import CATALOG, entry_path
+
+    where = spec.model
+    if where in CATALOG and CATALOG[where].kind == "drafter":
+        where = str(entry_path(CATALOG[where]))
+    return DFlashDrafter.load(where, target)

@@ -1,0 +1,478 @@
+"""MTP head drafter: DeepSeek-V3 / Qwen3-Next multi-token-prediction layout, chained for k steps.
+
+One MTP step at position ``i`` combines the embedding of token ``x_i`` with the previous
+hidden state ``h_{i-1}``::
+
+    x   = eh_proj(cat(rms(embed(x_i), enorm), rms(h_{i-1}, hnorm)))      # 2H -> H
+    g_i = decoder_layer(x)          # attention over the head's own cache + SwiGLU MLP
+    p(x_{i+1}) = softmax(lm_head(rms(g_i, norm)))
+
+* ``embed`` and ``lm_head`` are the target's (shared); ``norm`` starts as the target's final
+  norm (a checkpoint's ``shared_head.norm`` / ``mtp.norm`` replaces it; training may adjust it).
+* ``h`` for the first step is the target's **last-layer hidden state after the target's final
+  norm** (the engine gives the drafter the last layer's output; the drafter applies the
+  target's final norm to it: the convention vLLM uses for checkpoint MTP heads). Step s > 1
+  uses the head's own output ``g`` of the previous step (before ``norm``), with the previous
+  draft token: the chain.
+* Cache: a row for position ``i`` (both ``h_{i-1}`` and ``x_i`` verified) is computed once,
+  lazily at the next proposal, and its K/V kept in a per-sequence tensor (the last
+  ``context_window`` rows, trimmed in chunks). Rows of draft positions (the chain) are never
+  cached, so nothing needs rolling back after verification.
+
+Weights come from (first match):
+
+1. ``"model": DIR`` written by ``specserve train-drafter --method mtp`` (config.json with
+   ``"drafter": "mtp"`` + model.safetensors);
+2. ``"model": PATH`` or, without ``model``, the target's own checkpoint, when it ships an MTP
+   head: safetensors ``mtp.*`` / ``model.mtp.*`` (Qwen3-Next names: ``fc``,
+   ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``norm``, ``layers.0.*``; DeepSeek names
+   ``eh_proj``, ``enorm``, ``hnorm``, ``shared_head.norm`` are accepted too), DeepSeek-V3's
+   ``model.layers.{num_hidden_layers}.{eh_proj,enorm,hnorm,shared_head.norm,...}``, or GGUF
+   ``blk.{N}.nextn.{eh_proj,enorm,hnorm,shared_head_norm}`` with the block's ordinary layer
+   tensors (``attn_q``, ``ffn_gate``, ...). Only a dense attention + SwiGLU MTP layer is
+   supported (not MLA or mixture-of-experts layers).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specserve.engine import sampler
+from specserve.engine.sequence import Sequence
+from specserve.errors import SpecserveError
+from specserve.models.loader import LoadedModel
+from specserve.spec.dflash import (CONTEXT_TRIM, DecoderLayer, TargetHead, check_target, load_state,
+                                   pick_tokens, rms, target_identity)
+from specserve.spec.drafter import Drafter, Proposal
+
+
+@dataclass
+class MTPConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    context_window: int = 1024
+    depth: int = 3  # chained steps used in training (inference chains as many as asked)
+    target: dict = field(default_factory=dict)
+    training: dict = field(default_factory=dict)
+    source: str = "trained"  # "trained" | the checkpoint the head came from
+    drafter: str = "mtp"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "MTPConfig":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def for_target(cls, target: LoadedModel, *, intermediate_size: int | None = None, depth: int = 3,
+                   context_window: int = 1024) -> "MTPConfig":
+        c = target.config
+        return cls(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, intermediate_size or c.intermediate_size,
+                   c.rms_eps, c.rope_theta, c.qk_norm, False, context_window, depth, target_identity(target))
+
+
+class MTPModel(nn.Module):
+    def __init__(self, cfg: MTPConfig):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.enorm = nn.Parameter(torch.ones(H))
+        self.hnorm = nn.Parameter(torch.ones(H))
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.layer = DecoderLayer(H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                                  cfg.rms_eps, cfg.rope_theta, cfg.qk_norm, cfg.qkv_bias)
+        self.norm = nn.Parameter(torch.ones(H))
+
+    def init_weights(self, final_norm: torch.Tensor | None, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.dim() == 2:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            self.layer.o.weight.mul_(0.5)
+            self.layer.down.weight.mul_(0.5)
+            if final_norm is not None:
+                self.norm.copy_(final_norm.float())
+
+    def fuse(self, emb: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        eps = self.cfg.rms_eps
+        return self.eh_proj(torch.cat([rms(emb, self.enorm, eps), rms(prev, self.hnorm, eps)], dim=-1))
+
+    def forward(self, emb: torch.Tensor, prev: torch.Tensor, positions: torch.Tensor,
+                extra_k: torch.Tensor | None, extra_v: torch.Tensor | None, mask: torch.Tensor | None):
+        """emb/prev: [b, T, H] -> (g [b, T, H] before ``norm``, (k, v) of the rows)."""
+        return self.layer(self.fuse(emb, prev), positions, extra_k, extra_v, mask, return_kv=True)
+
+    def out_norm(self, g: torch.Tensor) -> torch.Tensor:
+        return rms(g, self.norm, self.cfg.rms_eps)
+
+    # ---- training ---------------------------------------------------------------------------
+    def train_forward(self, emb: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor,
+                      depth: int) -> list[torch.Tensor]:
+        """Teacher-forced chain over whole sequences.
+
+        emb: [b, T, H] embeddings of x_0..x_{T-1}; hidden: [b, T, H] target hidden (after the
+        final norm) at positions 0..T-1; valid: [b, T] bool. Depth d (1-based) computes rows
+        at positions i = d..T-1 from (x_i, G_{d-1}[i-1]) with G_0 = hidden, causal attention
+        among the depth's rows (within context_window); row i predicts x_{i+1}.
+        Returns [G_1, ..., G_depth], G_d: [b, T - d, H] (rows at positions d..T-1).
+        """
+        b, T, _ = emb.shape
+        dev = emb.device
+        outs, prev_src = [], hidden
+        W = self.cfg.context_window
+        for d in range(1, depth + 1):
+            n = T - d
+            if n <= 0:
+                break
+            pos = torch.arange(d, T, device=dev).expand(b, n)
+            i = torch.arange(n, device=dev)
+            causal = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < W)
+            mask = causal[None] & valid[:, None, d:]
+            mask = torch.cat([torch.zeros(b, n, 0, dtype=torch.bool, device=dev), mask], dim=-1)
+            g, _ = self.forward(emb[:, d:], prev_src[:, :n], pos, None, None, mask)
+            outs.append(g)
+            prev_src = g
+        return outs
+
+
+# ---- loading MTP weights from checkpoints -----------------------------------------------------
+_HF_LAYER = {
+    "input_layernorm": "layer.attn_norm", "post_attention_layernorm": "layer.ffn_norm",
+    "self_attn.q_proj": "layer.q", "self_attn.k_proj": "layer.k", "self_attn.v_proj": "layer.v",
+    "self_attn.o_proj": "layer.o", "self_attn.q_norm": "layer.q_norm", "self_attn.k_norm": "layer.k_norm",
+    "mlp.gate_proj": "layer.gate", "mlp.up_proj": "layer.up", "mlp.down_proj": "layer.down",
+}
+_HF_TOP = {
+    "fc": "eh_proj", "eh_proj": "eh_proj", "pre_fc_norm_embedding": "enorm", "enorm": "enorm",
+    "pre_fc_norm_hidden": "hnorm", "hnorm": "hnorm", "norm": "norm", "shared_head.norm": "norm",
+}
+_GGUF_LAYER = {
+    "attn_norm": "layer.attn_norm", "ffn_norm": "layer.ffn_norm", "attn_q": "layer.q", "attn_k": "layer.k",
+    "attn_v": "layer.v", "attn_output": "layer.o", "attn_q_norm": "layer.q_norm", "attn_k_norm": "layer.k_norm",
+    "ffn_gate": "layer.gate", "ffn_up": "layer.up", "ffn_down": "layer.down",
+    "nextn.eh_proj": "eh_proj", "nextn.enorm": "enorm", "nextn.hnorm": "hnorm", "nextn.shared_head_norm": "norm",
+}
+_UNSUPPORTED = re.compile(r"(q_a_proj|kv_a_proj|kv_b_proj|experts|mlp\.gate\.weight$|shared_expert|_exps\b|"
+                          r"ffn_gate_inp|attn_kv_a)")
+# Qwen3-Next style checkpoints store norms as (w - 1) ("zero-centred"): add 1 back
+_OFFSET_NORMS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma3_text")
+
+
+def _map_hf_name(key: str, n_layers: int | None) -> str | None:
+    """A safetensors key of an MTP head -> our parameter name (None: not an MTP tensor)."""
+    base, suffix = key.rsplit(".", 1) if key.endswith((".weight", ".bias")) else (key, "weight")
+    for prefix in ("model.mtp.", "mtp."):
+        if base.startswith(prefix):
+            rest = base[len(prefix):]
+            rest = re.sub(r"^layers\.0\.", "", rest)
+            break
+    else:
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
+        if not m or n_layers is None or int(m.group(1)) != n_layers:
+            return None
+        rest = m.group(2)
+    if _UNSUPPORTED.search(key):
+        raise SpecserveError(f"MTP tensor {key}: MLA / mixture-of-experts MTP layers are not supported")
+    name = _HF_LAYER.get(rest) or _HF_TOP.get(rest)
+    if name is None:
+        return None  # embed_tokens / shared_head.head: the target's are used
+    if suffix == "bias":
+        return f"{name}.bias"
+    return name if name.endswith("norm") else f"{name}.weight"
+
+
+def _read_hf_mtp(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    from safetensors import safe_open
+
+    raw_cfg = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
+    text = raw_cfg.get("text_config", raw_cfg)
+    n_layers = text.get("num_hidden_layers")
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                name = _map_hf_name(key, n_layers)
+                if name is not None:
+                    state[name] = st.get_tensor(key).float()
+    if state and text.get("model_type") in _OFFSET_NORMS:
+        for k in list(state):
+            if k.endswith("norm"):
+                state[k] = state[k] + 1.0
+    return state, text
+
+
+def _read_gguf_mtp(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    from specserve.models import weights as mweights
+
+    reader = mweights.open_gguf(path)
+    meta = mweights.gguf_metadata(reader)
+    arch = meta.get("general.architecture")
+    blocks = [int(m.group(1)) for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.nextn\.", t.name))]
+    if not blocks:
+        return {}, meta
+    n = min(blocks)  # the first MTP block (block_count - nextn_predict_layers)
+    heads = int(meta.get(f"{arch}.attention.head_count", 0) or 0)
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads) or heads)
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        m = re.fullmatch(rf"blk\.{n}\.(.+)\.(weight|bias)", t.name)
+        if not m:
+            continue
+        if _UNSUPPORTED.search(t.name):
+            raise SpecserveError(f"MTP tensor {t.name}: MLA / mixture-of-experts MTP layers are not supported")
+        name = _GGUF_LAYER.get(m.group(1))
+        if name is None:
+            continue
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        perm = None
+        if arch == "llama" and name in ("layer.q", "layer.k") and heads:  # undo llama.cpp's q/k permutation
+            perm = mweights._unpermute_rows(shape[0], heads if name == "layer.q" else kv_heads)
+        w = mweights.RawTensor(t.name, shape, t.tensor_type.name, t.data, perm).dequantize()
+        if m.group(2) == "bias":
+            state[f"{name}.bias"] = w
+        elif name.endswith("norm"):
+            state[name] = w.reshape(-1)
+        else:
+            state[f"{name}.weight"] = w
+    return state, meta
+
+
+def read_checkpoint_mtp(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
+    """MTP head tensors (our names) found in a checkpoint file or directory; {} if none."""
+    path = Path(path).expanduser()
+    if path.is_file() and path.suffix == ".gguf" or (path.is_file() and path.read_bytes()[:4] == b"GGUF"):
+        state, _ = _read_gguf_mtp(path)
+    elif path.is_dir() and any(path.glob("*.safetensors")):
+        state, _ = _read_hf_mtp(path)
+    elif path.is_dir() and len(list(path.glob("*.gguf"))) == 1:
+        path = next(path.glob("*.gguf"))
+        state, _ = _read_gguf_mtp(path)
+    else:
+        return {}, str(path)
+    return state, str(path)
+
+
+def config_from_state(state: dict[str, torch.Tensor], target: LoadedModel, source: str) -> MTPConfig:
+    need = ("eh_proj.weight", "enorm", "hnorm", "layer.q.weight", "layer.k.weight", "layer.gate.weight")
+    missing = [n for n in need if n not in state]
+    if missing:
+        raise SpecserveError(f"MTP head in {source} is incomplete: missing {missing}")
+    c = target.config
+    H = c.hidden_size
+    if tuple(state["eh_proj.weight"].shape) != (H, 2 * H):
+        raise SpecserveError(f"MTP head in {source}: eh_proj is {tuple(state['eh_proj.weight'].shape)}, "
+                             f"expected {(H, 2 * H)} for {target.name}")
+    head_dim = c.head_dim
+    return MTPConfig(H, state["layer.q.weight"].shape[0] // head_dim, state["layer.k.weight"].shape[0] // head_dim,
+                     head_dim, state["layer.gate.weight"].shape[0], c.rms_eps, c.rope_theta,
+                     "layer.q_norm" in state, "layer.q.bias" in state, target=target_identity(target), source=source)
+
+
+# ---- the drafter ------------------------------------------------------------------------------
+@dataclass
+class _State:
+    h_start: int = 0  # position of hidden[0]
+    hidden: torch.Tensor | None = None  # [n, H] target hidden (after the final norm)
+    k_start: int = 0  # position of the first cached row
+    k: torch.Tensor | None = None  # [r, kvh, D] cached rows
+    v: torch.Tensor | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def h_end(self) -> int:
+        return self.h_start + (0 if self.hidden is None else self.hidden.shape[0])
+
+    @property
+    def k_end(self) -> int:
+        return self.k_start + (0 if self.k is None else self.k.shape[0])
+
+
+class MTPDrafter(Drafter):
+    name = "mtp"
+    has_cost = True
+
+    def __init__(self, model: MTPModel, target: LoadedModel):
+        self.model = model.eval().requires_grad_(False).to(target.model.device)
+        self.cfg = model.cfg
+        self.head = TargetHead(target)
+        self.final_norm = target.model.final_norm
+        self.eps = target.config.rms_eps
+        self.hidden_layers = (target.config.num_layers - 1,)
+        self.step_time = 0.0
+
+    @classmethod
+    def load(cls, where: str | Path | None, target: LoadedModel) -> "MTPDrafter":
+        if where:
+            p = Path(where).expanduser()
+            if p.is_dir() and (p / "config.json").is_file() and \
+                    json.loads((p / "config.json").read_text()).get("drafter") == "mtp":
+                raw, state = load_state(p)
+                cfg = MTPConfig.from_json(raw)
+                check_target(cfg.target, target, str(p))
+                return cls._from_state(cfg, state, target, str(p))
+            state, source = read_checkpoint_mtp(p)
+            if not state:
+                raise SpecserveError(f"{p} has no MTP head (no mtp.* / nextn tensors) and is not a drafter "
+                                     "directory from `specserve train-drafter --method mtp`")
+        else:
+            state, source = read_checkpoint_mtp(target.resolved.path)
+            if not state:
+                raise SpecserveError(f"{target.name} ships no MTP head; train one with `specserve train-drafter "
+                                     f"--model {target.name} --method mtp --out DIR` and pass "
+                                     '\'{"method": "mtp", "model": DIR}\'')
+        return cls._from_state(config_from_state(state, target, source), state, target, source)
+
+    @classmethod
+    def _from_state(cls, cfg: MTPConfig, state: dict, target: LoadedModel, where: str) -> "MTPDrafter":
+        model = MTPModel(cfg)
+        if "norm" not in state:  # no shared-head norm of its own: the target's final norm
+            state = {**state, "norm": target.model.final_norm.float().cpu()}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise SpecserveError(f"MTP weights in {where} do not match the head's layout "
+                                 f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
+        return cls(model, target)
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def _state(self, seq: Sequence) -> _State:
+        st = seq.drafter_state.get(self.name)
+        if st is None:
+            st = _State()
+            if not seq.params.greedy:
+                st.generator = sampler.make_generator((seq.params.seed or 0) + 7919, hash(seq.request_id) & 0xFFFF)
+            seq.drafter_state[self.name] = st
+        return st
+
+    @torch.inference_mode()
+    def observe(self, seq: Sequence, hidden: dict[int, torch.Tensor], positions: list[int]) -> None:
+        if not positions:
+            return
+        st = self._state(seq)
+        first = positions[0]
+        h = rms(hidden[self.hidden_layers[0]], self.final_norm, self.eps)
+        if st.hidden is not None and first < st.h_end:  # recompute (preemption): drop what follows
+            st.hidden = st.hidden[:max(first - st.h_start, 0)]
+            if st.k is not None and st.k_end > first:
+                keep = max(first - st.k_start, 0)
+                st.k, st.v = st.k[:keep], st.v[:keep]
+        if st.hidden is None or st.hidden.shape[0] == 0 or first > st.h_end:  # start, or a gap
+            st.hidden, st.h_start, st.k, st.v = h, first, None, None
+            return
+        st.hidden = torch.cat([st.hidden, h])
+
+    def on_finished(self, seq: Sequence) -> None:
+        seq.drafter_state.pop(self.name, None)
+
+    @torch.inference_mode()
+    def _catch_up(self, seq: Sequence) -> torch.Tensor | None:
+        """Compute (and cache) the rows of every verified position up to the last token;
+        return g of the last token's row [H] (the first draft's hidden), or None."""
+        st = self._state(seq)
+        p = seq.num_tokens - 1  # the last token; its row uses h_{p-1}
+        if st.hidden is None or st.h_end < p or p - 1 < st.h_start:
+            return None
+        lo = max(st.k_end if st.k is not None else st.h_start + 1, st.h_start + 1)
+        if lo > p:  # already computed (cannot happen in the engine's order, but be safe)
+            lo = p
+            st.k, st.v = (st.k[:p - st.k_start], st.v[:p - st.k_start]) if st.k is not None else (None, None)
+        dev = self.head.model.device
+        ids = torch.tensor(seq.token_ids[lo:p + 1], device=dev)
+        emb = self.head.embed(ids)[None]
+        prev = st.hidden[lo - 1 - st.h_start:p - st.h_start].float()[None]
+        pos = torch.arange(lo, p + 1, device=dev)[None]
+        n = p + 1 - lo
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+        if st.k is not None and st.k.shape[0]:
+            ctx = torch.ones(n, st.k.shape[0], dtype=torch.bool, device=dev)
+            mask = torch.cat([ctx, causal], dim=-1)[None]
+            g, (k, v) = self.model(emb, prev, pos, st.k[None], st.v[None], mask)
+            st.k, st.v = torch.cat([st.k, k[0]]), torch.cat([st.v, v[0]])
+        else:
+            g, (k, v) = self.model(emb, prev, pos, None, None, causal[None])
+            st.k, st.v, st.k_start = k[0], v[0], lo
+        W = self.cfg.context_window
+        if st.k.shape[0] > W + CONTEXT_TRIM:
+            drop = st.k.shape[0] - W
+            st.k, st.v, st.k_start = st.k[drop:].clone(), st.v[drop:].clone(), st.k_start + drop
+        keep_from = p - 1 - st.h_start  # only h_{p-1} onwards is needed later
+        if keep_from > CONTEXT_TRIM:
+            st.hidden, st.h_start = st.hidden[keep_from:].clone(), st.h_start + keep_from
+        return g[0, -1]
+
+    @torch.inference_mode()
+    def _chain(self, seq: Sequence, g: torch.Tensor, k: int, generator) -> Proposal:
+        st = self._state(seq)
+        dev = self.head.model.device
+        p = seq.num_tokens - 1
+        drafts: list[int] = []
+        probs: list[torch.Tensor] = []
+        ks, vs = [], []
+        for s in range(k):
+            logits = self.head.logits(self.model.out_norm(g)[None])
+            prop = pick_tokens(_Shifted(seq, drafts), logits, generator)
+            drafts += prop.token_ids
+            if prop.probs is not None:
+                probs.append(prop.probs[0])
+            if s == k - 1:
+                break
+            emb = self.head.embed(torch.tensor([drafts[-1]], device=dev))[None]
+            pos = torch.tensor([[p + 1 + s]], device=dev)
+            ck = torch.cat([st.k] + ks)[None]
+            cv = torch.cat([st.v] + vs)[None]
+            g2, (nk, nv) = self.model(emb, g[None, None], pos, ck, cv, None)
+            ks.append(nk[0])
+            vs.append(nv[0])
+            g = g2[0, -1]
+        return Proposal(drafts, torch.stack(probs) if probs else None)
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
+        out = []
+        for seq, k in zip(seqs, num_tokens):
+            if k <= 0:
+                out.append(Proposal([]))
+                continue
+            t0 = time.perf_counter()
+            g = self._catch_up(seq)
+            out.append(Proposal([]) if g is None else self._chain(seq, g, k, self._state(seq).generator))
+            dt = (time.perf_counter() - t0) / k
+            self.step_time = dt if not self.step_time else 0.8 * self.step_time + 0.2 * dt
+        return out
+
+    def draft_cost(self, k: int) -> float:
+        return self.step_time * k
+
+
+class _Shifted:
+    """A view of a sequence with the drafts so far appended (for penalties of later drafts)."""
+
+    def __init__(self, seq: Sequence, drafts: list[int]):
+        self.params, self.prompt_ids, self.output_ids = seq.params, seq.prompt_ids, seq.output_ids + drafts
+
+
+def build(spec, target: LoadedModel, options, ecfg, max_model_len: int) -> MTPDrafter:
+    where = spec.model
+    if where:
+        from specserve.models.catalog import CATALOG, entry_path
+
+        if where in CATALOG and CATALOG[where].kind == "drafter":
+            where = str(entry_path(CATALOG[where]))
+    return MTPDrafter.load(where, target)

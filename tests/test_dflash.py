@@ -1,0 +1,275 @@
+"""The dflash block drafter: shapes, masks, the context cache, and losslessness in the engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve.engine.config import EngineConfig
+from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.sequence import Sequence
+from specserve.engine.types import SamplingParams
+from specserve.models.loader import LoadOptions, load_model
+from specserve.spec.config import SpecConfig
+from specserve.spec.dflash import DFlashConfig, DFlashDrafter, DFlashModel, save_drafter
+
+FP32 = LoadOptions(device="cpu", quantization="none")
+TINY_VOCAB = 320
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_byte_tokenizer(directory: Path) -> None:
+    """A byte-level tokenizer (256 byte tokens + chat specials) with a chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None}))
+
+
+def make_tiny_target(directory: Path, seed: int = 0, layers: int = 3):
+    """A tiny random Llama saved with save_pretrained and loaded by our loader (fp32)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   num_hidden_layers=layers, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                                   tie_word_embeddings=True, bos_token_id=None, eos_token_id=257, pad_token_id=0)
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * r)
+            elif "embed_tokens" in name:
+                p.copy_(r)
+            else:
+                p.copy_(r * (1.2 / p.shape[-1] ** 0.5))
+    directory.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(directory, safe_serialization=True)
+    write_byte_tokenizer(directory)
+    return load_model(str(directory), FP32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp("tiny"))
+
+
+def random_drafter(target, block_size: int = 4, layers: int = 2, seed: int = 0) -> DFlashModel:
+    cfg = DFlashConfig.for_target(target, num_layers=layers, block_size=block_size)
+    m = DFlashModel(cfg)
+    m.init_weights(1.0, target.model.final_norm, seed)
+    with torch.no_grad():  # big enough that every input matters
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(10)
+    return m
+
+
+def test_train_forward_shapes_and_block_mask(tiny):
+    m = random_drafter(tiny, block_size=4)
+    b, T, B = 2, 20, 4
+    k = len(m.cfg.target_layer_ids)
+    hid = torch.randn(b, T, k * 64)
+    anchors = torch.tensor([[3, 9, 15], [5, 6, 12]])
+    emb = torch.randn(b, 3, 64)
+    out = m.train_forward(hid, emb, anchors)
+    assert out.shape == (b, 3, B, 64)
+    mask = m.block_mask(anchors, T)
+    assert mask.shape == (b, 3 * B, T + 3 * B)
+    # block 1 of sequence 0 (anchor 9): context 0..8, its own block rows only
+    row = mask[0, B]
+    assert row[:9].all() and not row[9:T].any()
+    assert row[T + B:T + 2 * B].all() and not row[T:T + B].any() and not row[T + 2 * B:].any()
+
+
+def test_block_sees_context_before_anchor_and_its_block_only(tiny):
+    """Perturb inputs and check which outputs change (the training mask, end to end)."""
+    m = random_drafter(tiny, block_size=4)
+    T = 24
+    k = len(m.cfg.target_layer_ids)
+    g = torch.Generator().manual_seed(0)
+    hid = torch.randn(1, T, k * 64, generator=g)
+    anchors = torch.tensor([[6, 12, 18]])
+    emb = torch.randn(1, 3, 64, generator=g)
+    base = m.train_forward(hid, emb, anchors)
+
+    # the hidden state at position 12 (the anchor of block 1) is not visible to block 1 or 0,
+    # only to block 2 (anchor 18 > 12)
+    h2 = hid.clone()
+    h2[0, 12] += 5.0
+    out = m.train_forward(h2, emb, anchors)
+    changed = (out - base).abs().amax(dim=(-1, -2))[0]  # per block
+    assert changed[0] == 0 and changed[1] == 0 and changed[2] > 1e-3
+
+    # context just before an anchor is visible to that block
+    h3 = hid.clone()
+    h3[0, 11] += 5.0
+    changed = (m.train_forward(h3, emb, anchors) - base).abs().amax(dim=(-1, -2))[0]
+    assert changed[0] == 0 and changed[1] > 1e-3 and changed[2] > 1e-3
+
+    # the anchor token of block 1 changes every row of block 1 (non-causal block) and nothing else
+    e2 = emb.clone()
+    e2[0, 1] += 5.0
+    diff = (m.train_forward(hid, e2, anchors) - base).abs().amax(dim=-1)[0]  # [blocks, B]
+    assert (diff[1] > 1e-4).all() and diff[0].max() == 0 and diff[2].max() == 0
+
+
+def _seq(ids: list[int], n_prompt: int, params=SamplingParams()) -> Sequence:
+    s = Sequence("s0", ids[:n_prompt], params, detok=None)
+    s.output_ids = ids[n_prompt:]
+    return s
+
+
+def test_inference_block_equals_training_block(tiny, tmp_path):
+    """The drafter's cached per-sequence context gives the same block as the training forward."""
+    m = random_drafter(tiny, block_size=4)
+    save_drafter(m, m.cfg.to_json(), tmp_path / "d")
+    drafter = DFlashDrafter.load(tmp_path / "d", tiny)
+    T = 30
+    k = len(m.cfg.target_layer_ids)
+    hid = torch.randn(T, k * 64)
+    ids = torch.randint(0, 256, (T + 1,)).tolist()
+    seq = _seq(ids, 10)
+    H = 64
+    layer_h = {lid: hid[:, j * H:(j + 1) * H] for j, lid in enumerate(m.cfg.target_layer_ids)}
+    # observe in two chunks, as the engine does (prefill, then decode rows)
+    drafter.observe(seq, {kk: v[:17] for kk, v in layer_h.items()}, list(range(17)))
+    drafter.observe(seq, {kk: v[17:] for kk, v in layer_h.items()}, list(range(17, T)))
+    got = drafter.block_hidden(seq)  # anchor = last token at position T
+    anchor = torch.tensor([[T]])
+    emb = tiny.model.embed(torch.tensor([ids[T]])).float()[None]
+    hid_full = torch.cat([hid, torch.zeros(1, k * H)])[None]  # position T's hidden is never visible
+    want = drafter.model.train_forward(hid_full, emb, anchor)[0, 0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # re-observing from an earlier position (recompute after preemption) truncates the cache
+    drafter.observe(seq, {kk: v[20:] for kk, v in layer_h.items()}, list(range(20, T)))
+    torch.testing.assert_close(drafter.block_hidden(seq), got)
+    props = drafter.propose([seq], [3])
+    assert len(props[0].token_ids) == 3 and props[0].probs is None
+
+
+def test_sampling_proposals_carry_probabilities(tiny, tmp_path):
+    m = random_drafter(tiny, block_size=5)
+    save_drafter(m, m.cfg.to_json(), tmp_path / "d")
+    drafter = DFlashDrafter.load(tmp_path / "d", tiny)
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.2, seed=3)
+    hid = {lid: torch.randn(12, 64) for lid in m.cfg.target_layer_ids}
+    seq = _seq(list(range(40, 53)), 8, params)
+    drafter.observe(seq, hid, list(range(12)))
+    prop = drafter.propose([seq], [4])[0]
+    assert len(prop.token_ids) == 4 and prop.probs.shape == (4, TINY_VOCAB)
+    torch.testing.assert_close(prop.probs.sum(-1), torch.ones(4))
+    assert all(prop.probs[j, t] > 0 for j, t in enumerate(prop.token_ids))  # drafts come from their rows
+    assert ((prop.probs > 0).sum(-1) <= 50).all()  # top_k applied to the draft rows too
+
+
+def _engine(target, drafter=None, k: int = 3, seed: int = 0) -> LLMEngine:
+    spec = SpecConfig("dflash", num_speculative_tokens=k, model="x", adaptive=False) if drafter else None
+    return LLMEngine(target, EngineConfig(max_num_seqs=4, max_model_len=256, seed=seed), spec, drafter)
+
+
+def _run(engine, prompts, params):
+    from engine_utils import run_all
+
+    return run_all(engine, prompts, params)
+
+
+def test_tiny_greedy_lossless_and_seeded_sampling_reproduces(tiny, tmp_path):
+    m = random_drafter(tiny, block_size=4)
+    save_drafter(m, m.cfg.to_json(), tmp_path / "d")
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 33)]
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = _run(_engine(tiny), prompts, greedy)
+    eng = _engine(tiny, DFlashDrafter.load(tmp_path / "d", tiny))
+    assert _run(eng, prompts, greedy) == plain
+    assert eng.totals.draft_tokens > 0
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+    # temperature > 0: seeded runs with the drafter reproduce exactly
+    samp = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    a = _run(_engine(tiny, DFlashDrafter.load(tmp_path / "d", tiny)), prompts, samp)
+    b = _run(_engine(tiny, DFlashDrafter.load(tmp_path / "d", tiny)), prompts, samp)
+    assert a == b
+
+
+def test_spec_config_builds_dflash_through_the_registry(tiny, tmp_path):
+    from specserve.spec.registry import build_drafter
+
+    m = random_drafter(tiny)
+    save_drafter(m, m.cfg.to_json(), tmp_path / "d")
+    d = build_drafter(SpecConfig("dflash", model=str(tmp_path / "d")), tiny, FP32, EngineConfig(), 256)
+    assert isinstance(d, DFlashDrafter) and d.hidden_layers == m.cfg.target_layer_ids
+    bad = m.cfg.to_json()
+    bad["target"] = {**bad["target"], "hidden_size": 128}
+    save_drafter(m, bad, tmp_path / "bad")
+    with pytest.raises(Exception, match="hidden_size"):
+        build_drafter(SpecConfig("dflash", model=str(tmp_path / "bad")), tiny, FP32, EngineConfig(), 256)
+
+
+# ---- smollm2-135m: greedy with the drafter is plain greedy ------------------------------------
+SHIPPED = Path(__file__).resolve().parent.parent / "specserve" / "drafters" / "smollm2-135m-dflash"
+CHAT4 = ["Write a Python function that checks whether a number is prime.",
+         "What is 12 * 13? Explain briefly.",
+         "Describe a sunrise over the sea in two sentences.",
+         "List three uses of a paperclip."]
+
+
+def test_lossless_greedy_smollm2_dflash(tmp_path):
+    from engine_utils import chat_ids, make_engine, run_all
+
+    if (SHIPPED / "config.json").is_file():
+        where = SHIPPED  # the trained drafter: drafts really get accepted
+    else:
+        from specserve.spec.train.trainer import make_model
+
+        target = load_model("smollm2-135m")
+        m = make_model("dflash", target, layers=1, block_size=8, seed=0)
+        save_drafter(m, m.cfg.to_json(), tmp_path / "d")
+        where = tmp_path / "d"
+    params = SamplingParams(max_tokens=48)
+    plain = make_engine("--model", "smollm2-135m", "--max-num-seqs", "4")
+    prompts = [chat_ids(plain, t) for t in CHAT4]
+    want = run_all(plain, prompts, params)
+    spec = json.dumps({"method": "dflash", "model": str(where), "num_speculative_tokens": 7, "adaptive": False})
+    eng = make_engine("--model", "smollm2-135m", "--max-num-seqs", "4", "--speculative-config", spec)
+    got = run_all(eng, prompts, params)
+    assert got == want
+    assert eng.totals.draft_tokens > 0 and eng.blocks.num_free == eng.blocks.num_blocks
+    if where == SHIPPED:
+        assert eng.totals.accepted_tokens > 0
+
+
+def test_drafts_are_distributed_as_their_returned_probabilities(tiny, tmp_path):
+    """At temperature > 0 each draft token is a sample from the probability row returned with it
+    (what rejection sampling needs to stay exact)."""
+    from test_verify import chi2_pvalue
+
+    m = random_drafter(tiny, block_size=3)
+    save_drafter(m, m.cfg.to_json(), tmp_path / "d")
+    drafter = DFlashDrafter.load(tmp_path / "d", tiny)
+    params = SamplingParams(temperature=1.5, top_k=4, seed=1)
+    seq = _seq(list(range(30, 45)), 10, params)
+    drafter.observe(seq, {lid: torch.randn(14, 64) for lid in m.cfg.target_layer_ids}, list(range(14)))
+    counts = torch.zeros(2, TINY_VOCAB, dtype=torch.float64)
+    probs = None
+    for _ in range(3000):
+        prop = drafter.propose([seq], [2])[0]
+        probs = prop.probs if probs is None else probs
+        assert torch.equal(prop.probs, probs)  # the state does not drift between proposals
+        for j, t in enumerate(prop.token_ids):
+            counts[j, t] += 1
+    for j in range(2):
+        support = probs[j] > 0
+        assert chi2_pvalue(counts[j][support], probs[j][support].double()) > 0.001

