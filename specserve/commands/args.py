@@ -32,7 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of free memory for weights + KV when --kv-cache-memory is unset")
     p.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "fp32", "bf16", "fp16", "fp8_e4m3", "int8", "int4"])
+                   choices=["auto", "fp32", "bf16", "fp16", "fp8_e4m3", "int8", "int4"],
+                   help="KV cache storage (auto: fp32 on CPU, the activation dtype on CUDA); fp8_e4m3 / int8: "
+                        "per-token scales, int4: groups of 32 (CPU only); see specserve/models/kv_cache.py")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")

@@ -76,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
     from specserve.server.app import create_app
 
     engine = AsyncEngine.from_args(args)
+    plan = getattr(getattr(engine, "engine", None), "plan", None)
+    if plan is not None:
+        from specserve.commands.plan import format_plan
+
+        logging.getLogger("specserve.server").info("%s", format_plan(plan))
     app = create_app(engine, cfg)
     logging.getLogger("specserve.server").info(
         "serving %s on http://%s:%d (speculation %s)", cfg.served_model_name or engine.model_name,

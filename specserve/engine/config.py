@@ -9,6 +9,7 @@ import torch
 
 from specserve.errors import SpecserveError
 from specserve.models.config import ModelConfig
+from specserve.models.kv_cache import KV_DTYPES, kv_row_bytes, resolve_kv_dtype
 
 GiB = 1 << 30
 CPU_DEFAULT_KV_CAP = 2 * GiB  # default pool cap on CPU when --kv-cache-memory is not given
@@ -32,8 +33,9 @@ class EngineConfig:
                 raise SpecserveError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise SpecserveError("--max-model-len must be >= 2")
-        if self.kv_cache_dtype not in ("auto", "fp32"):
-            raise SpecserveError(f"--kv-cache-dtype {self.kv_cache_dtype} is not implemented yet (use auto)")
+        if self.kv_cache_dtype not in ("auto", *KV_DTYPES):
+            raise SpecserveError(f"--kv-cache-dtype must be one of auto, {', '.join(KV_DTYPES)}; "
+                                 f"got {self.kv_cache_dtype!r}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -55,6 +57,9 @@ class MemoryPlan:
     block_size: int
     max_model_len: int
     available_bytes: int
+    kv_dtype: str = "fp32"
+    max_num_seqs: int = 0
+    pool_source: str = "available"  # what sized the pool: "--kv-cache-memory", "--memory" or "available"
 
     @property
     def pool_bytes(self) -> int:
@@ -64,14 +69,38 @@ class MemoryPlan:
     def pool_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def total_bytes(self) -> int:
+        """Weights (target and drafter) plus the KV pool."""
+        return self.weight_bytes + self.drafter_bytes + self.pool_bytes
+
+    @property
+    def max_context(self) -> int:
+        """The longest context one sequence alone could use: the pool, capped by max_model_len."""
+        return min(self.pool_tokens, self.max_model_len)
+
     def concurrency_at(self, context: int) -> int:
         return self.num_blocks // -(-context // self.block_size)
 
+    def to_dict(self) -> dict:
+        return {
+            "weight_bytes": self.weight_bytes, "drafter_bytes": self.drafter_bytes,
+            "kv_cache_dtype": self.kv_dtype, "kv_bytes_per_token": self.kv_bytes_per_token,
+            "block_size": self.block_size, "num_blocks": self.num_blocks, "pool_tokens": self.pool_tokens,
+            "pool_bytes": self.pool_bytes, "total_bytes": self.total_bytes, "pool_source": self.pool_source,
+            "available_bytes": self.available_bytes, "max_model_len": self.max_model_len,
+            "max_context": self.max_context, "max_num_seqs": self.max_num_seqs,
+            "concurrency_at_max_model_len": self.concurrency_at(self.max_model_len),
+        }
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    elem = torch.tensor([], dtype=dtype).element_size()
-    # Gemma 3's sliding layers are paged like the others for now, so every layer counts.
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str | torch.dtype = "fp32") -> int:
+    """Exact KV bytes one token takes: K and V rows of every layer and kv head, scales included
+    (fp8_e4m3 / int8: one fp32 scale per row; int4: fp32 scale and min per 32 values).
+
+    Gemma 3's sliding-window layers are paged like the global ones for now (their blocks are not
+    recycled once they slide out of the window), so every layer counts per token."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * kv_row_bytes(resolve_kv_dtype(kv_dtype), cfg.head_dim)
 
 
 def available_memory(device: torch.device) -> int:
@@ -86,25 +115,57 @@ def available_memory(device: torch.device) -> int:
 
 
 def plan_memory(ecfg: EngineConfig, per_token: int, max_model_len: int, weight_bytes: int,
-                drafter_bytes: int, available: int, device_type: str) -> MemoryPlan:
-    """Size the KV pool; refuse when even one sequence at max_model_len cannot fit."""
+                drafter_bytes: int, available: int, device_type: str, *, kv_dtype: str = "fp32",
+                total_memory: int | None = None) -> MemoryPlan:
+    """Size the KV pool; refuse when even one sequence at max_model_len cannot fit.
+
+    The pool is ``--kv-cache-memory`` when given; else, with ``total_memory`` (the planner's
+    ``--memory``: bytes for weights + KV), whatever the weights leave of it; else sized from the
+    available memory, at most what max_num_seqs sequences of max_model_len need (and at most
+    CPU_DEFAULT_KV_CAP on the CPU)."""
     bs = ecfg.block_size
     blocks_one_seq = -(-max_model_len // bs)
+    need = blocks_one_seq * bs * per_token
+    weights = weight_bytes + drafter_bytes
     if ecfg.kv_cache_memory is not None:
-        pool = ecfg.kv_cache_memory
+        pool, source = ecfg.kv_cache_memory, "--kv-cache-memory"
+    elif total_memory is not None:
+        pool, source = total_memory - weights, "--memory"
+        available = total_memory
     else:
-        budget = int(available * ecfg.memory_fraction) - (weight_bytes + drafter_bytes if device_type == "cuda" else 0)
+        budget = int(available * ecfg.memory_fraction) - (weights if device_type == "cuda" else 0)
         want = ecfg.max_num_seqs * blocks_one_seq * bs * per_token
         pool = min(budget, want, CPU_DEFAULT_KV_CAP if device_type == "cpu" else budget)
-    num_blocks = pool // (bs * per_token)
+        source = "available"
+    num_blocks = max(pool, 0) // (bs * per_token)
     if num_blocks < blocks_one_seq:
-        need = blocks_one_seq * bs * per_token
-        raise SpecserveError(
-            f"the KV pool holds {num_blocks * bs} tokens ({pool / 2**20:.0f} MiB at {per_token} bytes/token) but "
-            f"one sequence at --max-model-len {max_model_len} needs {need / 2**20:.0f} MiB: raise --kv-cache-memory "
-            f"to at least {need} or lower --max-model-len to {num_blocks * bs}")
-    if device_type == "cpu" and weight_bytes + drafter_bytes + num_blocks * bs * per_token > available:
+        have = f"the KV pool holds {num_blocks * bs} tokens ({max(pool, 0) / 2**20:.0f} MiB at {per_token} bytes/token)"
+        fix_len = f"lower --max-model-len to {num_blocks * bs}" if num_blocks else "lower --max-model-len"
+        if source == "--kv-cache-memory":
+            fix = f"raise --kv-cache-memory to at least {need} or {fix_len}"
+        elif source == "--memory":
+            have = (f"--memory {total_memory} leaves {max(pool, 0) / 2**20:.0f} MiB for the KV pool after "
+                    f"{weights / 2**20:.0f} MiB of weights ({num_blocks * bs} tokens at {per_token} bytes/token)")
+            fix = f"raise --memory to at least {weights + need} or {fix_len}"
+        else:
+            fix = f"{fix_len}, use a smaller --kv-cache-dtype, or set --kv-cache-memory to at least {need}"
+        raise SpecserveError(f"{have} but one sequence at --max-model-len {max_model_len} needs "
+                             f"{need / 2**20:.0f} MiB: {fix}")
+    if device_type == "cpu" and source != "--memory" and weights + num_blocks * bs * per_token > available:
         raise SpecserveError(f"weights ({weight_bytes / 2**20:.0f} MiB) plus the KV pool "
                              f"({num_blocks * bs * per_token / 2**20:.0f} MiB) do not fit in the "
                              f"{available / 2**20:.0f} MiB of available memory: lower --kv-cache-memory")
-    return MemoryPlan(weight_bytes, drafter_bytes, per_token, int(num_blocks), bs, max_model_len, available)
+    return MemoryPlan(weight_bytes, drafter_bytes, per_token, int(num_blocks), bs, max_model_len, available,
+                      kv_dtype, ecfg.max_num_seqs, source)
+
+
+def engine_plan(ecfg: EngineConfig, mcfg: ModelConfig, model_dtype: torch.dtype, device: torch.device,
+                weight_bytes: int, drafter_bytes: int, total_memory: int | None = None) -> MemoryPlan:
+    """The engine's memory plan for a loaded model (what LLMEngine and ``specserve plan`` use)."""
+    kv_dtype = resolve_kv_dtype(ecfg.kv_cache_dtype, device.type, model_dtype)
+    if device.type != "cpu" and kv_dtype in ("fp8_e4m3", "int8", "int4"):
+        raise SpecserveError(f"--kv-cache-dtype {kv_dtype} is not supported on CUDA yet (use auto, bf16 or fp16)")
+    max_model_len = min(ecfg.max_model_len or mcfg.max_position, mcfg.max_position)
+    available = available_memory(device) if total_memory is None else total_memory
+    return plan_memory(ecfg, kv_bytes_per_token(mcfg, kv_dtype), max_model_len, weight_bytes, drafter_bytes,
+                       available, device.type, kv_dtype=kv_dtype, total_memory=total_memory)

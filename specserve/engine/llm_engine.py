@@ -17,7 +17,7 @@ import torch
 
 from specserve.engine import sampler
 from specserve.engine.block_manager import BlockManager, NoFreeBlocks
-from specserve.engine.config import EngineConfig, MemoryPlan, available_memory, kv_bytes_per_token, plan_memory
+from specserve.engine.config import EngineConfig, MemoryPlan, engine_plan
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.sequence import Sequence, Status
 from specserve.engine.types import EngineStats, RequestOutput, SamplingParams, SpecStats
@@ -52,11 +52,10 @@ class LLMEngine:
         self.device = self.model.device
         mcfg = target.config
         self.max_model_len = min(ecfg.max_model_len or mcfg.max_position, mcfg.max_position)
-        per_token = kv_bytes_per_token(mcfg, self.model.dtype)
         drafter_bytes = getattr(drafter, "weight_bytes", lambda: 0)()
-        self.plan: MemoryPlan = plan_memory(ecfg, per_token, self.max_model_len, self.model.weight_bytes(),
-                                            drafter_bytes, available_memory(self.device), self.device.type)
-        self.kv = KVCache.allocate(mcfg, self.plan.num_blocks, ecfg.block_size, self.model.dtype, self.device)
+        self.plan: MemoryPlan = engine_plan(ecfg, mcfg, self.model.dtype, self.device, self.model.weight_bytes(),
+                                            drafter_bytes)
+        self.kv = KVCache.allocate(mcfg, self.plan.num_blocks, ecfg.block_size, self.plan.kv_dtype, self.device)
         self.blocks = BlockManager(self.plan.num_blocks, ecfg.block_size, ecfg.enable_prefix_caching,
                                    salt=target.identity)
         self.waiting: deque[Sequence] = deque()
@@ -122,9 +121,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = self.model.forward(batch, self.kv)
         self.cost.add(int(batch.input_ids.shape[0]), time.perf_counter() - t0)
-        if self.drafter and self.drafter.hidden_layers:
-            self._feed_hidden(rows, out.hidden)
-        return self._process(rows, out.logits)
+        return self._process(rows, out.logits, out.hidden)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.ecfg.max_num_seqs:
@@ -228,14 +225,15 @@ class LLMEngine:
             hidden_layers=self.drafter.hidden_layers if self.drafter else (),
         )
 
-    def _feed_hidden(self, rows: list[_Row], hidden: dict[int, torch.Tensor]) -> None:
-        for r in rows:
-            sl = slice(r.start, r.start + r.count)
-            self.drafter.observe(r.seq, {k: v[sl] for k, v in hidden.items()},
-                                 list(range(r.seq.num_computed, r.seq.num_computed + r.count)))
+    def _observe(self, r: _Row, start: int, count: int, hidden: dict[int, torch.Tensor]) -> None:
+        """Hand the drafter the target's hidden states of the rows whose K/V were kept."""
+        if self.drafter and self.drafter.hidden_layers and count:
+            rows = slice(r.start, r.start + count)
+            self.drafter.observe(r.seq, {k: v[rows] for k, v in hidden.items()}, list(range(start, start + count)))
 
     # ---- after the forward -----------------------------------------------------------------
-    def _process(self, rows: list[_Row], logits: torch.Tensor) -> list[RequestOutput]:
+    def _process(self, rows: list[_Row], logits: torch.Tensor,
+                 hidden: dict[int, torch.Tensor]) -> list[RequestOutput]:
         outputs, cursor = [], 0
         for r in rows:
             seq = r.seq
@@ -243,6 +241,7 @@ class LLMEngine:
             lg = logits[cursor:cursor + n_logits]
             cursor += n_logits
             if not r.drafts and not r.sample:  # a prefill chunk that does not end the prompt
+                self._observe(r, seq.num_computed, r.count, hidden)
                 seq.num_computed += r.count
                 self.blocks.commit(seq.table, seq.token_ids, seq.num_computed)
                 continue
@@ -252,7 +251,9 @@ class LLMEngine:
                 seq.spec.record(len(r.drafts), n_acc)
                 self.totals.record(len(r.drafts), n_acc)
                 DraftPolicy.update(seq, len(r.drafts), n_acc)
+            first = seq.num_computed
             seq.num_computed = computed_before + 1 + n_acc
+            self._observe(r, first, seq.num_computed - first, hidden)
             self.blocks.truncate(seq.table, seq.num_computed + 1)
             if self.drafter:
                 self.drafter.on_verified(seq, n_acc)

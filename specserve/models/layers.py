@@ -78,11 +78,19 @@ class Rope:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_ids: torch.Tensor, positions: torch.Tensor, scale: float, window: int,
-                    softcap: float) -> torch.Tensor:
-    """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D] -> [T, Hq, D]."""
+                    softcap: float, kv_dtype: str = "fp32", k_scales: torch.Tensor | None = None,
+                    v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D] -> [T, Hq, D].
+
+    kv_dtype / k_scales / v_scales: the cache's storage format (see models/kv_cache.py)."""
     if q.device.type == "cpu":
         return ops.paged_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_ids, positions,
-                                   scale, window, softcap)
+                                   scale, window, softcap, kv_dtype=kv_dtype, k_scales=k_scales,
+                                   v_scales=v_scales)
+    if kv_dtype not in ("fp32", "bf16", "fp16"):
+        from specserve.errors import SpecserveError
+
+        raise SpecserveError(f"--kv-cache-dtype {kv_dtype} is not supported on CUDA yet")
     return _torch_paged_attention(q, k_cache, v_cache, block_tables, seq_ids, positions, scale, window, softcap)
 
 

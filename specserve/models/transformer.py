@@ -13,6 +13,7 @@ import torch
 
 from specserve.errors import ModelLoadError
 from specserve.models.config import ModelConfig
+from specserve.models.kv_cache import KVCache  # noqa: F401  (re-exported: the paged KV cache)
 from specserve.models.layers import Linear, Rope, act_mul, paged_attention, rms_norm
 from specserve.models.weights import RawTensor
 
@@ -35,21 +36,6 @@ class ForwardOutput:
     logits: torch.Tensor  # [L, vocab] float32
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, H]
     final_hidden: torch.Tensor | None = None  # [T, H] after the final norm
-
-
-@dataclass
-class KVCache:
-    """Per-layer K/V pools: [num_blocks, block_size, num_kv_heads, head_dim]."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-
-    @classmethod
-    def allocate(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> "KVCache":
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)],
-                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)])
 
 
 class _Layer:
@@ -133,11 +119,10 @@ class Transformer:
             k = rms_norm(k.reshape(-1, cfg.head_dim), layer.k_norm, cfg.rms_eps).view_as(k)
         rope = self.rope_local if cfg.sliding(i) else self.rope_global
         q, k = rope(q, batch.positions), rope(k, batch.positions)
-        k_pool, v_pool = kv.k[i], kv.v[i]
-        k_pool.view(-1, cfg.num_kv_heads, cfg.head_dim)[batch.slot_mapping] = k.to(k_pool.dtype)
-        v_pool.view(-1, cfg.num_kv_heads, cfg.head_dim)[batch.slot_mapping] = v.to(v_pool.dtype)
+        kv.write(i, batch.slot_mapping, k, v)  # quantized on write for int8 / fp8 / int4 caches
+        k_pool, v_pool, kv_extra = kv.attention_args(i)
         attn = paged_attention(q, k_pool, v_pool, batch.block_tables, batch.seq_ids, batch.positions,
-                               cfg.scale, layer.window, cfg.attn_softcap)  # [T, Hq, D]
+                               cfg.scale, layer.window, cfg.attn_softcap, **kv_extra)  # [T, Hq, D]
         o = layer.o(attn.reshape(t_len, cfg.q_size))
         if cfg.sandwich_norms:
             o = rms_norm(o, layer.post_attn_norm, cfg.rms_eps)

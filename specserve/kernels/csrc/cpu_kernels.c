@@ -1150,6 +1150,141 @@ static void attn_values(const float *pw, const float *vbase, const int64_t *voff
     }
 }
 
+/* ------------------------------------------------------------------------ */
+/* KV cache formats (keep in sync with ops.py KV_FORMATS)                   */
+/*   Each (slot, kv head) row of D values is stored as:                     */
+/*   F32 / BF16 / F16: D values of that type.                               */
+/*   FP8_E4M3: D bytes (e4m3fn) + one fp32 scale: x = fp8(b) * s            */
+/*   I8: D int8 + one fp32 scale: x = (float)q * s                          */
+/*   I4: D/2 bytes (element 2i in the low nibble of byte i, 2i+1 in the     */
+/*       high one) + per group of G elements fp32 (scale, min):             */
+/*       x = (float)nib * s + m   (a multiply, then an add; no fma)         */
+/*   Rows are dequantized to fp32 into a per-thread buffer and attention    */
+/*   then runs the fp32 arithmetic unchanged, so results stay batch        */
+/*   invariant and equal the fp32 kernel over the dequantized values.      */
+/* ------------------------------------------------------------------------ */
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_FP8_E4M3 = 3, KV_I8 = 4, KV_I4 = 5 };
+
+static float fp8_e4m3_lut[256];
+
+__attribute__((constructor)) static void init_fp8_e4m3_lut(void) {
+    for (int b = 0; b < 256; b++) {
+        const int e = (b >> 3) & 15, m = b & 7;
+        float v;
+        if (e == 15 && m == 7) v = NAN;
+        else if (e == 0) v = ldexpf((float)m, -9);
+        else v = ldexpf((float)(8 + m), e - 10);
+        fp8_e4m3_lut[b] = (b & 0x80) ? -v : v;
+    }
+}
+
+SS_EXPORT float ss_fp8_e4m3_to_float(int b) { return fp8_e4m3_lut[b & 255]; }
+
+/* row = (block * BS + offset) * Hkv + kv_head. The SIMD loops do the same
+   exact conversions and the same single multiply (and add, for int4) per
+   element as the scalar tails, so every build gives the same values. */
+static void kv_deq_row(int fmt, const void *base, const float *scales, int64_t row, int D, int G, float *out) {
+    int d = 0;
+    switch (fmt) {
+    case KV_BF16: {
+        const uint16_t *p = (const uint16_t *)base + row * D;
+#ifdef SS_AVX2
+        for (; d + 8 <= D; d += 8) {
+            __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + d)));
+            _mm256_storeu_ps(out + d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+        }
+#endif
+        for (; d < D; d++) {
+            uint32_t u = (uint32_t)p[d] << 16;
+            memcpy(out + d, &u, 4);
+        }
+        break;
+    }
+    case KV_F16: {
+        const uint8_t *p = (const uint8_t *)base + row * D * 2;
+#if defined(SS_AVX2) && defined(SS_F16C)
+        for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * d))));
+#endif
+        for (; d < D; d++) out[d] = h2f(p + 2 * d);
+        break;
+    }
+    case KV_FP8_E4M3: {
+        const uint8_t *p = (const uint8_t *)base + row * D;
+        const float s = scales[row];
+#ifdef SS_AVX2
+        const __m256 vs = _mm256_set1_ps(s);
+        /* exact decode by bit manipulation (the same values as the table) */
+        const __m256i c7f = _mm256_set1_epi32(0x7F), bias = _mm256_set1_epi32(120 << 23);
+        const __m256 sub_scale = _mm256_set1_ps(1.0f / 512.0f), qnan = _mm256_set1_ps(NAN);
+        for (; d + 8 <= D; d += 8) {
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + d)));
+            const __m256i em = _mm256_and_si256(b, c7f);
+            const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+            /* normal: exponent e - 7 + 127 = e + 120, mantissa m << 20 */
+            __m256 v = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), bias));
+            /* subnormal (e == 0): m * 2^-9 */
+            const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(7))), sub_scale);
+            v = _mm256_blendv_ps(v, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em)));
+            v = _mm256_blendv_ps(v, qnan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, c7f)));
+            v = _mm256_or_ps(v, _mm256_castsi256_ps(sign));
+            _mm256_storeu_ps(out + d, _mm256_mul_ps(v, vs));
+        }
+#endif
+        for (; d < D; d++) out[d] = fp8_e4m3_lut[p[d]] * s;
+        break;
+    }
+    case KV_I8: {
+        const int8_t *p = (const int8_t *)base + row * D;
+        const float s = scales[row];
+#ifdef SS_AVX2
+        const __m256 vs = _mm256_set1_ps(s);
+        for (; d + 8 <= D; d += 8) {
+            __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + d))));
+            _mm256_storeu_ps(out + d, _mm256_mul_ps(f, vs));
+        }
+#endif
+        for (; d < D; d++) out[d] = (float)p[d] * s;
+        break;
+    }
+    case KV_I4: {
+        const uint8_t *p = (const uint8_t *)base + row * (D / 2);
+        const int ng = D / G;
+        const float *sm = scales + row * ng * 2;
+        for (int g = 0; g < ng; g++) {
+            const float s = sm[2 * g], m = sm[2 * g + 1];
+            int j = 0;
+#ifdef SS_AVX2
+            const __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
+            const __m128i m4 = _mm_set1_epi8(0x0F);
+            for (; j + 32 <= G; j += 32) {
+                const int d0 = g * G + j;
+                __m128i bytes = _mm_loadu_si128((const __m128i *)(p + d0 / 2));
+                __m128i lo = _mm_and_si128(bytes, m4);
+                __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), m4);
+                __m128i e0 = _mm_unpacklo_epi8(lo, hi); /* elements d0 .. d0+15 */
+                __m128i e1 = _mm_unpackhi_epi8(lo, hi); /* elements d0+16 .. d0+31 */
+                __m128i parts[4] = {e0, _mm_srli_si128(e0, 8), e1, _mm_srli_si128(e1, 8)};
+                for (int c = 0; c < 4; c++) {
+                    __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[c]));
+                    _mm256_storeu_ps(out + d0 + 8 * c, _mm256_add_ps(_mm256_mul_ps(f, vs), vm));
+                }
+            }
+#endif
+            for (; j < G; j++) {
+                const int dd = g * G + j;
+                const int nib = (p[dd >> 1] >> ((dd & 1) * 4)) & 15;
+                out[dd] = (float)nib * s + m;
+            }
+        }
+        break;
+    }
+    default:
+        break;
+    }
+}
+
 /*
  * q:            [T, Hq, D]
  * k/v cache:    [NB, BS, Hkv, D]
@@ -1162,13 +1297,17 @@ static void attn_values(const float *pw, const float *vbase, const int64_t *voff
  * fixed: scores in key order, max, exp/sum (exp_sub_sum), V accumulation in
  * key order, division by the sum.
  */
-SS_EXPORT int ss_paged_attention(const float *q, const float *kc, const float *vc, int64_t num_blocks,
-                                 int64_t BS, int64_t Hkv, const int32_t *block_tables, int64_t S,
-                                 int64_t max_blocks, const int32_t *seq_ids, const int32_t *positions,
-                                 int64_t T, int64_t Hq, int64_t D, float scale, int64_t window,
-                                 float softcap, float *out, int nthreads) {
+static int paged_attention_core(int fmt, const float *q, const void *kc, const void *vc, const float *ksc,
+                                const float *vsc, int64_t G, int64_t num_blocks, int64_t BS, int64_t Hkv,
+                                const int32_t *block_tables, int64_t S, int64_t max_blocks,
+                                const int32_t *seq_ids, const int32_t *positions, int64_t T, int64_t Hq,
+                                int64_t D, float scale, int64_t window, float softcap, float *out,
+                                int nthreads) {
     if (T < 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || D > ATT_DMAX || BS <= 0 || Hq % Hkv != 0)
         return SS_EINVAL;
+    if (fmt < KV_F32 || fmt > KV_I4) return SS_EFORMAT;
+    if ((fmt == KV_FP8_E4M3 || fmt == KV_I8 || fmt == KV_I4) && (!ksc || !vsc)) return SS_EINVAL;
+    if (fmt == KV_I4 && (D % 2 != 0 || G <= 0 || D % G != 0)) return SS_EINVAL;
     if (T == 0) return SS_OK;
     /* validate indices before touching memory */
     int64_t maxlen = 0;
@@ -1197,6 +1336,16 @@ SS_EXPORT int ss_paged_attention(const float *q, const float *kc, const float *v
     {
         float *sc = (float *)malloc(sizeof(float) * (size_t)(gsub * maxlen + 16));
         int64_t *off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(maxlen + 16));
+        /* quantized formats: K and V rows of one kv head dequantized to fp32 */
+        float *kbuf = NULL, *vbuf = NULL;
+        if (fmt != KV_F32) {
+            kbuf = (float *)malloc(sizeof(float) * (size_t)(maxlen * D + 16));
+            vbuf = (float *)malloc(sizeof(float) * (size_t)(maxlen * D + 16));
+            if (!kbuf || !vbuf) {
+                free(sc);
+                sc = NULL;
+            }
+        }
         float accbuf[ATT_DMAX] SS_ALIGN;
         if (!sc || !off) {
 #pragma omp atomic write
@@ -1213,22 +1362,58 @@ SS_EXPORT int ss_paged_attention(const float *q, const float *kc, const float *v
             const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
             const int64_t L = pos - start + 1;
             const int32_t *bt = block_tables + s * max_blocks;
-            for (int64_t i = 0; i < L; i++) {
-                const int64_t p = start + i;
-                off[i] = (((int64_t)bt[p / BS] * BS + p % BS) * Hkv + kvh) * D;
+            const float *kb = (const float *)kc, *vb = (const float *)vc;
+            if (fmt == KV_F32) {
+                for (int64_t i = 0; i < L; i++) {
+                    const int64_t p = start + i;
+                    off[i] = (((int64_t)bt[p / BS] * BS + p % BS) * Hkv + kvh) * D;
+                }
+            } else {
+                for (int64_t i = 0; i < L; i++) {
+                    const int64_t p = start + i;
+                    const int64_t row = ((int64_t)bt[p / BS] * BS + p % BS) * Hkv + kvh;
+                    kv_deq_row(fmt, kc, ksc, row, (int)D, (int)G, kbuf + i * D);
+                    kv_deq_row(fmt, vc, vsc, row, (int)D, (int)G, vbuf + i * D);
+                    off[i] = i * D;
+                }
+                kb = kbuf;
+                vb = vbuf;
             }
             for (int64_t g = 0; g < gsub; g++) {
                 const int64_t h = h0 + g;
                 float *scg = sc + g * maxlen;
-                const float mx = attn_scores(q + (t * Hq + h) * D, kc, off, L, (int)D, scale, softcap, scg);
+                const float mx = attn_scores(q + (t * Hq + h) * D, kb, off, L, (int)D, scale, softcap, scg);
                 const float sum = exp_sub_sum(scg, (int)L, mx);
-                attn_values(scg, vc, off, L, (int)D, sum, out + (t * Hq + h) * D, accbuf);
+                attn_values(scg, vb, off, L, (int)D, sum, out + (t * Hq + h) * D, accbuf);
             }
         }
         free(sc);
         free(off);
+        free(kbuf);
+        free(vbuf);
     }
     return err ? SS_ENOMEM : SS_OK;
+}
+
+SS_EXPORT int ss_paged_attention(const float *q, const float *kc, const float *vc, int64_t num_blocks,
+                                 int64_t BS, int64_t Hkv, const int32_t *block_tables, int64_t S,
+                                 int64_t max_blocks, const int32_t *seq_ids, const int32_t *positions,
+                                 int64_t T, int64_t Hq, int64_t D, float scale, int64_t window,
+                                 float softcap, float *out, int nthreads) {
+    return paged_attention_core(KV_F32, q, kc, vc, NULL, NULL, 0, num_blocks, BS, Hkv, block_tables, S,
+                                max_blocks, seq_ids, positions, T, Hq, D, scale, window, softcap, out, nthreads);
+}
+
+/* paged attention over a KV cache in format fmt (KV_*); ksc / vsc: the scale
+   pools (fp8 / int8: [NB, BS, Hkv]; int4: [NB, BS, Hkv, D / G, 2]) */
+SS_EXPORT int ss_paged_attention_kv(int fmt, const float *q, const void *kc, const void *vc, const float *ksc,
+                                    const float *vsc, int64_t G, int64_t num_blocks, int64_t BS, int64_t Hkv,
+                                    const int32_t *block_tables, int64_t S, int64_t max_blocks,
+                                    const int32_t *seq_ids, const int32_t *positions, int64_t T, int64_t Hq,
+                                    int64_t D, float scale, int64_t window, float softcap, float *out,
+                                    int nthreads) {
+    return paged_attention_core(fmt, q, kc, vc, ksc, vsc, G, num_blocks, BS, Hkv, block_tables, S, max_blocks,
+                                seq_ids, positions, T, Hq, D, scale, window, softcap, out, nthreads);
 }
 
 /* ------------------------------------------------------------------------ */

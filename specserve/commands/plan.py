@@ -1,0 +1,103 @@
+"""``specserve plan``: the memory budget of a deployment, without serving it.
+
+Prints the weights (in their run-time format, the drafter's included), the KV bytes per token
+for ``--kv-cache-dtype``, the pool that fits, the longest context one sequence can use and how
+many sequences fit at ``--max-model-len``. The numbers come from the engine's own planner
+(:func:`specserve.engine.config.engine_plan`), so they are the pool ``serve`` allocates with the
+same flags. ``--memory`` asks instead how a total budget (weights + KV) would split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from specserve.commands.args import add_engine_args
+from specserve.errors import SpecserveError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'123', '4GiB', '512MiB', '1.5GB' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 8589934592, 8GiB, 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="print the memory budget: weights, KV per token, pool, context, concurrency",
+                              description=__doc__.splitlines()[0].split(": ", 1)[-1])
+    add_engine_args(p)
+    p.add_argument("--memory", type=parse_bytes, default=None,
+                   help="total bytes for weights + KV (e.g. 8GiB; default: the available memory, as the engine "
+                        "computes it). --kv-cache-memory, when given, sizes the pool instead")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _mib(n: int) -> str:
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def format_plan(plan, title: str = "memory plan") -> str:
+    """A few lines describing a MemoryPlan (printed by ``serve`` at start-up and by ``plan``)."""
+    source = {"--kv-cache-memory": "set by --kv-cache-memory", "--memory": "what --memory leaves",
+              "available": f"sized from {_mib(plan.available_bytes)} available"}.get(plan.pool_source, plan.pool_source)
+    conc = plan.concurrency_at(plan.max_model_len)
+    lines = [
+        f"{title}: weights {_mib(plan.weight_bytes)}"
+        + (f" + drafter {_mib(plan.drafter_bytes)}" if plan.drafter_bytes else "")
+        + f" + KV pool {_mib(plan.pool_bytes)} = {_mib(plan.total_bytes)}",
+        f"  KV cache: {plan.kv_dtype}, {plan.kv_bytes_per_token:,} bytes/token; pool {plan.pool_tokens:,} tokens "
+        f"({plan.num_blocks:,} blocks of {plan.block_size}; {source})",
+        f"  max context for one sequence: {plan.max_context:,} tokens; at --max-model-len {plan.max_model_len:,}: "
+        f"{conc:,} sequence{'s fit' if conc != 1 else ' fits'}"
+        + (f" (--max-num-seqs {plan.max_num_seqs})" if plan.max_num_seqs else ""),
+    ]
+    return "\n".join(lines)
+
+
+def compute_plan(args: argparse.Namespace) -> tuple[object, dict]:
+    """Load the model (and build the drafter) as the engine would, and plan its memory.
+    Returns (MemoryPlan, extra facts for the report)."""
+    from specserve.engine.builder import set_threads
+    from specserve.engine.config import EngineConfig, engine_plan
+    from specserve.models.loader import LoadOptions, load_model
+    from specserve.spec.config import parse_spec_config
+    from specserve.spec.registry import build_drafter
+
+    set_threads(getattr(args, "threads", None))
+    spec = parse_spec_config(getattr(args, "speculative_config", None))
+    options = LoadOptions(args.device, args.dtype, args.quantization)
+    ecfg = EngineConfig.from_args(args)
+    if args.memory is not None and args.memory <= 0:
+        raise SpecserveError("--memory must be a positive number of bytes")
+    target = load_model(args.model, options)
+    max_len = min(ecfg.max_model_len or target.config.max_position, target.config.max_position)
+    drafter = build_drafter(spec, target, options, ecfg, max_len)
+    drafter_bytes = getattr(drafter, "weight_bytes", lambda: 0)()
+    model = target.model
+    plan = engine_plan(ecfg, target.config, model.dtype, model.device, model.weight_bytes(), drafter_bytes,
+                       total_memory=args.memory)
+    formats = sorted({lin.format for layer in model.layers for lin in layer.linears()} | {model.lm_head.format})
+    extra = {"model": target.name, "device": str(model.device), "weight_format": ",".join(formats),
+             "speculative_method": spec.method if spec else None, "model_max_len": target.config.max_position,
+             "memory": args.memory}
+    return plan, extra
+
+
+def run(args: argparse.Namespace) -> int:
+    plan, extra = compute_plan(args)
+    if args.json:
+        print(json.dumps({**extra, **plan.to_dict()}, indent=2))
+        return 0
+    print(f"{extra['model']} on {extra['device']}: weights in {extra['weight_format']}"
+          + (f", speculation: {extra['speculative_method']}" if extra["speculative_method"] else ""))
+    print(format_plan(plan))
+    return 0

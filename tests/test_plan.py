@@ -1,0 +1,111 @@
+"""``specserve plan``: the planner's numbers are the pool the engine really allocates."""
+
+import json
+
+import pytest
+
+from engine_utils import make_engine
+from specserve import cli
+from specserve.commands.plan import format_plan, parse_bytes
+from specserve.errors import SpecserveError
+
+MODEL = ("--model", "smollm2-135m")
+
+
+def plan_json(capsys, *argv: str) -> dict:
+    assert cli.main(["plan", *MODEL, *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _check_engine_matches(engine, got: dict) -> None:
+    plan = engine.plan
+    assert got["num_blocks"] == plan.num_blocks == engine.blocks.num_blocks
+    assert got["kv_bytes_per_token"] == plan.kv_bytes_per_token
+    assert got["weight_bytes"] == plan.weight_bytes == engine.model.weight_bytes()
+    assert got["drafter_bytes"] == plan.drafter_bytes
+    assert got["kv_cache_dtype"] == plan.kv_dtype == engine.kv.kv_dtype
+    # the tensors the engine allocated are exactly the planned pool
+    assert engine.kv.k[0].shape[0] == got["num_blocks"]
+    assert engine.kv.nbytes() == got["pool_bytes"] == plan.pool_bytes
+    assert got["concurrency_at_max_model_len"] == plan.concurrency_at(plan.max_model_len)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "int8", "int4"])
+def test_plan_equals_engine_allocation(capsys, dtype):
+    flags = ("--kv-cache-memory", str(60_000_000), "--kv-cache-dtype", dtype, "--max-model-len", "1024",
+             "--block-size", "16")
+    got = plan_json(capsys, *flags)
+    engine = make_engine(*MODEL, *flags)
+    _check_engine_matches(engine, got)
+    assert got["pool_source"] == "--kv-cache-memory"
+    assert got["pool_bytes"] <= 60_000_000 < got["pool_bytes"] + 16 * got["kv_bytes_per_token"]
+
+
+def test_plan_default_sizing_equals_engine(capsys):
+    # without --kv-cache-memory the pool is what --max-num-seqs sequences of --max-model-len need
+    flags = ("--max-model-len", "512", "--max-num-seqs", "3", "--kv-cache-dtype", "fp8_e4m3")
+    got = plan_json(capsys, *flags)
+    engine = make_engine(*MODEL, *flags)
+    _check_engine_matches(engine, got)
+    assert got["num_blocks"] == 3 * 512 // 16 and got["concurrency_at_max_model_len"] == 3
+
+
+def test_plan_with_draft_model_counts_drafter(capsys):
+    spec = '{"method": "draft_model", "model": "smollm2-135m", "quantization": "int8", "num_speculative_tokens": 2}'
+    got = plan_json(capsys, "--speculative-config", spec, "--max-model-len", "256", "--kv-cache-memory", "20000000")
+    assert got["drafter_bytes"] > 0 and got["speculative_method"] == "draft_model"
+    assert got["total_bytes"] == got["weight_bytes"] + got["drafter_bytes"] + got["pool_bytes"]
+
+
+def test_plan_memory_budget(capsys):
+    got = plan_json(capsys, "--memory", "400MiB", "--max-model-len", "1024")
+    assert got["pool_source"] == "--memory" and got["memory"] == 400 * 2**20
+    per_block = 16 * got["kv_bytes_per_token"]
+    assert got["num_blocks"] == (400 * 2**20 - got["weight_bytes"]) // per_block
+    assert got["total_bytes"] <= 400 * 2**20
+    assert got["max_context"] == 1024
+    assert got["concurrency_at_max_model_len"] == got["num_blocks"] // (1024 // 16)
+
+
+def test_json_shape(capsys):
+    got = plan_json(capsys, "--kv-cache-memory", "50000000", "--max-model-len", "1024")
+    expected = {"model": str, "device": str, "weight_format": str, "model_max_len": int, "weight_bytes": int,
+                "drafter_bytes": int, "kv_cache_dtype": str, "kv_bytes_per_token": int, "block_size": int,
+                "num_blocks": int, "pool_tokens": int, "pool_bytes": int, "total_bytes": int, "pool_source": str,
+                "available_bytes": int, "max_model_len": int, "max_context": int, "max_num_seqs": int,
+                "concurrency_at_max_model_len": int}
+    for key, typ in expected.items():
+        assert isinstance(got[key], typ), key
+    assert got["speculative_method"] is None and got["memory"] is None
+    assert got["kv_cache_dtype"] == "fp32" and got["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+    assert got["pool_tokens"] == got["num_blocks"] * 16
+
+
+def test_refusal_names_the_flag(capsys):
+    assert cli.main(["plan", *MODEL, "--kv-cache-memory", "1000000", "--max-model-len", "2048"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ")
+    assert "--kv-cache-memory" in err and "--max-model-len" in err
+    assert cli.main(["plan", *MODEL, "--memory", "220MiB", "--max-model-len", "8192"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "raise --memory to at least" in err
+    with pytest.raises(SpecserveError, match="--kv-cache-memory"):
+        make_engine(*MODEL, "--kv-cache-memory", "1000000", "--max-model-len", "2048")
+
+
+def test_text_output_and_format_plan(capsys):
+    assert cli.main(["plan", *MODEL, "--kv-cache-memory", "50000000", "--max-model-len", "1024",
+                     "--kv-cache-dtype", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "int8, 12,240 bytes/token" in out and "--kv-cache-memory" in out and "max context" in out
+    engine = make_engine(*MODEL, "--kv-cache-memory", "50000000", "--max-model-len", "1024", "--kv-cache-dtype", "int8")
+    text = format_plan(engine.plan)
+    assert len(text.splitlines()) == 3 and text.splitlines()[1:] == out.strip().splitlines()[2:]
+
+
+def test_parse_bytes():
+    assert parse_bytes("123") == 123
+    assert parse_bytes("2GiB") == 2 << 30
+    assert parse_bytes("1.5 MB") == 1_500_000
+    with pytest.raises(Exception):
+        parse_bytes("lots")
