@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmarks behind the README's tables, one after another (about 30 minutes on 2 cores).
+# The benchmarks behind the README's tables, one after another (about 10 minutes on 2 cores, plus the kv-dtype table).
 # Run on a quiet machine: `uptime` should show a load average below 1. Sizes are kept small so
 # the whole set fits in one sitting; raise --runs / --prompts-per-suite for tighter numbers.
 set -euo pipefail
@@ -16,3 +16,4 @@ specserve bench --ab " --speculative-config '{\"method\":\"ngram\",\"num_specula
   --labels ngram,plain --suite code,math,prose --limit 4 --runs 2 --max-tokens 128 \
   --out "$out/bench_ab.json" --markdown "$out/bench_ab.md" --chart "$out/bench_ab.png"
 python benchmarks/decode_cost.py --models smollm2-135m --out "$out/decode_cost.json" --markdown "$out/decode_cost.md"
+python benchmarks/kv_dtypes.py --models smollm2-135m --out "$out/kv_dtypes.json" --markdown "$out/kv_dtypes.md"
