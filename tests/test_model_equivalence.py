@@ -470,7 +470,7 @@ def smollm2_quantized():
 
 def test_paged_attention_equals_dense_smollm2_q4(smollm2_quantized):
     lm = smollm2_quantized("q4")
-    assert lm.model.layers[0].q.format in ("Q4_1", "Q4_0", "Q4_K", "Q6_K", "Q8_0")
+    assert lm.model.layers[0].linears()[0].format in ("Q4_1", "Q4_0", "Q4_K", "Q6_K", "Q8_0")
     tok = lm.tokenizer
     _check_paged_exact(lm, (tok.encode(PROMPT_TEXT, add_special_tokens=True)[:37],
                             tok.encode("The capital of France is", add_special_tokens=True)), steps=3)

@@ -38,6 +38,28 @@ class Linear:
             self.weight = ops.F32Weight(raw.dequantize())
             self.format = "fp32"
 
+    @classmethod
+    def fused(cls, raws: list[RawTensor], biases: list[torch.Tensor | None], quant: str, device: torch.device,
+              dtype: torch.dtype) -> "Linear | None":
+        """One linear over several weights with the same input (q|k|v, gate|up), or None.
+
+        Each output is reduced on its own, so the fused outputs are bit-identical to separate calls;
+        fusing saves kernel launches and thread fork/joins. Weights that would end up in different
+        formats are not fused.
+        """
+        if len({r.shape[1] for r in raws}) != 1 or (any(b is None for b in biases) and any(b is not None for b in biases)):
+            return None
+        native = [quant == "q4" and r.qtype in NATIVE_GGUF for r in raws]
+        if device.type == "cpu" and any(native) and not (all(native) and len({r.qtype for r in raws}) == 1):
+            return None
+        n = sum(r.shape[0] for r in raws)
+        if all(native) and device.type == "cpu":
+            raw = RawTensor("fused", (n, raws[0].shape[1]), raws[0].qtype, torch.cat([r.raw_rows() for r in raws]).numpy())
+        else:
+            raw = RawTensor("fused", (n, raws[0].shape[1]), "torch", torch.cat([r.dequantize() for r in raws]))
+        bias = None if biases[0] is None else torch.cat(biases)
+        return cls(raw, bias, quant, device, dtype)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if self.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)

@@ -47,8 +47,18 @@ class _Layer:
         def norm(name: str) -> torch.Tensor:
             return w[f"layers.{i}.{name}"].dequantize().to(device=device, dtype=torch.float32)
 
-        self.q, self.k, self.v, self.o = lin("q"), lin("k"), lin("v"), lin("o")
-        self.gate, self.up, self.down = lin("gate"), lin("up"), lin("down")
+        def fuse(*names: str) -> Linear | None:
+            biases = [w.get(f"layers.{i}.{n}_bias") for n in names]
+            return Linear.fused([w[f"layers.{i}.{n}"] for n in names],
+                                [None if b is None else b.dequantize() for b in biases], quant, device, dtype)
+
+        self.qkv, self.gate_up = fuse("q", "k", "v"), fuse("gate", "up")
+        self.split_qkv = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+        if self.qkv is None:
+            self.q, self.k, self.v = lin("q"), lin("k"), lin("v")
+        if self.gate_up is None:
+            self.gate, self.up = lin("gate"), lin("up")
+        self.o, self.down = lin("o"), lin("down")
         self.attn_norm, self.ffn_norm = norm("attn_norm"), norm("ffn_norm")
         if cfg.qk_norm:
             self.q_norm, self.k_norm = norm("q_norm"), norm("k_norm")
@@ -57,7 +67,21 @@ class _Layer:
         self.window = cfg.sliding_window if cfg.sliding(i) else 0
 
     def linears(self) -> list[Linear]:
-        return [self.q, self.k, self.v, self.o, self.gate, self.up, self.down]
+        qkv = [self.qkv] if self.qkv is not None else [self.q, self.k, self.v]
+        gate_up = [self.gate_up] if self.gate_up is not None else [self.gate, self.up]
+        return qkv + [self.o] + gate_up + [self.down]
+
+    def project_qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h: [T, H] -> q [T, q_size], k [T, kv_size], v [T, kv_size]."""
+        if self.qkv is not None:
+            return self.qkv(h).split(self.split_qkv, dim=-1)
+        return self.q(h), self.k(h), self.v(h)
+
+    def project_gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [T, H] -> gate, up: [T, intermediate] each."""
+        if self.gate_up is not None:
+            return self.gate_up(h).chunk(2, dim=-1)
+        return self.gate(h), self.up(h)
 
 
 class Transformer:
@@ -111,9 +135,10 @@ class Transformer:
         cfg = self.cfg
         t_len = x.shape[0]
         h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
-        q = layer.q(h).view(t_len, cfg.num_heads, cfg.head_dim)
-        k = layer.k(h).view(t_len, cfg.num_kv_heads, cfg.head_dim)
-        v = layer.v(h).view(t_len, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = layer.project_qkv(h)
+        q = q.reshape(t_len, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t_len, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(t_len, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q = rms_norm(q.reshape(-1, cfg.head_dim), layer.q_norm, cfg.rms_eps).view_as(q)
             k = rms_norm(k.reshape(-1, cfg.head_dim), layer.k_norm, cfg.rms_eps).view_as(k)
@@ -128,7 +153,7 @@ class Transformer:
             o = rms_norm(o, layer.post_attn_norm, cfg.rms_eps)
         x = x + o
         h = rms_norm(x, layer.ffn_norm, cfg.rms_eps)
-        m = layer.down(act_mul(layer.gate(h), layer.up(h), cfg.activation))
+        m = layer.down(act_mul(*layer.project_gate_up(h), cfg.activation))
         if cfg.sandwich_norms:
             m = rms_norm(m, layer.post_ffn_norm, cfg.rms_eps)
         return x + m
