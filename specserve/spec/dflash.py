@@ -395,13 +395,7 @@ class DFlashDrafter(Drafter):
 
     # ---- context cache ----------------------------------------------------------------------
     def _state(self, seq: Sequence) -> _Ctx:
-        st = seq.drafter_state.get(self.name)
-        if st is None:
-            st = _Ctx()
-            if not seq.params.greedy:
-                st.generator = sampler.make_generator((seq.params.seed or 0) + 7919, hash(seq.request_id) & 0xFFFF)
-            seq.drafter_state[self.name] = st
-        return st
+        return self.seq_state(seq, _Ctx)
 
     @torch.inference_mode()
     def observe(self, seq: Sequence, hidden: dict[int, torch.Tensor], positions: list[int]) -> None:

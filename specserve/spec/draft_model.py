@@ -62,13 +62,7 @@ class DraftModelDrafter(Drafter):
         return self.model.weight_bytes()
 
     def _state(self, seq: Sequence) -> _State:
-        st = seq.drafter_state.get(self.name)
-        if st is None:
-            st = _State()
-            if not seq.params.greedy:
-                st.generator = sampler.make_generator((seq.params.seed or 0) + 7919, hash(seq.request_id) & 0xFFFF)
-            seq.drafter_state[self.name] = st
-        return st
+        return self.seq_state(seq, _State)
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
         active = [(s, k) for s, k in zip(seqs, num_tokens) if k > 0]

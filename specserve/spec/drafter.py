@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.engine import sampler
 from specserve.engine.sequence import Sequence
 
 
@@ -42,6 +43,20 @@ class Drafter(ABC):
 
     def on_finished(self, seq: Sequence) -> None:
         """Free any state held for the sequence."""
+
+    def seq_state(self, seq: Sequence, factory):
+        """This drafter's per-sequence state, made by ``factory()`` on first use.
+
+        The state gets a ``generator`` of its own when the sequence samples (temperature > 0), so
+        drafts are reproducible for a seeded request whatever else shares the batch.
+        """
+        st = seq.drafter_state.get(self.name)
+        if st is None:
+            st = factory()
+            if not seq.params.greedy:
+                st.generator = sampler.make_generator((seq.params.seed or 0) + 7919, hash(seq.request_id) & 0xFFFF)
+            seq.drafter_state[self.name] = st
+        return st
 
     def draft_cost(self, k: int) -> float:
         """Seconds to propose k tokens for one sequence (0 for model-free drafters)."""

@@ -44,7 +44,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specserve.engine import sampler
 from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
 from specserve.models.loader import LoadedModel
@@ -354,13 +353,7 @@ class MTPDrafter(Drafter):
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def _state(self, seq: Sequence) -> _State:
-        st = seq.drafter_state.get(self.name)
-        if st is None:
-            st = _State()
-            if not seq.params.greedy:
-                st.generator = sampler.make_generator((seq.params.seed or 0) + 7919, hash(seq.request_id) & 0xFFFF)
-            seq.drafter_state[self.name] = st
-        return st
+        return self.seq_state(seq, _State)
 
     @torch.inference_mode()
     def observe(self, seq: Sequence, hidden: dict[int, torch.Tensor], positions: list[int]) -> None:
