@@ -49,7 +49,6 @@ class BlockManager:
         self.prefix_caching = enable_prefix_caching
         self.salt = salt
         self.hash_fn = hash_fn
-        self.hits = self.queries = 0  # tokens, for metrics
 
     @property
     def num_blocks(self) -> int:
@@ -99,7 +98,6 @@ class BlockManager:
             return 0
         bs, prev = self.block_size, 0
         max_blocks = (len(token_ids) - 1) // bs
-        self.queries += len(token_ids)
         for i in range(max_blocks):
             toks = tuple(token_ids[i * bs:(i + 1) * bs])
             h = self.hash_fn(prev, toks, self.salt)
@@ -113,7 +111,6 @@ class BlockManager:
             table.blocks.append(bid)
             table.hashes.append(h)
             prev = h
-        self.hits += len(table.blocks) * bs
         return len(table.blocks) * bs
 
     def ensure_capacity(self, table: BlockTable, num_tokens: int) -> None:

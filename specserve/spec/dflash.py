@@ -391,7 +391,7 @@ class DFlashDrafter(Drafter):
         return cls(model, target)
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return self.module_bytes(self.model)
 
     # ---- context cache ----------------------------------------------------------------------
     def _state(self, seq: Sequence) -> _Ctx:

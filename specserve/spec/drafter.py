@@ -58,6 +58,11 @@ class Drafter(ABC):
             seq.drafter_state[self.name] = st
         return st
 
+    @staticmethod
+    def module_bytes(module: torch.nn.Module) -> int:
+        """Bytes of a torch drafter's parameters (for the memory plan)."""
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
     def draft_cost(self, k: int) -> float:
         """Seconds to propose k tokens for one sequence (0 for model-free drafters)."""
         return 0.0

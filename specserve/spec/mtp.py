@@ -350,7 +350,7 @@ class MTPDrafter(Drafter):
         return cls(model, target)
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return self.module_bytes(self.model)
 
     def _state(self, seq: Sequence) -> _State:
         return self.seq_state(seq, _State)
