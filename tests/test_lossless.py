@@ -49,3 +49,27 @@ def test_draft_model_pair_qwen_coder_is_lossless():
                        '{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}')
     assert run_all(spec, prompts, params) == plain
     assert spec.totals.accepted_tokens > 0
+
+
+def test_draft_model_cache_reused_with_the_prefix_cache(prompts_and_plain):
+    """The draft model's own KV is reused in step with the target's: a repeated prompt starts
+    both caches from the cached prefix, and the tokens still equal plain greedy decoding."""
+    prompts, plain = prompts_and_plain
+    spec = '{"method": "draft_model", "model": "smollm2-135m", "quantization": "int8", "num_speculative_tokens": 4}'
+    engine = make_engine("--model", "smollm2-135m", "--speculative-config", spec)
+    seen: dict[str, tuple[int, int]] = {}
+    for rid in ("cold", "warm"):
+        engine.add_request(rid, prompts[0], GREEDY_128)
+        got = []
+        while engine.has_work():
+            for seq in engine.running:
+                st = seq.drafter_state.get("draft_model")
+                if st is not None:
+                    seen[rid] = (seq.num_cached, st.num_cached)
+            got += [t for out in engine.step() for t in out.new_token_ids]
+        assert got == plain[0]
+    bs = engine.ecfg.block_size
+    full = (len(prompts[0]) - 1) // bs * bs
+    assert seen["warm"] == (full, full)  # target and draft both skip every full cached block
+    assert engine.drafter.blocks.num_free == engine.drafter.blocks.num_blocks  # nothing leaked
+    assert engine.drafter.blocks.cached  # finished sequences' blocks stay cached for reuse

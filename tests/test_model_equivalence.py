@@ -28,7 +28,13 @@ import torch
 transformers = pytest.importorskip("transformers", minversion="5.0")  # rope_parameters, dtype=, ...
 pytest.importorskip("gguf")
 
+from specserve.engine.block_manager import HOLE  # noqa: E402
+from specserve.engine.config import EngineConfig, kv_bytes_per_token  # noqa: E402
+from specserve.engine.llm_engine import LLMEngine  # noqa: E402
+from specserve.engine.types import SamplingParams  # noqa: E402
 from specserve.errors import ModelLoadError  # noqa: E402
+from specserve.spec.config import parse_spec_config  # noqa: E402
+from specserve.spec.registry import build_drafter  # noqa: E402
 from specserve.models.catalog import resolve_model  # noqa: E402
 from specserve.models.loader import LoadedModel, LoadOptions, load_model  # noqa: E402
 from specserve.models.transformer import ForwardBatch, KVCache  # noqa: E402
@@ -505,3 +511,70 @@ def test_quantized_formats_track_fp32(smollm2, smollm2_quantized):
             assert got[:8] == ref[:8], (f"q4 greedy diverges from fp32 within 8 tokens:\n"
                                         f" fp32 {smollm2.ours.tokenizer.decode(ref)!r}\n"
                                         f" q4   {lm.tokenizer.decode(got)!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine pages sliding-window layers apart, in a fixed pool
+# ---------------------------------------------------------------------------------------------
+
+def _window_engine(lm: LoadedModel, spec: str | None = None, **kw):
+    ecfg = EngineConfig(block_size=4, max_model_len=256, max_num_seqs=2, **kw)
+    spec_cfg = parse_spec_config(spec)
+    return LLMEngine(lm, ecfg, spec_cfg, build_drafter(spec_cfg, lm, FP32, ecfg, 256))
+
+
+def _engine_greedy(engine, prompt: list[int], n: int, watch=None) -> list[int]:
+    engine.add_request("w", prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    got: list[int] = []
+    while engine.has_work():
+        for out in engine.step():
+            got += out.new_token_ids
+        if watch:
+            watch(engine)
+    return got
+
+
+@pytest.mark.parametrize("spec", [None, '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'])
+def test_sliding_window_layers_keep_only_their_window(spec, tiny_models):
+    """tiny Gemma 3 (window 16, block 4): the engine keeps the sliding layers' last window only,
+    in a pool of their own, and its tokens equal full paging (run_ours) bit for bit, with or
+    without speculation and with prefill in chunks of 8."""
+    lm, _ = tiny_models("gemma3")
+    cfg = lm.config
+    prompt = (_random_prompt(20, 7) * 3)[:50]  # repeats: the n-gram drafter finds matches
+    steps = 60
+    _, want = run_ours(lm, prompt, steps, block_size=4)
+    for kw in ({}, {"max_num_batched_tokens": 8}):
+        engine = _window_engine(lm, spec, **kw)
+        plan = engine.plan
+        assert plan.sliding_window == 16 and plan.window_blocks > 0
+        assert plan.kv_bytes_per_token == kv_bytes_per_token(cfg, "fp32", cfg.num_global_layers)
+        sliding = [i for i in range(cfg.num_layers) if cfg.sliding(i)]
+        assert all(engine.kv.k[i].shape[0] == plan.window_blocks for i in sliding)
+        assert engine.kv.nbytes() == plan.pool_bytes
+        live: list[int] = []
+
+        def watch(e):
+            for seq in e.running:
+                live.append(sum(b != HOLE for b in seq.wtable.blocks))
+                assert len(seq.table.blocks) >= len(seq.wtable.blocks)
+
+        got = _engine_greedy(engine, prompt, steps + 1, watch)
+        assert got == want, f"window paging differs from full paging ({kw}, spec={spec})"
+        # the window (16 tokens = 4 blocks) plus partial blocks and one step's tokens, never the context
+        assert live and max(live) <= 16 // 4 + 2
+        assert engine.wblocks.num_free == engine.wblocks.num_blocks
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+        engine.blocks.check_invariants()
+        engine.wblocks.check_invariants()
+        if spec:
+            assert engine.totals.accepted_tokens > 0
+
+
+def test_window_paging_only_when_the_context_outgrows_the_window(tiny_models):
+    lm, _ = tiny_models("gemma3")
+    short = LLMEngine(lm, EngineConfig(block_size=4, max_model_len=16))
+    assert short.plan.sliding_window == 0 and short.wblocks is None and short.blocks.prefix_caching
+    assert short.plan.kv_bytes_per_token == kv_bytes_per_token(lm.config, "fp32")
+    mistral, _ = tiny_models("mistral")  # every layer slides: nothing to page apart
+    assert LLMEngine(mistral, EngineConfig(block_size=4, max_model_len=64)).plan.sliding_window == 0

@@ -13,7 +13,11 @@ MODEL = ("--model", "smollm2-135m")
 
 
 def plan_json(capsys, *argv: str) -> dict:
-    assert cli.main(["plan", *MODEL, *argv, "--json"]) == 0
+    return plan_json_for(capsys, MODEL[1], *argv)
+
+
+def plan_json_for(capsys, model: str, *argv: str) -> dict:
+    assert cli.main(["plan", "--model", model, *argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -54,7 +58,10 @@ def test_plan_with_draft_model_counts_drafter(capsys):
     spec = '{"method": "draft_model", "model": "smollm2-135m", "quantization": "int8", "num_speculative_tokens": 2}'
     got = plan_json(capsys, "--speculative-config", spec, "--max-model-len", "256", "--kv-cache-memory", "20000000")
     assert got["drafter_bytes"] > 0 and got["speculative_method"] == "draft_model"
-    assert got["total_bytes"] == got["weight_bytes"] + got["drafter_bytes"] + got["pool_bytes"]
+    assert got["drafter_kv_bytes"] > 0  # the draft model's own KV pool
+    assert got["total_bytes"] == got["weight_bytes"] + got["drafter_bytes"] + got["drafter_kv_bytes"] + got["pool_bytes"]
+    engine = make_engine(*MODEL, "--speculative-config", spec, "--max-model-len", "256", "--kv-cache-memory", "20000000")
+    assert engine.drafter.kv.nbytes() == got["drafter_kv_bytes"] == engine.plan.drafter_kv_bytes
 
 
 def test_plan_memory_budget(capsys):
@@ -109,3 +116,22 @@ def test_parse_bytes():
     assert parse_bytes("1.5 MB") == 1_500_000
     with pytest.raises(Exception):
         parse_bytes("lots")
+
+
+def test_gemma3_counts_only_growing_layers(capsys):
+    """gemma3-270m: 3 of its 18 layers are global; the 15 sliding ones keep a 512-token window
+    in a fixed pool, so only the global layers count per token."""
+    flags = ("--max-model-len", "8192", "--max-num-seqs", "2", "--kv-cache-dtype", "int8")
+    got = plan_json_for(capsys, "gemma3-270m", *flags)
+    row = 256 + 4  # int8 row of head_dim 256 plus its fp32 scale; 1 kv head
+    assert got["kv_bytes_per_token"] == 2 * 3 * row
+    assert got["sliding_window"] == 512
+    assert got["window_bytes"] == got["window_blocks"] * 16 * 2 * 15 * row
+    # two sequences: the window (32 blocks), its partial blocks and a step, plus one 2048-token chunk
+    assert got["window_blocks"] == 2 * (32 + 2 + 1) + 2048 // 16
+    assert got["num_blocks"] == 2 * 8192 // 16
+    engine = make_engine("--model", "gemma3-270m", *flags)
+    assert engine.kv.nbytes() == got["pool_bytes"] == engine.plan.pool_bytes
+    assert engine.wblocks.num_blocks == got["window_blocks"] and engine.blocks.num_blocks == got["num_blocks"]
+    assert cli.main(["plan", "--model", "gemma3-270m", *flags]) == 0
+    assert "sliding-window layers: window 512 tokens" in capsys.readouterr().out

@@ -53,9 +53,16 @@ def format_plan(plan, title: str = "memory plan") -> str:
     lines = [
         f"{title}: weights {_mib(plan.weight_bytes)}"
         + (f" + drafter {_mib(plan.drafter_bytes)}" if plan.drafter_bytes else "")
+        + (f" + drafter KV {_mib(plan.drafter_kv_bytes)}" if plan.drafter_kv_bytes else "")
         + f" + KV pool {_mib(plan.pool_bytes)} = {_mib(plan.total_bytes)}",
-        f"  KV cache: {plan.kv_dtype}, {plan.kv_bytes_per_token:,} bytes/token; pool {plan.pool_tokens:,} tokens "
-        f"({plan.num_blocks:,} blocks of {plan.block_size}; {source})",
+        f"  KV cache: {plan.kv_dtype}, {plan.kv_bytes_per_token:,} bytes/token"
+        + (" (global layers only)" if plan.sliding_window else "")
+        + f"; pool {plan.pool_tokens:,} tokens ({plan.num_blocks:,} blocks of {plan.block_size}; {source})",
+    ]
+    if plan.sliding_window:
+        lines.append(f"  sliding-window layers: window {plan.sliding_window:,} tokens, fixed pool "
+                     f"{_mib(plan.window_bytes)} ({plan.window_blocks:,} blocks, for --max-num-seqs {plan.max_num_seqs})")
+    lines += [
         f"  max context for one sequence: {plan.max_context:,} tokens; at --max-model-len {plan.max_model_len:,}: "
         f"{conc:,} sequence{'s fit' if conc != 1 else ' fits'}"
         + (f" (--max-num-seqs {plan.max_num_seqs})" if plan.max_num_seqs else ""),
@@ -67,7 +74,8 @@ def compute_plan(args: argparse.Namespace) -> tuple[object, dict]:
     """Load the model (and build the drafter) as the engine would, and plan its memory.
     Returns (MemoryPlan, extra facts for the report)."""
     from specserve.engine.builder import set_threads
-    from specserve.engine.config import EngineConfig, engine_plan
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.llm_engine import plan_for
     from specserve.models.loader import LoadOptions, load_model
     from specserve.spec.config import parse_spec_config
     from specserve.spec.registry import build_drafter
@@ -81,10 +89,8 @@ def compute_plan(args: argparse.Namespace) -> tuple[object, dict]:
     target = load_model(args.model, options)
     max_len = min(ecfg.max_model_len or target.config.max_position, target.config.max_position)
     drafter = build_drafter(spec, target, options, ecfg, max_len)
-    drafter_bytes = getattr(drafter, "weight_bytes", lambda: 0)()
     model = target.model
-    plan = engine_plan(ecfg, target.config, model.dtype, model.device, model.weight_bytes(), drafter_bytes,
-                       total_memory=args.memory)
+    plan = plan_for(target, ecfg, spec, drafter, total_memory=args.memory)
     formats = sorted({lin.format for layer in model.layers for lin in layer.linears()} | {model.lm_head.format})
     extra = {"model": target.name, "device": str(model.device), "weight_format": ",".join(formats),
              "speculative_method": spec.method if spec else None, "model_max_len": target.config.max_position,

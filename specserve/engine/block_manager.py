@@ -34,6 +34,9 @@ class BlockTable:
     hashes: list[int] = field(default_factory=list)
 
 
+HOLE = -1  # a table entry whose block was released (slid out of a sliding window)
+
+
 class NoFreeBlocks(Exception):
     """The pool cannot hold what was asked; the scheduler waits or preempts."""
 
@@ -77,6 +80,8 @@ class BlockManager:
         return bid
 
     def _release(self, bid: int) -> None:
+        if bid == HOLE:
+            return
         blk = self.blocks[bid]
         blk.ref_count -= 1
         assert blk.ref_count >= 0, f"block {bid} released twice"
@@ -137,6 +142,14 @@ class BlockManager:
             if blk.hash is not None and self.cached.get(blk.hash) == bid and blk.ref_count == 1:
                 del self.cached[blk.hash]
                 blk.hash, blk.token_ids = None, None
+
+    def release_before(self, table: BlockTable, num_tokens: int) -> None:
+        """Return the blocks that hold only tokens before index num_tokens to the pool (a sliding
+        window moved past them); their table entries become HOLE so later indices stay put."""
+        for i in range(min(max(num_tokens, 0) // self.block_size, len(table.blocks))):
+            if table.blocks[i] != HOLE:
+                self._release(table.blocks[i])
+                table.blocks[i] = HOLE
 
     def free(self, table: BlockTable) -> None:
         for bid in reversed(table.blocks):

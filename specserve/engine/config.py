@@ -60,10 +60,15 @@ class MemoryPlan:
     kv_dtype: str = "fp32"
     max_num_seqs: int = 0
     pool_source: str = "available"  # what sized the pool: "--kv-cache-memory", "--memory" or "available"
+    sliding_window: int = 0  # > 0: sliding-window layers keep only their window, in their own pool
+    window_blocks: int = 0  # blocks of that fixed pool
+    window_bytes: int = 0  # its bytes (it does not grow with the context)
+    drafter_kv_bytes: int = 0  # a draft model's own KV pool (fixed size), inside drafter_bytes
 
     @property
     def pool_bytes(self) -> int:
-        return self.num_blocks * self.block_size * self.kv_bytes_per_token
+        """All KV bytes: the pool that grows with the context plus the sliding-window pool."""
+        return self.num_blocks * self.block_size * self.kv_bytes_per_token + self.window_bytes
 
     @property
     def pool_tokens(self) -> int:
@@ -71,8 +76,8 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        """Weights (target and drafter) plus the KV pool."""
-        return self.weight_bytes + self.drafter_bytes + self.pool_bytes
+        """Weights (target and drafter), the drafter's own KV pool and the KV pool."""
+        return self.weight_bytes + self.drafter_bytes + self.drafter_kv_bytes + self.pool_bytes
 
     @property
     def max_context(self) -> int:
@@ -91,16 +96,32 @@ class MemoryPlan:
             "available_bytes": self.available_bytes, "max_model_len": self.max_model_len,
             "max_context": self.max_context, "max_num_seqs": self.max_num_seqs,
             "concurrency_at_max_model_len": self.concurrency_at(self.max_model_len),
+            "sliding_window": self.sliding_window, "window_blocks": self.window_blocks,
+            "window_bytes": self.window_bytes, "drafter_kv_bytes": self.drafter_kv_bytes,
         }
 
 
-def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str | torch.dtype = "fp32") -> int:
-    """Exact KV bytes one token takes: K and V rows of every layer and kv head, scales included
-    (fp8_e4m3 / int8: one fp32 scale per row; int4: fp32 scale and min per 32 values).
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str | torch.dtype = "fp32", num_layers: int | None = None) -> int:
+    """Exact KV bytes one token takes in num_layers layers (default: all): K and V rows of every
+    kv head, scales included (fp8_e4m3 / int8: one fp32 scale per row; int4: fp32 scale and min
+    per 32 values)."""
+    layers = cfg.num_layers if num_layers is None else num_layers
+    return 2 * layers * cfg.num_kv_heads * kv_row_bytes(resolve_kv_dtype(kv_dtype), cfg.head_dim)
 
-    Gemma 3's sliding-window layers are paged like the global ones for now (their blocks are not
-    recycled once they slide out of the window), so every layer counts per token."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * kv_row_bytes(resolve_kv_dtype(kv_dtype), cfg.head_dim)
+
+def window_paged(cfg: ModelConfig, max_model_len: int) -> bool:
+    """Whether sliding-window layers get their own fixed pool: they exist, some layers are
+    global (their cache grows), and a context can outgrow the window."""
+    return 0 < cfg.sliding_window < max_model_len and 0 < cfg.num_global_layers < cfg.num_layers
+
+
+def window_pool_blocks(cfg: ModelConfig, ecfg: EngineConfig, lookahead: int) -> int:
+    """Blocks the sliding-window layers need at most: per running sequence the window, the
+    partial blocks at both ends and one step's new tokens (lookahead = 1 + draft tokens), plus
+    the step's prefill chunks (at most max_num_batched_tokens tokens over all sequences)."""
+    bs = ecfg.block_size
+    per_seq = -(-cfg.sliding_window // bs) + 2 + -(-lookahead // bs)
+    return ecfg.max_num_seqs * per_seq + -(-ecfg.max_num_batched_tokens // bs)
 
 
 def available_memory(device: torch.device) -> int:
@@ -116,24 +137,27 @@ def available_memory(device: torch.device) -> int:
 
 def plan_memory(ecfg: EngineConfig, per_token: int, max_model_len: int, weight_bytes: int,
                 drafter_bytes: int, available: int, device_type: str, *, kv_dtype: str = "fp32",
-                total_memory: int | None = None) -> MemoryPlan:
+                total_memory: int | None = None, window: tuple[int, int, int] = (0, 0, 0),
+                drafter_kv_bytes: int = 0) -> MemoryPlan:
     """Size the KV pool; refuse when even one sequence at max_model_len cannot fit.
 
     The pool is ``--kv-cache-memory`` when given; else, with ``total_memory`` (the planner's
     ``--memory``: bytes for weights + KV), whatever the weights leave of it; else sized from the
     available memory, at most what max_num_seqs sequences of max_model_len need (and at most
-    CPU_DEFAULT_KV_CAP on the CPU)."""
+    CPU_DEFAULT_KV_CAP on the CPU). ``window`` = (sliding window, its blocks, their bytes): a
+    fixed pool for sliding-window layers, taken from the budget before the growing pool."""
     bs = ecfg.block_size
     blocks_one_seq = -(-max_model_len // bs)
     need = blocks_one_seq * bs * per_token
-    weights = weight_bytes + drafter_bytes
+    weights = weight_bytes + drafter_bytes + drafter_kv_bytes  # the drafter's own KV pool is fixed too
+    fixed = window[2]  # the sliding-window layers' pool
     if ecfg.kv_cache_memory is not None:
-        pool, source = ecfg.kv_cache_memory, "--kv-cache-memory"
+        pool, source = ecfg.kv_cache_memory - fixed, "--kv-cache-memory"
     elif total_memory is not None:
-        pool, source = total_memory - weights, "--memory"
+        pool, source = total_memory - weights - fixed, "--memory"
         available = total_memory
     else:
-        budget = int(available * ecfg.memory_fraction) - (weights if device_type == "cuda" else 0)
+        budget = int(available * ecfg.memory_fraction) - (weights if device_type == "cuda" else 0) - fixed
         want = ecfg.max_num_seqs * blocks_one_seq * bs * per_token
         pool = min(budget, want, CPU_DEFAULT_KV_CAP if device_type == "cpu" else budget)
         source = "available"
@@ -142,30 +166,41 @@ def plan_memory(ecfg: EngineConfig, per_token: int, max_model_len: int, weight_b
         have = f"the KV pool holds {num_blocks * bs} tokens ({max(pool, 0) / 2**20:.0f} MiB at {per_token} bytes/token)"
         fix_len = f"lower --max-model-len to {num_blocks * bs}" if num_blocks else "lower --max-model-len"
         if source == "--kv-cache-memory":
-            fix = f"raise --kv-cache-memory to at least {need} or {fix_len}"
+            fix = f"raise --kv-cache-memory to at least {need + fixed} or {fix_len}"
         elif source == "--memory":
             have = (f"--memory {total_memory} leaves {max(pool, 0) / 2**20:.0f} MiB for the KV pool after "
-                    f"{weights / 2**20:.0f} MiB of weights ({num_blocks * bs} tokens at {per_token} bytes/token)")
-            fix = f"raise --memory to at least {weights + need} or {fix_len}"
+                    f"{(weights + fixed) / 2**20:.0f} MiB of weights and fixed caches "
+                    f"({num_blocks * bs} tokens at {per_token} bytes/token)")
+            fix = f"raise --memory to at least {weights + fixed + need} or {fix_len}"
         else:
-            fix = f"{fix_len}, use a smaller --kv-cache-dtype, or set --kv-cache-memory to at least {need}"
+            fix = f"{fix_len}, use a smaller --kv-cache-dtype, or set --kv-cache-memory to at least {need + fixed}"
         raise SpecserveError(f"{have} but one sequence at --max-model-len {max_model_len} needs "
                              f"{need / 2**20:.0f} MiB: {fix}")
-    if device_type == "cpu" and source != "--memory" and weights + num_blocks * bs * per_token > available:
-        raise SpecserveError(f"weights ({weight_bytes / 2**20:.0f} MiB) plus the KV pool "
-                             f"({num_blocks * bs * per_token / 2**20:.0f} MiB) do not fit in the "
+    kv_total = num_blocks * bs * per_token + fixed
+    if device_type == "cpu" and source != "--memory" and weights + kv_total > available:
+        raise SpecserveError(f"weights ({weights / 2**20:.0f} MiB) plus the KV pool "
+                             f"({kv_total / 2**20:.0f} MiB) do not fit in the "
                              f"{available / 2**20:.0f} MiB of available memory: lower --kv-cache-memory")
     return MemoryPlan(weight_bytes, drafter_bytes, per_token, int(num_blocks), bs, max_model_len, available,
-                      kv_dtype, ecfg.max_num_seqs, source)
+                      kv_dtype, ecfg.max_num_seqs, source, *window, drafter_kv_bytes)
 
 
 def engine_plan(ecfg: EngineConfig, mcfg: ModelConfig, model_dtype: torch.dtype, device: torch.device,
-                weight_bytes: int, drafter_bytes: int, total_memory: int | None = None) -> MemoryPlan:
-    """The engine's memory plan for a loaded model (what LLMEngine and ``specserve plan`` use)."""
+                weight_bytes: int, drafter_bytes: int, total_memory: int | None = None, lookahead: int = 1,
+                drafter_kv_bytes: int = 0) -> MemoryPlan:
+    """The engine's memory plan for a loaded model (what LLMEngine and ``specserve plan`` use).
+    lookahead: tokens a decode step adds per sequence (1 + speculative tokens)."""
     kv_dtype = resolve_kv_dtype(ecfg.kv_cache_dtype, device.type, model_dtype)
     if device.type != "cpu" and kv_dtype in ("fp8_e4m3", "int8", "int4"):
         raise SpecserveError(f"--kv-cache-dtype {kv_dtype} is not supported on CUDA yet (use auto, bf16 or fp16)")
     max_model_len = min(ecfg.max_model_len or mcfg.max_position, mcfg.max_position)
     available = available_memory(device) if total_memory is None else total_memory
-    return plan_memory(ecfg, kv_bytes_per_token(mcfg, kv_dtype), max_model_len, weight_bytes, drafter_bytes,
-                       available, device.type, kv_dtype=kv_dtype, total_memory=total_memory)
+    growing, window = mcfg.num_layers, (0, 0, 0)
+    if window_paged(mcfg, max_model_len):
+        growing = mcfg.num_global_layers
+        nb = window_pool_blocks(mcfg, ecfg, lookahead)
+        window = (mcfg.sliding_window, nb,
+                  nb * ecfg.block_size * kv_bytes_per_token(mcfg, kv_dtype, mcfg.num_layers - growing))
+    return plan_memory(ecfg, kv_bytes_per_token(mcfg, kv_dtype, growing), max_model_len, weight_bytes, drafter_bytes,
+                       available, device.type, kv_dtype=kv_dtype, total_memory=total_memory, window=window,
+                       drafter_kv_bytes=drafter_kv_bytes)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine import sampler
-from specserve.engine.block_manager import BlockManager, NoFreeBlocks
+from specserve.engine.block_manager import BlockManager, BlockTable, NoFreeBlocks
 from specserve.engine.config import EngineConfig, MemoryPlan, engine_plan
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.sequence import Sequence, Status
@@ -52,12 +52,18 @@ class LLMEngine:
         self.device = self.model.device
         mcfg = target.config
         self.max_model_len = min(ecfg.max_model_len or mcfg.max_position, mcfg.max_position)
-        drafter_bytes = getattr(drafter, "weight_bytes", lambda: 0)()
-        self.plan: MemoryPlan = engine_plan(ecfg, mcfg, self.model.dtype, self.device, self.model.weight_bytes(),
-                                            drafter_bytes)
-        self.kv = KVCache.allocate(mcfg, self.plan.num_blocks, ecfg.block_size, self.plan.kv_dtype, self.device)
-        self.blocks = BlockManager(self.plan.num_blocks, ecfg.block_size, ecfg.enable_prefix_caching,
-                                   salt=target.identity)
+        self.plan: MemoryPlan = plan_for(target, ecfg, spec, drafter)
+        plan = self.plan
+        self.kv = KVCache.allocate(mcfg, plan.num_blocks, ecfg.block_size, plan.kv_dtype, self.device,
+                                   window_blocks=plan.window_blocks or None)
+        # sliding-window layers: a fixed pool of their own; blocks that slide out of the window go back
+        self.window = plan.sliding_window
+        self.wblocks = BlockManager(plan.window_blocks, ecfg.block_size, False) if self.window else None
+        prefix_caching = ecfg.enable_prefix_caching and not self.window
+        if ecfg.enable_prefix_caching and self.window:
+            log.warning("prefix caching is off for %s: its sliding-window layers keep only the last %d tokens",
+                        target.name, self.window)
+        self.blocks = BlockManager(plan.num_blocks, ecfg.block_size, prefix_caching, salt=target.identity)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}
@@ -173,11 +179,27 @@ class LLMEngine:
         props = self.drafter.propose(seqs, ks)
         return [Proposal(p.token_ids[:k], None if p.probs is None else p.probs[:k]) for p, k in zip(props, ks)]
 
+    def _tables(self, seq: Sequence) -> list[tuple[BlockManager, BlockTable]]:
+        """The sequence's block tables, each with its pool (sliding-window layers have their own)."""
+        if self.wblocks is None:
+            return [(self.blocks, seq.table)]
+        return [(self.blocks, seq.table), (self.wblocks, seq.wtable)]
+
+    def _free(self, seq: Sequence) -> None:
+        for blocks, table in self._tables(seq):
+            blocks.free(table)
+
+    def _slide(self, seq: Sequence) -> None:
+        """Release sliding-window blocks no later query can see (keys before pos - window + 1)."""
+        if self.wblocks is not None:
+            self.wblocks.release_before(seq.wtable, seq.num_computed - self.window + 1)
+
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Make room for num_tokens in seq's blocks, preempting the newest other sequences."""
         while True:
             try:
-                self.blocks.ensure_capacity(seq.table, num_tokens)
+                for blocks, table in self._tables(seq):
+                    blocks.ensure_capacity(table, num_tokens)
                 return True
             except NoFreeBlocks:
                 victim = next((s for s in reversed(self.running) if s is not seq), None)
@@ -189,7 +211,7 @@ class LLMEngine:
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's KV and put it back at the head of the queue; it resumes later."""
         log.info("preempting %s (KV pool full)", seq.request_id)
-        self.blocks.free(seq.table)
+        self._free(seq)
         if self.drafter:
             self.drafter.on_finished(seq)
         seq.num_computed = 0
@@ -198,9 +220,10 @@ class LLMEngine:
         self.waiting.appendleft(seq)
 
     def _build_batch(self, rows: list[_Row]) -> ForwardBatch:
-        ids, pos, sids, slots, logit_rows = [], [], [], [], []
+        ids, pos, sids, logit_rows = [], [], [], []
+        groups = [([], torch.zeros((len(rows), self._max_blocks), dtype=torch.int32), pick)
+                  for pick in ((lambda s: s.table), (lambda s: s.wtable))[:1 + (self.wblocks is not None)]]
         bs = self.ecfg.block_size
-        tables = torch.zeros((len(rows), self._max_blocks), dtype=torch.int32)
         for i, r in enumerate(rows):
             seq = r.seq
             toks = (seq.token_ids[seq.num_computed:seq.num_computed + r.count] if not r.drafts
@@ -209,20 +232,26 @@ class LLMEngine:
             ids += toks
             pos += p
             sids += [i] * r.count
-            slots += [seq.table.blocks[x // bs] * bs + x % bs for x in p]
-            tables[i, :len(seq.table.blocks)] = torch.tensor(seq.table.blocks, dtype=torch.int32)
+            for slots, tables, pick in groups:  # released blocks stay HOLE (-1): the kernel refuses to read them
+                blocks = pick(seq).blocks
+                slots += [blocks[x // bs] * bs + x % bs for x in p]
+                tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             if r.sample:
                 logit_rows += range(r.start + (r.count - 1 if not r.drafts and r.count > 1 else 0),
                                     r.start + r.count)
         dev = self.device
+        paging = [(tables.to(dev), torch.tensor(slots, dtype=torch.int64, device=dev)) for slots, tables, _ in groups]
+        window = paging[1] if len(paging) > 1 else (None, None)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(pos, dtype=torch.int32, device=dev),
             seq_ids=torch.tensor(sids, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=paging[0][0],
+            slot_mapping=paging[0][1],
             logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
             hidden_layers=self.drafter.hidden_layers if self.drafter else (),
+            window_block_tables=window[0],
+            window_slot_mapping=window[1],
         )
 
     def _observe(self, r: _Row, start: int, count: int, hidden: dict[int, torch.Tensor]) -> None:
@@ -244,6 +273,7 @@ class LLMEngine:
                 self._observe(r, seq.num_computed, r.count, hidden)
                 seq.num_computed += r.count
                 self.blocks.commit(seq.table, seq.token_ids, seq.num_computed)
+                self._slide(seq)
                 continue
             computed_before = seq.num_computed if r.drafts or r.count == 1 else seq.num_computed + r.count - 1
             n_acc, new = self._verify(seq, lg, r.drafts, r.draft_probs)
@@ -254,7 +284,9 @@ class LLMEngine:
             first = seq.num_computed
             seq.num_computed = computed_before + 1 + n_acc
             self._observe(r, first, seq.num_computed - first, hidden)
-            self.blocks.truncate(seq.table, seq.num_computed + 1)
+            for blocks, table in self._tables(seq):
+                blocks.truncate(table, seq.num_computed + 1)
+            self._slide(seq)
             if self.drafter:
                 self.drafter.on_verified(seq, n_acc)
             out = self._append(seq, new, lg)
@@ -311,7 +343,7 @@ class LLMEngine:
         seq.status, seq.finish_reason, seq.finished_at = Status.FINISHED, reason, time.perf_counter()
         if seq in self.running:
             self.running.remove(seq)
-        self.blocks.free(seq.table)
+        self._free(seq)
         if self.drafter:
             self.drafter.on_finished(seq)
         self.by_id.pop(seq.request_id, None)
@@ -327,3 +359,13 @@ class LLMEngine:
                     yield out
                     if out.finished:
                         return
+
+
+def plan_for(target: LoadedModel, ecfg: EngineConfig, spec: SpecConfig | None, drafter: Drafter | None,
+             total_memory: int | None = None) -> MemoryPlan:
+    """The memory plan of an engine over target with this drafter (``specserve plan`` prints it)."""
+    model = target.model
+    return engine_plan(ecfg, target.config, model.dtype, model.device, model.weight_bytes(),
+                       drafter.weight_bytes() if drafter else 0, total_memory,
+                       lookahead=(spec.num_speculative_tokens if spec else 0) + 1,
+                       drafter_kv_bytes=drafter.kv_bytes() if drafter else 0)

@@ -29,6 +29,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached: int = 0  # prompt tokens served by the prefix cache
     table: BlockTable = field(default_factory=BlockTable)
+    wtable: BlockTable = field(default_factory=BlockTable)  # sliding-window layers' blocks, when paged apart
     status: Status = Status.WAITING
     finish_reason: str | None = None
     generator: torch.Generator | None = None

@@ -80,7 +80,10 @@ class KVCache:
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 kv_dtype: str | torch.dtype = "fp32", device: torch.device | str = "cpu") -> "KVCache":
+                 kv_dtype: str | torch.dtype = "fp32", device: torch.device | str = "cpu",
+                 window_blocks: int | None = None) -> "KVCache":
+        """Pools of num_blocks blocks; with window_blocks, sliding-window layers get pools of
+        that many blocks instead (they only ever hold each sequence's last window)."""
         device = torch.device(device)
         name = resolve_kv_dtype(kv_dtype, device.type)
         if device.type != "cpu" and name in QUANTIZED:
@@ -88,16 +91,17 @@ class KVCache:
                                  f"(use auto, fp32, bf16 or fp16)")
         D, hkv = cfg.head_dim, cfg.num_kv_heads
         _, store = ops.KV_FORMATS[name]
-        shape = (num_blocks, block_size, hkv, ops.kv_store_dim(name, D))
-        n = cfg.num_layers
-        k = [torch.zeros(shape, dtype=store, device=device) for _ in range(n)]
-        v = [torch.zeros(shape, dtype=store, device=device) for _ in range(n)]
+        blocks = [window_blocks if window_blocks is not None and cfg.sliding(i) else num_blocks
+                  for i in range(cfg.num_layers)]
+
+        def pools(tail: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+            return [torch.zeros((nb, block_size, hkv, *tail), dtype=dtype, device=device) for nb in blocks]
+
+        k, v = pools((ops.kv_store_dim(name, D),), store), pools((ops.kv_store_dim(name, D),), store)
         ks = vs = None
         sshape = ops.kv_scale_shape(name, D)
         if sshape is not None:
-            full = (num_blocks, block_size, hkv, *sshape)
-            ks = [torch.zeros(full, dtype=torch.float32, device=device) for _ in range(n)]
-            vs = [torch.zeros(full, dtype=torch.float32, device=device) for _ in range(n)]
+            ks, vs = pools(tuple(sshape), torch.float32), pools(tuple(sshape), torch.float32)
         return cls(k, v, name, ks, vs, D)
 
     def __post_init__(self) -> None:

@@ -29,6 +29,9 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64, flat KV slot (block * block_size + offset)
     logits_indices: torch.Tensor  # [L] int64, rows whose logits are wanted
     hidden_layers: tuple[int, ...] = ()  # layers whose output hidden states are returned
+    # sliding-window layers' own paging (None: they share block_tables / slot_mapping)
+    window_block_tables: torch.Tensor | None = None  # [S, max_blocks] int32
+    window_slot_mapping: torch.Tensor | None = None  # [T] int64
 
 
 @dataclass
@@ -144,9 +147,12 @@ class Transformer:
             k = rms_norm(k.reshape(-1, cfg.head_dim), layer.k_norm, cfg.rms_eps).view_as(k)
         rope = self.rope_local if cfg.sliding(i) else self.rope_global
         q, k = rope(q, batch.positions), rope(k, batch.positions)
-        kv.write(i, batch.slot_mapping, k, v)  # quantized on write for int8 / fp8 / int4 caches
+        own = layer.window and batch.window_block_tables is not None
+        slots = batch.window_slot_mapping if own else batch.slot_mapping
+        tables = batch.window_block_tables if own else batch.block_tables
+        kv.write(i, slots, k, v)  # quantized on write for int8 / fp8 / int4 caches
         k_pool, v_pool, kv_extra = kv.attention_args(i)
-        attn = paged_attention(q, k_pool, v_pool, batch.block_tables, batch.seq_ids, batch.positions,
+        attn = paged_attention(q, k_pool, v_pool, tables, batch.seq_ids, batch.positions,
                                cfg.scale, layer.window, cfg.attn_softcap, **kv_extra)  # [T, Hq, D]
         o = layer.o(attn.reshape(t_len, cfg.q_size))
         if cfg.sandwich_norms:

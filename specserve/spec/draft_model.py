@@ -3,6 +3,9 @@
 It keeps its own paged KV cache. Per sequence it tracks how many of the sequence's tokens
 its cache holds; after verification the rejected draft positions are released by
 bookkeeping (the count goes back, surplus blocks return to the pool), never by copying.
+With prefix caching on, its cache is reused in step with the target's: full blocks of verified
+tokens are registered under the same chained hash (salted with the draft model's identity), and
+a new sequence starts from the longest cached prefix instead of re-running the draft model on it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class _State:
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0  # tokens of the sequence (plus drafts) whose K/V this cache holds
     base: int = 0  # sequence length when the last proposal was made
+    drafts: list[int] = field(default_factory=list)  # the last proposal
+    num_cached: int = 0  # tokens served by the prefix cache when the sequence started
     generator: torch.Generator | None = None
 
 
@@ -37,11 +42,12 @@ class DraftModelDrafter(Drafter):
     name = "draft_model"
     has_cost = True
 
-    def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int, max_model_len: int):
+    def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int, max_model_len: int,
+                 prefix_caching: bool = True):
         self.draft = draft
         self.model = draft.model
         self.kv = KVCache.allocate(draft.config, num_blocks, block_size, self.model.dtype, self.model.device)
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching, salt=draft.identity)
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size) + 2
         self.step_time = 0.0  # seconds per draft forward, running average
@@ -56,13 +62,20 @@ class DraftModelDrafter(Drafter):
         want = ecfg.max_num_seqs * (max_model_len + 2 * ecfg.block_size) * per_token
         num_blocks = max(min(want, DRAFT_POOL_CAP) // (ecfg.block_size * per_token),
                          -(-max_model_len // ecfg.block_size) + 2)
-        return cls(draft, int(num_blocks), ecfg.block_size, max_model_len)
+        return cls(draft, int(num_blocks), ecfg.block_size, max_model_len, ecfg.enable_prefix_caching)
 
     def weight_bytes(self) -> int:
         return self.model.weight_bytes()
 
+    def kv_bytes(self) -> int:
+        return self.kv.nbytes()
+
     def _state(self, seq: Sequence) -> _State:
-        return self.seq_state(seq, _State)
+        st = seq.drafter_state.get(self.name)
+        if st is None:
+            st = self.seq_state(seq, _State)
+            st.num_computed = st.num_cached = self.blocks.match_prefix(st.table, seq.token_ids)
+        return st
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
         active = [(s, k) for s, k in zip(seqs, num_tokens) if k > 0]
@@ -70,12 +83,15 @@ class DraftModelDrafter(Drafter):
         probs: dict[int, list[torch.Tensor]] = {id(s): [] for s, _ in active}
         for s, _ in active:
             self._state(s).base = s.num_tokens
+        active_all = list(active)
         while active:
             rows = [(s, (s.token_ids + drafts[id(s)])[self._state(s).num_computed:]) for s, _ in active]
             logits = self._forward(rows)
             for (s, _), lg in zip(active, logits):
                 self._pick(s, lg, drafts[id(s)], probs[id(s)])
             active = [(s, k) for s, k in active if len(drafts[id(s)]) < k]
+        for s, _ in active_all:
+            self._state(s).drafts = drafts[id(s)]
         return [Proposal(drafts.get(id(s), []), torch.stack(probs[id(s)]) if probs.get(id(s)) else None)
                 for s in seqs]
 
@@ -122,6 +138,9 @@ class DraftModelDrafter(Drafter):
             return
         st.num_computed = min(st.num_computed, st.base + num_accepted)
         self.blocks.truncate(st.table, st.num_computed)
+        # every position left is a verified token: the sequence so far plus the accepted drafts
+        self.blocks.commit(st.table, seq.token_ids + st.drafts[:num_accepted], st.num_computed)
+        st.drafts = []
 
     def on_finished(self, seq: Sequence) -> None:
         st = seq.drafter_state.pop(self.name, None)

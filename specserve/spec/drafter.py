@@ -63,6 +63,14 @@ class Drafter(ABC):
         """Bytes of a torch drafter's parameters (for the memory plan)."""
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
+    def weight_bytes(self) -> int:
+        """Bytes of the drafter's weights (for the memory plan; 0 for model-free drafters)."""
+        return 0
+
+    def kv_bytes(self) -> int:
+        """Bytes of a fixed KV pool of the drafter's own (a draft model's cache)."""
+        return 0
+
     def draft_cost(self, k: int) -> float:
         """Seconds to propose k tokens for one sequence (0 for model-free drafters)."""
         return 0.0
