@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmarks behind the README's tables, one after another (about 10 minutes on 2 cores, plus the kv-dtype table).
+# The benchmarks behind the README's tables, one after another (about 40 minutes on 2 cores; the 32K needle is 15 of them).
 # Run on a quiet machine: `uptime` should show a load average below 1. Sizes are kept small so
 # the whole set fits in one sitting; raise --runs / --prompts-per-suite for tighter numbers.
 set -euo pipefail
@@ -20,3 +20,14 @@ python benchmarks/kv_dtypes.py --models smollm2-135m --out "$out/kv_dtypes.json"
 specserve bench --ab " --speculative-config '{\"method\":\"ngram\",\"num_speculative_tokens\":8}'" " --model smollm2-135m" \
   --labels ngram,plain --scenario concurrency --concurrency 1,2,4,8 --requests-per-client 2 --max-tokens 96 \
   --suite code --out "$out/concurrency.json" --markdown "$out/concurrency.md"
+# long prompts: a stream's inter-token latency while a 4K prompt arrives, with and without chunked prefill
+python benchmarks/chunked_prefill.py --model smollm2-135m --prompt-tokens 4096 --chunks 256,512,8192 \
+  --out "$out/chunked_prefill.json" --markdown "$out/chunked_prefill.md"
+# a 4K-token shared prefix: cold vs warm time to first token (prefix cache)
+specserve bench --serve " --model smollm2-135m" --scenario prefix --prefix-tokens 4096 --rounds 4 \
+  --out "$out/prefix.json" --markdown "$out/prefix.md"
+# the needle at 90% of the maximum context: smollm2 on every KV dtype, qwen2.5-coder-0.5b at 32K (about 15 minutes)
+bash benchmarks/needle_kv.sh "$out" smollm2-135m 8192 "fp32 bf16 fp16 fp8_e4m3 int8 int4"
+bash benchmarks/needle_kv.sh "$out" qwen2.5-coder-0.5b 32768 fp32
+python benchmarks/needle_table.py "$out"/needle_smollm2-135m_{fp32,bf16,fp16,fp8_e4m3,int8,int4}.json \
+  "$out/needle_qwen2.5-coder-0.5b_fp32.json" > "$out/needle.md"

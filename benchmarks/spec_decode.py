@@ -39,7 +39,8 @@ from specserve.spec.registry import build_drafter  # noqa: E402
 
 # model -> drafters worth trying on it: (label, speculative config without "adaptive")
 DRAFTERS = {
-    "smollm2-135m": [("ngram", {"method": "ngram", "num_speculative_tokens": 8})],
+    "smollm2-135m": [("ngram", {"method": "ngram", "num_speculative_tokens": 8}),
+                     ("dflash", {"method": "dflash", "model": "smollm2-135m-dflash", "num_speculative_tokens": 7})],
     "qwen2.5-coder-1.5b": [
         ("ngram", {"method": "ngram", "num_speculative_tokens": 8}),
         ("draft 0.5b", {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5}),

@@ -561,3 +561,25 @@ def test_cli_validation(capsys) -> None:
     assert main(["bench", "--url", "http://x", "--scenario", "bogus"]) == 1
     assert main(["bench", "--url", "http://x", "--baseline", "http://y", "--labels", "a"]) == 1
     assert main(["bench", "--url", "http://127.0.0.1:9", "--runs", "1", "--quiet"]) == 1
+
+
+def test_serve_mode_starts_one_server(serve, clock, monkeypatch, tmp_path, suite_file) -> None:
+    """--serve ARGS: one managed server, measured alone; it conflicts with --url / --ab."""
+    started: list[str] = []
+
+    class InProcess:
+        def __init__(self, args: str, label: str, timeout: int) -> None:
+            started.append(f"{label}:{args}")
+            _fake, self.url = serve()
+
+        def stop(self) -> None:
+            started.append("stop")
+
+    real = runner.run_ab
+    monkeypatch.setattr(cli, "run_ab", lambda *a, **kw: real(*a, **{**kw, "starter": InProcess}))
+    res = run_cli(["--serve", "--model m", "--suite", str(suite_file), "--runs", "1"], clock, monkeypatch, tmp_path)
+    assert started == ["candidate:--model m", "stop"]
+    assert [c["serve_args"] for c in res["configs"]] == ["--model m"]
+    assert len(res["requests"]) == 3 and all(r["ok"] for r in res["requests"])
+    for argv in (["--serve", "x", "--url", "http://127.0.0.1:1"], ["--serve", "x", "--ab", "a", "b"]):
+        assert main(["bench", *argv, "--quiet"]) == 1

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from specserve.engine.block_manager import BlockManager, BlockTable, NoFreeBlocks
+from specserve.engine.block_manager import HOLE, BlockManager, BlockTable, NoFreeBlocks
 
 
 def test_random_operations_leak_nothing():
@@ -12,7 +12,7 @@ def test_random_operations_leak_nothing():
     bm = BlockManager(64, 4, enable_prefix_caching=False)
     tables: list[tuple[BlockTable, list[int]]] = []  # (table, token count holder)
     for _ in range(1000):
-        op = rng.choice(["alloc", "append", "rollback", "free"])
+        op = rng.choice(["alloc", "append", "rollback", "slide", "free"])
         if op == "alloc" or not tables:
             t = BlockTable()
             n = rng.randint(1, 20)
@@ -34,11 +34,16 @@ def test_random_operations_leak_nothing():
             n[0] = max(0, n[0] - rng.randint(0, 9))
             bm.truncate(t, n[0])
             assert len(t.blocks) == bm.blocks_needed(n[0])
+        elif op == "slide":  # a sliding window moved past the first tokens: their blocks go back
+            t, n = rng.choice(tables)
+            cut = rng.randint(0, n[0])
+            bm.release_before(t, cut)
+            assert all(b == HOLE for b in t.blocks[:cut // 4])
         else:
             t, n = tables.pop(rng.randrange(len(tables)))
             bm.free(t)
         bm.check_invariants()
-        used = sum(len(t.blocks) for t, _ in tables)
+        used = sum(b != HOLE for t, _ in tables for b in t.blocks)
         assert bm.num_free == 64 - used
     for t, _ in tables:
         bm.free(t)

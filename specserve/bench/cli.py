@@ -46,6 +46,8 @@ def add_parser(subparsers: Any) -> None:
     t.add_argument("--ab", nargs=2, metavar=("SERVE_ARGS_A", "SERVE_ARGS_B"),
                    help="start 'specserve serve <args>' for A, then B, and compare them; quote each "
                         "(a lone flag needs a leading space: ' --foo')")
+    t.add_argument("--serve", metavar="SERVE_ARGS", default=None,
+                   help="start one 'specserve serve <args>' and measure it (like --ab with one configuration)")
     t.add_argument("--ab-rounds", type=int, default=1, help="repeat A, B this many times (--ab)")
     t.add_argument("--labels", default=None, help="names of A,B (default candidate,baseline)")
     t.add_argument("--startup-timeout", type=int, default=600, help="seconds to wait for /health (--ab)")
@@ -82,10 +84,10 @@ def add_parser(subparsers: Any) -> None:
 
 def validate(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """Check flag combinations; returns (labels, scenarios)."""
-    if bool(args.url) == bool(args.ab):
-        raise SpecserveError("give exactly one of --url (with optional --baseline) or --ab A B")
-    if args.ab and args.baseline:
-        raise SpecserveError("--baseline is for --url; --ab starts both servers itself")
+    if sum(map(bool, (args.url, args.ab, args.serve))) != 1:
+        raise SpecserveError("give exactly one of --url (with optional --baseline), --serve ARGS or --ab A B")
+    if (args.ab or args.serve) and args.baseline:
+        raise SpecserveError("--baseline is for --url; --ab and --serve start their servers themselves")
     for name in ("runs", "max_tokens", "ab_rounds", "rounds", "requests_per_client"):
         if getattr(args, name) < 1:
             raise SpecserveError(f"--{name.replace('_', '-')} must be at least 1")
@@ -186,8 +188,8 @@ def run(args: argparse.Namespace) -> int:
         def hook(description: str, advance: int = 1) -> None:
             progress.update(task, description=description, advance=advance)
 
-        if args.ab:
-            configs = list(zip(labels, args.ab))
+        if args.ab or args.serve:
+            configs = list(zip(labels, args.ab or [args.serve]))
             log, infos, tokens = run_ab(configs, args.ab_rounds, plan, factory, hook,
                                         startup_timeout=args.startup_timeout)
         else:

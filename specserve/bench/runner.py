@@ -195,8 +195,9 @@ def run_ab(configs: list[tuple[str, str]], rounds: int, plan: Plan, factory: Cli
            startup_timeout: int = 600) -> tuple[RunLog, list[dict[str, Any]], TokenCache]:
     """Start each configuration's server in turn (A, B, A, B ... for ``rounds``) and measure it."""
     log, infos, tokens = RunLog(), {}, TokenCache(None)
-    log.notes.append("--ab: each configuration ran on its own server, one after the other; "
-                     "runs were sequential per configuration, not interleaved")
+    if len(configs) > 1:
+        log.notes.append("--ab: each configuration ran on its own server, one after the other; "
+                         "runs were sequential per configuration, not interleaved")
     for rnd in range(rounds):
         for i, (label, serve_args) in enumerate(configs):
             t0 = time.monotonic()
