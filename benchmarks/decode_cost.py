@@ -2,6 +2,7 @@
 
     python benchmarks/decode_cost.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--formats none,int8,q4]
         [--rows 1,2,4,8,16] [--context 256] [--layout verify|batch] [--min-time 2] [--markdown cost.md]
+        [--activations int8,fp32]
 
 One forward of the full model (all layers + lm_head, logits for every row) is timed for M rows:
   verify: ONE sequence with M new tokens after --context cached tokens (the shape of verifying M-1
@@ -12,6 +13,9 @@ t(M)/t(1) is what matters for speculation: with k drafts and mean acceptance len
 yields L tokens for t(k+1), so speculation wins when L > t(k+1)/t(1) (ignoring drafting cost).
 The row counts are interleaved within each round and the median per M is reported. The KV cache is
 zero-filled rather than prefilled: the values do not change the arithmetic, only the length does.
+--activations int8,fp32 times both linear paths of the int8 / GGUF weights on the same loaded model
+(int8: activations quantized, integer dot products, the default; fp32: weights dequantized and
+multiplied with fp32 activations), interleaved within each round like the row counts.
 """
 
 from __future__ import annotations
@@ -51,43 +55,56 @@ def make_batch(m: int, context: int, layout: str, blocks_per_seq: int, vocab: in
                         logits_indices=torch.arange(m, dtype=torch.int64))
 
 
-def measure(model_name: str, fmt: str, a: argparse.Namespace) -> dict:
+def set_int_dot(model, on: bool) -> None:
+    """Switch every int8 / GGUF linear weight between the two activation paths (benchmark only)."""
+    for lin in [lin for layer in model.layers for lin in layer.linears()] + [model.lm_head]:
+        if hasattr(lin.weight, "int_dot"):
+            lin.weight.int_dot = on
+
+
+def measure(model_name: str, fmt: str, a: argparse.Namespace) -> list[dict]:
     t = time.perf_counter()
     lm = load_model(model_name, LoadOptions("cpu", "auto", fmt))
     load_s = time.perf_counter() - t
     cfg, model = lm.config, lm.model
     rows = [int(x) for x in a.rows.split(",")]
+    acts = [x.strip() for x in a.activations.split(",")] if fmt != "none" else ["fp32"]
     bps = -(-(a.context + max(rows)) // BLOCK)
     n_seqs = 1 if a.layout == "verify" else max(rows)
     kv = KVCache.allocate(cfg, bps * n_seqs, BLOCK, model.dtype, model.device)
     batches = {m: make_batch(m, a.context, a.layout, bps, cfg.vocab_size) for m in rows}
-    times: dict[int, list[float]] = {m: [] for m in rows}
+    cases = [(act, m) for act in acts for m in rows]
+    times: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
     with torch.inference_mode():
-        for m in rows:  # warm-up
+        for act, m in cases:  # warm-up
+            set_int_dot(model, act == "int8")
             for _ in range(2):
                 model.forward(batches[m], kv)
-        t_end, rnd = time.perf_counter() + a.min_time * len(rows), 0
+        t_end, rnd = time.perf_counter() + a.min_time * len(cases), 0
         while rnd < a.min_rounds or (time.perf_counter() < t_end and rnd < a.max_rounds):
-            order = rows[rnd % len(rows):] + rows[:rnd % len(rows)]
-            for m in order:
+            for act, m in cases[rnd % len(cases):] + cases[:rnd % len(cases)]:
+                set_int_dot(model, act == "int8")
                 t0 = time.perf_counter()
                 model.forward(batches[m], kv)
-                times[m].append(time.perf_counter() - t0)
+                times[(act, m)].append(time.perf_counter() - t0)
             rnd += 1
-    med = {m: statistics.median(v) for m, v in times.items()}
-    res = {"model": model_name, "format": fmt, "weights_mb": model.weight_bytes() / 1e6, "load_s": load_s,
-           "rounds": rnd, "median_ms": {m: med[m] * 1e3 for m in rows},
-           "min_ms": {m: min(times[m]) * 1e3 for m in rows},
-           "ratio_vs_1": {m: med[m] / med[rows[0]] for m in rows}}
+    out = []
+    for act in acts:
+        med = {m: statistics.median(times[(act, m)]) for m in rows}
+        label = fmt if fmt == "none" else f"{fmt} ({act} act.)"
+        out.append({"model": model_name, "format": label, "weights_mb": model.weight_bytes() / 1e6,
+                    "load_s": load_s, "rounds": rnd, "median_ms": {m: med[m] * 1e3 for m in rows},
+                    "min_ms": {m: min(times[(act, m)]) * 1e3 for m in rows},
+                    "ratio_vs_1": {m: med[m] / med[rows[0]] for m in rows}})
     del lm, model, kv, batches
     gc.collect()
-    return res
+    return out
 
 
 def markdown(results: list[dict], a: argparse.Namespace, threads: int) -> str:
     rows = [int(x) for x in a.rows.split(",")]
-    head = (f"Forward time (median ms) vs rows, layout {a.layout}, context {a.context}, {threads} threads, "
-            f"float32 activations. t(M)/t(1) in brackets.")
+    head = (f"Forward time (median ms) vs rows, layout {a.layout}, context {a.context}, {threads} threads. "
+            f"t(M)/t(1) in brackets.")
     lines = [head, "", "| model | weights | MB | " + " | ".join(f"M={m}" for m in rows) + " | t(8)/t(1) |",
              "|---|---|---|" + "---|" * (len(rows) + 1)]
     for r in results:
@@ -108,6 +125,8 @@ def main() -> int:
     ap.add_argument("--min-rounds", type=int, default=5)
     ap.add_argument("--max-rounds", type=int, default=200)
     ap.add_argument("--threads", type=int, default=None, help="default: the cores this process may use")
+    ap.add_argument("--activations", default="int8",
+                    help="linear paths of int8 / GGUF weights to time: int8 (integer dot, default), fp32, or both")
     ap.add_argument("--out", default=None)
     ap.add_argument("--markdown", default=None)
     a = ap.parse_args()
@@ -115,11 +134,11 @@ def main() -> int:
     results = []
     for model in a.models.split(","):
         for fmt in a.formats.split(","):
-            r = measure(model.strip(), fmt.strip(), a)
-            print(f"{r['model']} {r['format']}: " + "  ".join(
-                f"M={m} {v:.1f}ms" for m, v in r["median_ms"].items()) + f"  ({r['rounds']} rounds)",
-                file=sys.stderr, flush=True)
-            results.append(r)
+            for r in measure(model.strip(), fmt.strip(), a):
+                print(f"{r['model']} {r['format']}: " + "  ".join(
+                    f"M={m} {v:.1f}ms" for m, v in r["median_ms"].items()) + f"  ({r['rounds']} rounds)",
+                    file=sys.stderr, flush=True)
+                results.append(r)
     md = markdown(results, a, threads)
     print(md)
     if a.out:

@@ -4,6 +4,11 @@ Invariance is checked bit for bit (torch.equal): a row computed in a call of
 M rows must equal the same row computed alone, for any M, any grouping of
 queries and any thread count. Correctness is checked against float64
 references; GGUF dequantization against gguf-py's reference dequantizer.
+
+Linear layers with int8 / GGUF weights quantize the activations to int8 by
+default (the integer-dot path): their float64 reference multiplies the
+weights with the activations quantized by an independent numpy quantizer,
+so a wrong integer sum or block scale still fails at 1e-5.
 """
 
 from __future__ import annotations
@@ -138,18 +143,42 @@ def test_int8_from_float():
 # --------------------------------------------------------------------------
 
 
+def np_quantize(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Reference activation quantizer (the documented rule, written independently of ops):
+    per block dx = max|x| / 127 in float32, q = round half to even (x * float32(1 / dx))."""
+    m, k = x.shape
+    xb = x.astype(np.float32).reshape(m, k // block, block)
+    amax = np.abs(xb).max(axis=-1)
+    with np.errstate(all="ignore"):
+        d = np.where(amax >= np.float32(1e-30), amax / np.float32(127), np.float32(0)).astype(np.float32)
+        d = np.where(np.isfinite(amax), d, np.float32(np.nan)).astype(np.float32)
+        inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+        q = np.rint(np.where(np.isfinite(xb), xb, 0) * inv[..., None]).astype(np.int8)
+    return q.reshape(m, k), d
+
+
 def _ref_linear(x, w, bias=None):
+    """float64 x @ W^T (+ bias); x quantized as the kernel does when w uses the integer-dot path."""
+    if w.act_block is not None:
+        q, d = np_quantize(x.numpy(), w.act_block)
+        m, k = q.shape
+        xq = q.astype(np.float64).reshape(m, -1, w.act_block) * d.astype(np.float64)[..., None]
+        x = torch.from_numpy(xq.reshape(m, k))
     r = x.double() @ w.dequantize().double().T
     if bias is not None:
         r = r + bias.double()
     return r
 
 
+@pytest.mark.parametrize("int_dot", [True, False])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_linear_accuracy(fmt, impl):
+def test_linear_accuracy(fmt, impl, int_dot):
     n, k = _shape_for(fmt)
     w = make_weight(fmt, n, k, seed=1)
+    if fmt != "f32":
+        w.int_dot = int_dot
+    assert (w.act_block is not None) == (fmt != "f32" and int_dot)
     x = torch.randn(11, k)
     bias = torch.randn(n)
     y = ops.linear(x, w, bias, impl=impl)
@@ -157,6 +186,130 @@ def test_linear_accuracy(fmt, impl):
     assert y.shape == (11, n) and y.dtype == torch.float32
     err = (y.double() - ref).abs().max() / ref.abs().max()
     assert err < 1e-5, float(err)
+
+
+INT_DOT_FORMATS = ["int8", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+
+
+def _odd_shape_for(fmt: str) -> tuple[int, int]:
+    # an odd number of activation blocks (the half pair at the end of a row of 32-blocks)
+    return (37, 768) if fmt in ("Q4_K", "Q6_K") else (37, 544)
+
+
+@pytest.mark.parametrize("fmt", INT_DOT_FORMATS)
+def test_int_dot_error_vs_fp32_activations(fmt):
+    """What quantizing the activations costs: the error against fp32 activations, relative
+    to the largest output, stays at the level of one rounding step per block (about 1/254
+    of max |x| per value, averaging out over K)."""
+    n, k = _shape_for(fmt)
+    w = make_weight(fmt, n, k, seed=6)
+    x = torch.randn(16, k)
+    x[:, ::7] *= 8  # outliers: a block's scale follows its largest value
+    exact = x.double() @ w.dequantize().double().T
+    err = float((ops.linear(x, w, impl="torch").double() - exact).abs().max() / exact.abs().max())
+    print(f"\n{fmt}: int8 activations, max error / max |y| = {err:.2e}")
+    assert 1e-5 < err < 3e-2
+
+
+@needs_c
+@pytest.mark.parametrize("fmt", INT_DOT_FORMATS)
+def test_int_dot_batch_and_thread_invariance(fmt):
+    """Every row count 1..40 (all micro tile shapes and remainders), odd block counts, N not a
+    multiple of the 8-channel block, several thread counts: each row equals its single-row call."""
+    n, k = _odd_shape_for(fmt)
+    w = make_weight(fmt, n, k, seed=7)
+    assert w.act_block is not None
+    bias = torch.randn(n)
+    x = torch.randn(40, k) * torch.linspace(0.01, 10, 40)[:, None]
+    _set_threads(1)
+    single = torch.stack([ops.linear(x[i:i + 1], w, bias, impl="c")[0] for i in range(40)])
+    ref = _ref_linear(x, w, bias)
+    assert float((single.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+    for threads in (1, 2, 3):
+        _set_threads(threads)
+        for m in range(1, 41):
+            assert torch.equal(ops.linear(x[:m], w, bias, impl="c"), single[:m]), (fmt, threads, m)
+        for start in (1, 3, 6):  # the same rows at other positions in the call
+            assert torch.equal(ops.linear(x[start:start + 29], w, bias, impl="c"), single[start:start + 29])
+
+
+@needs_c
+def test_int_dot_large_m():
+    """More rows than one 64-row super tile, with rows of very different magnitudes."""
+    w = make_weight("Q4_1", 21, 576, seed=8)
+    x = torch.randn(150, 576) * torch.logspace(-4, 4, 150)[:, None]
+    _set_threads(2)
+    y = ops.linear(x, w, impl="c")
+    for i in (0, 63, 64, 65, 127, 128, 149):
+        assert torch.equal(y[i], ops.linear(x[i:i + 1], w, impl="c")[0]), i
+    ref = _ref_linear(x, w)
+    rel = (y.double() - ref).abs().amax(dim=1) / ref.abs().amax(dim=1)
+    assert float(rel.max()) < 1e-5
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_int_dot_nonfinite_and_zero_rows(impl):
+    """A row with Inf / NaN gives NaN outputs (no garbage, no effect on other rows); an all-zero
+    or tiny (< 1e-30) activation block contributes exactly nothing."""
+    w = make_weight("Q4_1", 16, 64, seed=9)
+    x = torch.randn(5, 64)
+    x[1, 3] = float("inf")
+    x[2, 40] = float("nan")
+    x[3] = 0.0
+    x[4, :32] = 1e-35
+    y = ops.linear(x, w, impl=impl)
+    assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all()
+    assert torch.equal(y[0], ops.linear(x[:1], w, impl=impl)[0])
+    assert torch.equal(y[3], torch.zeros(16))
+    tail = x[4:5].clone()
+    tail[0, :32] = 0.0
+    assert torch.equal(y[4], ops.linear(tail, w, impl=impl)[0])
+
+
+def _quantizer_cases(k: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(9, k, generator=g) * torch.logspace(-3, 3, k)
+    x[1] = 0.0
+    x[2, 5] = float("nan")
+    x[3, 7] = float("-inf")
+    x[4, :64] = 1e-35  # below the 1e-30 floor
+    x[5, :32] = torch.arange(32) - 15.5  # exact halves after scaling: round half to even
+    x[5, 31] = 127.0
+    x[6] *= 1e-20
+    return x
+
+
+@pytest.mark.parametrize("block", [32, 256])
+def test_quantize_activations_matches_reference(block):
+    x = _quantizer_cases(512)
+    q, d = ops.quantize_activations(x, block)
+    rq, rd = np_quantize(x.numpy(), block)
+    assert np.array_equal(q.numpy(), rq)
+    assert np.array_equal(d.numpy(), rd, equal_nan=True)
+    assert int(q.abs().max()) == 127
+    finite = torch.isfinite(d) & (d > 0)  # blocks below the 1e-30 floor are zero by design
+    xq = (q.float().reshape(9, -1, block) * d.unsqueeze(-1)).reshape(9, -1)
+    err = (xq - x).abs().reshape(9, -1, block)[finite]
+    amax = x.abs().reshape(9, -1, block).amax(-1)[finite]
+    assert bool((err <= amax.unsqueeze(-1) / 254 * 1.0001).all())
+
+
+@needs_c
+@pytest.mark.parametrize("variant", ["c", "c-avx2", "c-scalar"])
+def test_c_activation_quantizer_equals_torch(variant):
+    """The kernels' own quantizer (every build) produces exactly quantize_activations' values."""
+    try:
+        lib = ops._select(variant)
+    except ops.KernelError as e:
+        pytest.skip(str(e))
+    x = _quantizer_cases(512)
+    for fmt, block in ((ops._FMT_Q4_1, 32), (ops._FMT_Q4_K, 256)):
+        q = torch.empty(9, 512, dtype=torch.int8)
+        d = torch.empty(9, 512 // block)
+        assert lib.ss_quantize_act(fmt, x.data_ptr(), 9, 512, 512, q.data_ptr(), d.data_ptr()) == 0
+        tq, td = ops.quantize_activations(x, block)
+        assert torch.equal(q, tq)
+        assert torch.equal(torch.isnan(d), torch.isnan(td)) and torch.equal(d.nan_to_num(), td.nan_to_num())
 
 
 @needs_c
@@ -186,6 +339,7 @@ def test_linear_large_m_and_odd_shapes():
     for n, k in [(45, 37), (9, 8), (70, 1000), (1, 3)]:
         wf = torch.randn(n, k)
         for w in (ops.F32Weight.from_float(wf), ops.Int8Weight.from_float(wf)):
+            assert w.act_block is None  # K % 32 != 0 (or fp32): fp32 activations
             x = torch.randn(75, k)
             y = ops.linear(x, w, impl="c")
             ref = _ref_linear(x, w)
@@ -204,12 +358,17 @@ def test_simd_and_scalar_builds_bit_identical(variant):
     except ops.KernelError as e:  # e.g. a non-x86 host for c-avx2
         pytest.skip(str(e))
     for fmt in FORMATS:
-        n, k = _shape_for(fmt)
-        w = make_weight(fmt, n, k, seed=4)
-        bias = torch.randn(n)
-        for m in (1, 2, 5, 8, 40):
-            x = torch.randn(m, k)
-            assert torch.equal(ops.linear(x, w, bias, impl="c"), ops.linear(x, w, bias, impl=variant)), (fmt, m)
+        for shape in {_shape_for(fmt), _odd_shape_for(fmt)}:
+            n, k = shape
+            w = make_weight(fmt, n, k, seed=4)
+            bias = torch.randn(n)
+            for int_dot in (True, False):
+                if fmt != "f32":
+                    w.int_dot = int_dot
+                for m in (1, 2, 5, 8, 40):
+                    x = torch.randn(m, k)
+                    a = ops.linear(x, w, bias, impl="c")
+                    assert torch.equal(a, ops.linear(x, w, bias, impl=variant)), (fmt, shape, int_dot, m)
     q, kc, vc, bt, sid, pos = _attention_case(D=72, Hq=4, Hkv=2)
     for window, cap in [(0, 0.0), (5, 30.0)]:
         a = ops.paged_attention(q, kc, vc, bt, sid, pos, 0.3, window, cap, impl="c")

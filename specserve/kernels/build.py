@@ -2,13 +2,19 @@
 
 The shared library is compiled with the system C compiler into a cache
 directory (``$SPECSERVE_CACHE/kernels`` or ``~/.cache/specserve/kernels``).
-Its file name contains a hash of the source, the flag candidates, the
-compiler version and the host CPU flags, so a stale or foreign binary is
-never loaded. Concurrent processes serialize on a file lock and publish the
+Its file name contains a hash of the sources (``csrc/*.c``, ``csrc/*.h``),
+the flag candidates, the compiler version and the host CPU flags, so a stale
+or foreign binary is never loaded. Concurrent processes serialize on a file lock and publish the
 result with an atomic rename.
 
 ``load_library()`` returns a ``ctypes.CDLL`` or ``None`` (no compiler, build
 failure); a failure is logged as a single warning line.
+
+``SPECSERVE_KERNEL_CFLAGS`` (read at build time, part of the hash) appends
+compiler flags to every candidate. It exists to test the other SIMD paths on
+one machine, e.g. ``SPECSERVE_KERNEL_CFLAGS=-mno-avx512f`` builds the AVX2
+path on an AVX-512 host (``-mno-avx512vnni``: AVX-512 without VNNI). It
+changes which instructions compute the results, never the results.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"  # includes the other csrc files
 LIB_PREFIX = "libspecserve_kernels"
 
 # Flags always used. -ffp-contract=off keeps the compiler from fusing the
@@ -96,21 +102,32 @@ def _cpu_signature() -> str:
     return "\n".join(parts)
 
 
+def _extra_flags() -> list[str]:
+    return os.environ.get("SPECSERVE_KERNEL_CFLAGS", "").split()
+
+
 def _candidates(variant: str) -> list[list[str]]:
     # test variants: the same source with some SIMD paths compiled out, used
     # to check that every path computes bit-identical results
     if variant == "scalar":
-        return [["-O2", "-DSS_FORCE_SCALAR"]]
-    if variant == "avx2":
-        return [["-O3", "-mavx2", "-mfma", "-mf16c"]]
-    if variant != "native":
+        cands = [["-O2", "-DSS_FORCE_SCALAR"]]
+    elif variant == "avx2":
+        cands = [["-O3", "-mavx2", "-mfma", "-mf16c"]]
+    elif variant == "native":
+        cands = ARCH_CANDIDATES
+    else:
         raise ValueError(f"unknown kernel build variant {variant!r}")
-    return ARCH_CANDIDATES
+    extra = _extra_flags()
+    return [[*c, *extra] for c in cands]
+
+
+def _sources() -> list[Path]:
+    return sorted(p for p in SOURCE.parent.iterdir() if p.suffix in (".c", ".h"))
 
 
 def _lib_key(src: bytes, cc: str, ccver: str, variant: str) -> str:
     h = hashlib.sha256()
-    h.update(src)
+    h.update(src)  # all sources, concatenated with their names
     h.update(json.dumps([COMMON_FLAGS, _candidates(variant), OPENMP_FLAG, variant]).encode())
     h.update(cc.encode())
     h.update(ccver.encode())
@@ -171,7 +188,7 @@ def build(variant: str = "native", directory: Path | None = None) -> BuildResult
     if cc is None:
         return BuildResult(None, error="no C compiler found (set CC or install gcc)", variant=variant)
     try:
-        src = SOURCE.read_bytes()
+        src = b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in _sources())
     except OSError as e:
         return BuildResult(None, error=f"kernel source missing: {e}", variant=variant)
     ccver = _compiler_version(cc)

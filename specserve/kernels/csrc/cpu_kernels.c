@@ -23,11 +23,16 @@
  * implement exactly the same arithmetic, so the AVX-512, AVX2 and scalar
  * builds of this file give bit-identical results (tests check this).
  *
- * Quantized weights are dequantized to fp32 with the same operation order as
- * gguf-py's reference dequantizers -- in registers for few rows (decode), or
- * into a small L1-resident tile shared by all rows of the call -- and then
- * multiplied with fp32 activations; activations are never quantized.
- * Int8 weights: the per-channel scale multiplies the finished sum.
+ * ss_linear: quantized weights are dequantized to fp32 with the same
+ * operation order as gguf-py's reference dequantizers -- in registers for few
+ * rows (decode), or into a small L1-resident tile shared by all rows of the
+ * call -- and then multiplied with fp32 activations. Int8 weights: the
+ * per-channel scale multiplies the finished sum.
+ *
+ * ss_linear_q8 (linear_q8.h, included at the end of this file): the
+ * activations are quantized to int8 per block and multiplied with the weight
+ * blocks in exact integer arithmetic (llama.cpp's scheme); it has its own,
+ * equally fixed, reduction order (documented there).
  *
  * Build: see specserve/kernels/build.py.  Must be compiled with
  * -ffp-contract=off so that mul+add pairs are never silently fused.
@@ -62,7 +67,7 @@
 #define SS_ALIGN __attribute__((aligned(64)))
 #define SS_INLINE static inline __attribute__((always_inline))
 
-#define SS_ABI_VERSION 1
+#define SS_ABI_VERSION 2
 
 /* weight formats (keep in sync with ops.py) */
 enum {
@@ -1471,3 +1476,9 @@ SS_EXPORT int ss_add_rms_norm(const float *x, const float *residual, int64_t M, 
     }
     return SS_OK;
 }
+
+/* ------------------------------------------------------------------------ */
+/* integer-dot linear (int8 activations)                                    */
+/* ------------------------------------------------------------------------ */
+
+#include "linear_q8.h"
