@@ -96,7 +96,7 @@ class FakeEngine:
         self._abort_flags: set[str] = set()
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "FakeEngine":
+    def from_args(cls, args: argparse.Namespace, own_thread: bool = True) -> "FakeEngine":
         return cls(spec=bool(getattr(args, "speculative_config", None)))
 
     async def start(self) -> None:

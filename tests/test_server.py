@@ -659,7 +659,8 @@ def test_serve_command_wiring(monkeypatch):
     fake_mod = types.ModuleType("specserve.engine.async_engine")
     fake_mod.AsyncEngine = FakeEngine
     monkeypatch.setitem(sys.modules, "specserve.engine.async_engine", fake_mod)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app, **kw))
+    monkeypatch.setattr(serve_cmd, "run_server",
+                        lambda server, engine: started.update(app=server.config.app, port=server.config.port) or 0)
     monkeypatch.setattr(serve_cmd, "_setup_logging", lambda level: None)  # keep the process's logging as is
     assert main(["serve", "--port", "8123", "--served-model-name", "x", "--reasoning-parser", "qwen3"]) == 0
     assert started["port"] == 8123 and started["app"].state.ctx.served_model_name == "x"

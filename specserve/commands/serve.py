@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from specserve.engine.async_engine import AsyncEngine
     from specserve.server.app import create_app
 
-    engine = AsyncEngine.from_args(args)
+    engine = AsyncEngine.from_args(args, own_thread=False)
     plan = getattr(getattr(engine, "engine", None), "plan", None)
     if plan is not None:
         from specserve.commands.plan import format_plan
@@ -85,5 +85,26 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("specserve.server").info(
         "serving %s on http://%s:%d (speculation %s)", cfg.served_model_name or engine.model_name,
         args.host, args.port, "on" if engine.spec_enabled else "off")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=level, timeout_graceful_shutdown=5)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level,
+                                           timeout_graceful_shutdown=5))
+    return run_server(server, engine)
+
+
+def run_server(server, engine) -> int:
+    """HTTP in a second thread, the engine's step loop in this (the main) thread. SIGINT / SIGTERM
+    ask the HTTP server to finish (in-flight requests keep being served for a few seconds);
+    the engine loop ends when the HTTP thread does."""
+    import signal
+    import threading
+
+    http = threading.Thread(target=server.run, name="specserve-http", daemon=True)
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        http.start()
+        engine.run_forever(keep_going=http.is_alive)
+    finally:
+        server.should_exit = True
+        http.join(15)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if server.started else 1
