@@ -1,10 +1,14 @@
 """Timing of the batch-invariant CPU kernels vs torch.
 
     nice -n 5 python benchmarks/kernels.py [--threads 2] [--quick] [--formats f32,int8,q4_0]
+        [--activations int8,fp32]
 
 Prints one table: time per call (ms, best of the repeats: the least noisy
 statistic on a shared machine) for each layer shape, weight format and row
 count M, next to torch's fp32 F.linear (which is not batch invariant).
+--activations fp32 (or int8,fp32) also times the int8 / GGUF formats on their
+fp32-activation path (weight.int_dot = False, rows marked "/fp32a"); the
+default int8 is their integer-dot path.
 """
 
 from __future__ import annotations
@@ -80,6 +84,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="comma separated indices into SHAPES (default all)")
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
     ap.add_argument("--attention", action="store_true", help="also time paged attention / rms_norm")
+    ap.add_argument("--activations", default="int8",
+                    help="paths of the int8 / GGUF formats: int8 (integer dot, the default), fp32, or both")
     ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
                     help="thread: CPU time of the calling thread (robust on a busy machine; "
                          "only meaningful with --threads 1)")
@@ -94,6 +100,7 @@ def main() -> None:
     ops.set_num_threads(args.threads)
     info = ops.kernels_info()
     print(f"# threads={args.threads} clock={args.clock} avx2={info['avx2']} avx512={info.get('avx512')} "
+          f"int_dot={info.get('int_dot')} "
           f"flags={' '.join(info['flags'])}")
     if not info["available"]:
         print("# C kernels unavailable:", info["error"])
@@ -102,7 +109,7 @@ def main() -> None:
     shapes = SHAPES if not args.shapes else [SHAPES[int(i)] for i in args.shapes.split(",")]
     torch.manual_seed(0)
 
-    hdr = f"{'layer':24s} {'N x K':>12s} {'format':>6s} " + " ".join(f"{'M=' + str(m):>9s}" for m in rows)
+    hdr = f"{'layer':24s} {'N x K':>12s} {'format':>11s} " + " ".join(f"{'M=' + str(m):>9s}" for m in rows)
     print(hdr + "   (ms per call, best of repeats)")
     print("-" * len(hdr))
     for name, n, k in shapes:
@@ -111,16 +118,20 @@ def main() -> None:
         cells = []
         for m in rows:
             cells.append(bench(lambda: F.linear(xs[m], w), args.min_time))
-        print(f"{name:24s} {f'{n}x{k}':>12s} {'torch':>6s} " + " ".join(f"{c:9.3f}" for c in cells))
+        print(f"{name:24s} {f'{n}x{k}':>12s} {'torch':>11s} " + " ".join(f"{c:9.3f}" for c in cells))
         for fmt in fmts:
             if fmt.upper() in ops.GGUF_QTYPES and k % ops.GGUF_QTYPES[fmt.upper()][1]:
-                print(f"{'':24s} {'':>12s} {fmt:>6s} " + " ".join(f"{'n/a':>9s}" for _ in rows))
+                print(f"{'':24s} {'':>12s} {fmt:>11s} " + " ".join(f"{'n/a':>9s}" for _ in rows))
                 continue
             wt = make_weight(fmt, w)
-            cells = []
-            for m in rows:
-                cells.append(bench(lambda: ops.linear(xs[m], wt, impl="c"), args.min_time))
-            print(f"{'':24s} {'':>12s} {fmt:>6s} " + " ".join(f"{c:9.3f}" for c in cells))
+            for act in ([a.strip() for a in args.activations.split(",")] if fmt != "f32" else ["fp32"]):
+                if fmt != "f32":
+                    wt.int_dot = act == "int8"
+                cells = []
+                for m in rows:
+                    cells.append(bench(lambda: ops.linear(xs[m], wt, impl="c"), args.min_time))
+                label = fmt if fmt == "f32" or act == "int8" else f"{fmt}/fp32a"
+                print(f"{'':24s} {'':>12s} {label:>11s} " + " ".join(f"{c:9.3f}" for c in cells))
             del wt
         del w
 

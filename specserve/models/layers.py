@@ -18,7 +18,11 @@ NATIVE_GGUF = frozenset(ops.GGUF_QTYPES)
 
 
 class Linear:
-    """y = x W^T (+ b) with W kept in one run-time format."""
+    """y = x W^T (+ b) with W kept in one run-time format.
+
+    On CPU, int8 and GGUF block weights multiply int8-quantized activations in integer arithmetic
+    (the kernels' integer-dot path, see specserve.kernels.ops); fp32 weights use fp32 activations.
+    """
 
     def __init__(self, raw: RawTensor, bias: torch.Tensor | None, quant: str, device: torch.device,
                  dtype: torch.dtype):

@@ -135,7 +135,7 @@ static float quant_block(const float *x, int n, int8_t *q) {
                                                 of the lane's integer sum
                                                 when the weights are biased
                                                 to unsigned bytes
-     256-value formats: dx  float [K / 256]
+     256-value formats: dxv float [K / 256 * 16] dx of each super-block, x16
                         bs  int16 [K / 32]   sums of q per 32 (Q4_K)
                         p32 int16 [K / 2]    32 * (q[2i] + q[2i+1]) (Q6_K) */
 typedef struct {
@@ -150,7 +150,7 @@ static void qx_layout(int fmt, int64_t K, QXLay *L) {
     if (is_k_fmt(fmt)) {
         L->nstep = K / 256;
         L->o_f1 = al64(K);
-        L->o_bs = L->o_f1 + al64(4 * (K / 256));
+        L->o_bs = L->o_f1 + 64 * (K / 256);
         L->o_p32 = L->o_bs + (fmt == FMT_Q4_K ? al64(2 * (K / 32)) : 0);
         L->stride = L->o_p32 + (fmt == FMT_Q6_K ? al64(K) : 0);
     } else {
@@ -164,8 +164,11 @@ static void qx_layout(int fmt, int64_t K, QXLay *L) {
 static void qx_row(int fmt, const float *x, int64_t K, uint8_t *rec, const QXLay *L) {
     int8_t *q = (int8_t *)rec;
     if (is_k_fmt(fmt)) {
-        float *dx = (float *)(rec + L->o_f1);
-        for (int64_t s = 0; s < L->nstep; s++) dx[s] = quant_block(x + 256 * s, 256, q + 256 * s);
+        float *dxv = (float *)(rec + L->o_f1);
+        for (int64_t s = 0; s < L->nstep; s++) {
+            const float dx = quant_block(x + 256 * s, 256, q + 256 * s);
+            for (int l = 0; l < 16; l++) dxv[16 * s + l] = dx;
+        }
         if (fmt == FMT_Q4_K) {
             int16_t *bs = (int16_t *)(rec + L->o_bs);
             for (int64_t j = 0; j < K / 32; j++) {
@@ -226,11 +229,17 @@ SS_EXPORT int ss_quantize_act(int fmt, const float *x, int64_t M, int64_t K, int
 /* 64-value vectors: one zmm (AVX-512) or two ymm (AVX2)                    */
 /* ------------------------------------------------------------------------ */
 
+#define QL_I8_256(a, b) _mm256_setr_epi32(a, a, a, a, b, b, b, b)
+
 #if defined(SS_AVX512)
 typedef __m512i vi16;
 typedef __m512 vf16;
-#define QL_R 4 /* rows per micro tile */
+#ifndef QL_R
+#define QL_R 4 /* rows per micro tile (4 x 4 measured best on Zen 5) */
+#endif
+#ifndef QL_C
 #define QL_C 4 /* channels per micro tile */
+#endif
 SS_INLINE vi16 vi_from2(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 SS_INLINE vi16 vi_load(const void *p) { return _mm512_loadu_si512(p); }
 SS_INLINE vi16 vi_zero(void) { return _mm512_setzero_si512(); }
@@ -244,8 +253,8 @@ SS_INLINE vf16 vf_set1(float a) { return _mm512_set1_ps(a); }
 /* lanes whose bit is set in mask from b, others from a */
 SS_INLINE vf16 vf_blend(const int mask, vf16 a, vf16 b) { return _mm512_mask_blend_ps((__mmask16)mask, a, b); }
 /* lanes 0..3: f - s * v */
-SS_INLINE vf16 vf_fnmadd_lo4(__m128 v, float s, vf16 f) {
-    return _mm512_mask3_fnmadd_ps(_mm512_castps128_ps512(v), _mm512_set1_ps(s), f, (__mmask16)0x000F);
+SS_INLINE vf16 vf_fnmadd_lo4(__m128 v, vf16 s, vf16 f) {
+    return _mm512_mask3_fnmadd_ps(_mm512_castps128_ps512(v), s, f, (__mmask16)0x000F);
 }
 /* int32 lane l += sum of u[4l+i] * s[4l+i], u unsigned and s signed bytes */
 SS_INLINE vi16 vi_dot4(vi16 acc, vi16 u, vi16 s) {
@@ -277,12 +286,17 @@ SS_INLINE vf16 vf_perm4(__m128 v, __m512i idx) { return _mm512_permutexvar_ps(id
 #define QL_IDX_NIB_D _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2)
 #define QL_IDX_NIB_M _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 1, 1, 1, 1, 3, 3, 3, 3)
 #define QL_IDX_NAT_D _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2)
+#define QL_IDX_ALL(i) _mm512_set1_epi32(i)
 
 #elif defined(SS_AVX2)
 typedef struct { __m256i lo, hi; } vi16;
 typedef struct { __m256 lo, hi; } vf16;
-#define QL_R 2
-#define QL_C 2
+#ifndef QL_R
+#define QL_R 4 /* (measured on Zen 5 with AVX-512 off: 4 x 1 beats 2 x 2, 4 x 2, 8 x 1) */
+#endif
+#ifndef QL_C
+#define QL_C 1
+#endif
 SS_INLINE vi16 vi_from2(__m256i lo, __m256i hi) { vi16 r = {lo, hi}; return r; }
 SS_INLINE vi16 vi_load(const void *p) {
     return vi_from2(_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)p + 1));
@@ -303,8 +317,8 @@ SS_INLINE vf16 vf_blend(const int mask, vf16 a, vf16 b) {
     if (mask == 0x00FF) return vf_from2(b.lo, a.hi);
     return vf_from2(_mm256_blend_ps(a.lo, b.lo, 0x0F), _mm256_blend_ps(a.hi, b.hi, 0x0F));
 }
-SS_INLINE vf16 vf_fnmadd_lo4(__m128 v, float s, vf16 f) {
-    const __m128 r = _mm_fnmadd_ps(v, _mm_set1_ps(s), _mm256_castps256_ps128(f.lo));
+SS_INLINE vf16 vf_fnmadd_lo4(__m128 v, vf16 s, vf16 f) {
+    const __m128 r = _mm_fnmadd_ps(v, _mm256_castps256_ps128(s.lo), _mm256_castps256_ps128(f.lo));
     return vf_from2(_mm256_insertf128_ps(f.lo, r, 0), f.hi);
 }
 SS_INLINE __m256i dot4_256(__m256i acc, __m256i u, __m256i s) {
@@ -346,10 +360,10 @@ SS_INLINE vf16 vf_perm4(__m128 v, ql_idx idx) {
 #define QL_IDX_NIB_D ((ql_idx){QL_I8_256(0, 2), QL_I8_256(0, 2)})
 #define QL_IDX_NIB_M ((ql_idx){QL_I8_256(1, 3), QL_I8_256(1, 3)})
 #define QL_IDX_NAT_D ((ql_idx){QL_I8_256(0, 0), QL_I8_256(2, 2)})
+#define QL_IDX_ALL(i) ((ql_idx){_mm256_set1_epi32(i), _mm256_set1_epi32(i)})
 #endif
 
 #if defined(SS_AVX2)
-#define QL_I8_256(a, b) _mm256_setr_epi32(a, a, a, a, b, b, b, b)
 /* with VNNI (no int16 saturation) signed weights are biased to unsigned
    bytes, w + 128, and the lane sums start from -128 S[l]; without it the
    activations take the weights' signs (maddubs would saturate) */
@@ -361,13 +375,22 @@ SS_INLINE vf16 vf_perm4(__m128 v, ql_idx idx) {
 /* weight unpacking (SIMD)                                                  */
 /* ------------------------------------------------------------------------ */
 
+/* 32 bytes of nibbles -> [low nibbles | high nibbles] */
+SS_INLINE vi16 nibbles64(__m256i y) {
+#if defined(SS_AVX512)
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(y), _mm256_srli_epi16(y, 4), 1);
+    return _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
+#else
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    return vi_from2(_mm256_and_si256(y, m4), _mm256_and_si256(_mm256_srli_epi16(y, 4), m4));
+#endif
+}
+
 /* nibbles of two Q4 blocks (16 bytes each; qs1 NULL: zeros) in nibble order */
 SS_INLINE vi16 q4_pair(const uint8_t *qs0, const uint8_t *qs1) {
     const __m128i a = _mm_loadu_si128((const __m128i *)qs0);
     const __m128i b = qs1 ? _mm_loadu_si128((const __m128i *)qs1) : _mm_setzero_si128();
-    const __m256i y = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    return vi_from2(_mm256_and_si256(y, m4), _mm256_and_si256(_mm256_srli_epi16(y, 4), m4));
+    return nibbles64(_mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1));
 }
 
 /* f16 pairs at p0 and p1 (p1 NULL: zeros) -> [p0[0], p0[1], p1[0], p1[1]] */
@@ -490,7 +513,7 @@ typedef struct {
     vi16 q[4];  /* unsigned values of the 4 chunks of 64 */
     vi16 sc[4]; /* int16 scale of each int16 lane of the chunk */
     __m128i mn; /* Q4_K: 8 mins, int16 */
-    float d, dmin;
+    vf16 d, dmin;
 } WK;
 
 /* Q4_K 6-bit scales and mins: bytes sc0..7 and m0..7 */
@@ -506,49 +529,69 @@ SS_INLINE void q4k_scales8(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
 }
 
 SS_INLINE void wk_prep(const int fmt, const uint8_t *blk, WK *w) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
     if (fmt == FMT_Q4_K) {
-        w->d = h2f(blk);
-        w->dmin = h2f(blk + 2);
+        const __m128 dd = h4(blk, NULL);
+        w->d = vf_perm4(dd, QL_IDX_ALL(0));
+        w->dmin = vf_perm4(dd, QL_IDX_ALL(1));
         uint64_t sc, mn;
         q4k_scales8(blk + 4, &sc, &mn);
         w->mn = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn));
-        const __m256i s2 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+        const __m128i s8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc));
+#if defined(SS_AVX512)
+        /* int16 lanes 0..15 <- scale 2g, 16..31 <- scale 2g + 1 */
+        const __m512i s = _mm512_castsi128_si512(s8);
+        _Pragma("GCC unroll 4")
+        for (int g = 0; g < 4; g++)
+            w->sc[g] = _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16((short)(2 * g)),
+                                                                   _mm256_set1_epi16((short)(2 * g + 1)), 1), s);
+#else
+        const __m256i s2 = _mm256_broadcastsi128_si256(s8);
         const __m256i u0 = _mm256_unpacklo_epi16(s2, s2), u1 = _mm256_unpackhi_epi16(s2, s2);
         w->sc[0] = vi_from2(_mm256_shuffle_epi32(u0, 0x00), _mm256_shuffle_epi32(u0, 0x55));
         w->sc[1] = vi_from2(_mm256_shuffle_epi32(u0, 0xAA), _mm256_shuffle_epi32(u0, 0xFF));
         w->sc[2] = vi_from2(_mm256_shuffle_epi32(u1, 0x00), _mm256_shuffle_epi32(u1, 0x55));
         w->sc[3] = vi_from2(_mm256_shuffle_epi32(u1, 0xAA), _mm256_shuffle_epi32(u1, 0xFF));
+#endif
         const uint8_t *qs = blk + 16;
-        _Pragma("GCC unroll 8")
-        for (int g = 0; g < 4; g++) {
-            const __m256i y = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
-            w->q[g] = vi_from2(_mm256_and_si256(y, m4), _mm256_and_si256(_mm256_srli_epi16(y, 4), m4));
-        }
-    } else { /* Q6_K */
-        w->d = h2f(blk + 208);
-        w->dmin = 0.0f;
-        w->mn = _mm_setzero_si128();
-        const __m256i t = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-        const __m256i u0 = _mm256_unpacklo_epi16(t, t), u1 = _mm256_unpackhi_epi16(t, t);
-        const __m256i i01 = QL_I8_256(0, 1), i23 = QL_I8_256(2, 3), i45 = QL_I8_256(4, 5), i67 = QL_I8_256(6, 7);
-        w->sc[0] = vi_from2(_mm256_permutevar8x32_epi32(u0, i01), _mm256_permutevar8x32_epi32(u0, i23));
-        w->sc[1] = vi_from2(_mm256_permutevar8x32_epi32(u1, i01), _mm256_permutevar8x32_epi32(u1, i23));
-        w->sc[2] = vi_from2(_mm256_permutevar8x32_epi32(u0, i45), _mm256_permutevar8x32_epi32(u0, i67));
-        w->sc[3] = vi_from2(_mm256_permutevar8x32_epi32(u1, i45), _mm256_permutevar8x32_epi32(u1, i67));
-        const __m256i m30 = _mm256_set1_epi8(0x30);
-        for (int h = 0; h < 2; h++) {
-            const __m256i A = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-            const __m256i B = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-            const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            w->q[2 * h] = vi_from2(
-                _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_and_si256(_mm256_slli_epi16(H, 4), m30)),
-                _mm256_or_si256(_mm256_and_si256(B, m4), _mm256_and_si256(_mm256_slli_epi16(H, 2), m30)));
-            w->q[2 * h + 1] = vi_from2(
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4), _mm256_and_si256(H, m30)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
-                                _mm256_and_si256(_mm256_srli_epi16(H, 2), m30)));
-        }
+        _Pragma("GCC unroll 4")
+        for (int g = 0; g < 4; g++) w->q[g] = nibbles64(_mm256_loadu_si256((const __m256i *)(qs + 32 * g)));
+        return;
+    }
+    /* Q6_K */
+    w->d = vf_perm4(h4(blk + 208, NULL), QL_IDX_ALL(0));
+    w->dmin = vf_zero();
+    w->mn = _mm_setzero_si128();
+    const __m256i t = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+#if defined(SS_AVX512)
+    /* int16 lanes 8i .. 8i+7 <- scale 4g + i */
+    const __m512i tz = _mm512_castsi256_si512(t);
+    _Pragma("GCC unroll 4")
+    for (int g = 0; g < 4; g++) {
+        const __m256i lo = _mm256_set_m128i(_mm_set1_epi16((short)(4 * g + 1)), _mm_set1_epi16((short)(4 * g)));
+        const __m256i hi = _mm256_set_m128i(_mm_set1_epi16((short)(4 * g + 3)), _mm_set1_epi16((short)(4 * g + 2)));
+        w->sc[g] = _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), tz);
+    }
+#else
+    const __m256i u0 = _mm256_unpacklo_epi16(t, t), u1 = _mm256_unpackhi_epi16(t, t);
+    const __m256i i01 = QL_I8_256(0, 1), i23 = QL_I8_256(2, 3), i45 = QL_I8_256(4, 5), i67 = QL_I8_256(6, 7);
+    w->sc[0] = vi_from2(_mm256_permutevar8x32_epi32(u0, i01), _mm256_permutevar8x32_epi32(u0, i23));
+    w->sc[1] = vi_from2(_mm256_permutevar8x32_epi32(u1, i01), _mm256_permutevar8x32_epi32(u1, i23));
+    w->sc[2] = vi_from2(_mm256_permutevar8x32_epi32(u0, i45), _mm256_permutevar8x32_epi32(u0, i67));
+    w->sc[3] = vi_from2(_mm256_permutevar8x32_epi32(u1, i45), _mm256_permutevar8x32_epi32(u1, i67));
+#endif
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    _Pragma("GCC unroll 2")
+    for (int h = 0; h < 2; h++) {
+        const __m256i A = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+        const __m256i B = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+        const __m256i H = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        w->q[2 * h] = vi_from2(
+            _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_and_si256(_mm256_slli_epi16(H, 4), m30)),
+            _mm256_or_si256(_mm256_and_si256(B, m4), _mm256_and_si256(_mm256_slli_epi16(H, 2), m30)));
+        w->q[2 * h + 1] = vi_from2(
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4), _mm256_and_si256(H, m30)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
+                            _mm256_and_si256(_mm256_srli_epi16(H, 2), m30)));
     }
 }
 
@@ -578,11 +621,11 @@ SS_INLINE void qk_tile(const int fmt, const int R, const int C, const uint8_t *x
                     if (fmt == FMT_Q6_K) p16 = vi_sub16(p16, vi_load((const int16_t *)(xr + L->o_p32) + 128 * s + 32 * g));
                     I = vi_dot2(I, p16, w.sc[g]);
                 }
-                const float dx = ((const float *)(xr + L->o_f1))[s];
-                f[r][c] = vf_fmadd(vf_cvt(I), vf_set1(w.d * dx), f[r][c]);
+                const vf16 dx = vf_load((const float *)(xr + L->o_f1) + 16 * s);
+                f[r][c] = vf_fmadd(vf_cvt(I), vf_mul(w.d, dx), f[r][c]);
                 if (fmt == FMT_Q4_K) {
                     const __m128i bs = _mm_loadu_si128((const __m128i *)((const int16_t *)(xr + L->o_bs) + 8 * s));
-                    f[r][c] = vf_fnmadd_lo4(_mm_cvtepi32_ps(_mm_madd_epi16(w.mn, bs)), w.dmin * dx, f[r][c]);
+                    f[r][c] = vf_fnmadd_lo4(_mm_cvtepi32_ps(_mm_madd_epi16(w.mn, bs)), vf_mul(w.dmin, dx), f[r][c]);
                 }
             }
         }
@@ -609,20 +652,27 @@ SS_INLINE void ql_rows(const int fmt, int ms, const uint8_t *xb, const QXLay *L,
     for (; m + QL_R <= ms; m += QL_R) {
         QL_TILE(QL_R)
     }
+    switch (ms - m) { /* the rest, < QL_R rows */
+#if QL_R > 7
+    case 7: QL_TILE(7) break;
+#endif
+#if QL_R > 6
+    case 6: QL_TILE(6) break;
+#endif
+#if QL_R > 5
+    case 5: QL_TILE(5) break;
+#endif
+#if QL_R > 4
+    case 4: QL_TILE(4) break;
+#endif
 #if QL_R > 3
-    if (ms - m == 3) {
-        QL_TILE(3)
-        m += 3;
-    }
+    case 3: QL_TILE(3) break;
 #endif
 #if QL_R > 2
-    if (ms - m == 2) {
-        QL_TILE(2)
-        m += 2;
-    }
+    case 2: QL_TILE(2) break;
 #endif
-    if (ms - m == 1) {
-        QL_TILE(1)
+    case 1: QL_TILE(1) break;
+    default: break;
     }
 #undef QL_TILE
 }
@@ -739,7 +789,7 @@ static void qk_dot_scalar(int fmt, const uint8_t *xr, const QXLay *L, const uint
                     const int e = 64 * g + 4 * l + i;
                     I[l] += sc[e] * wq[e] * xq[256 * s + e];
                 }
-        const float dx = dxs[s];
+        const float dx = dxs[16 * s]; /* the 16 copies are equal */
         for (int l = 0; l < 16; l++) f[l] = fmaf(d * dx, (float)I[l], f[l]);
         if (fmt == FMT_Q4_K)
             for (int i = 0; i < 4; i++) {
