@@ -32,3 +32,5 @@ bash benchmarks/needle_kv.sh "$out" smollm2-135m 8192 "fp32 bf16 fp16 fp8_e4m3 i
 [ -n "${SKIP_32K:-}" ] || bash benchmarks/needle_kv.sh "$out" qwen2.5-coder-0.5b 32768 fp32
 python benchmarks/needle_table.py "$out"/needle_smollm2-135m_{fp32,bf16,fp16,fp8_e4m3,int8,int4}.json \
   $(ls "$out/needle_qwen2.5-coder-0.5b_fp32.json" 2>/dev/null) > "$out/needle.md"
+# why serve steps the engine in the main thread
+python benchmarks/engine_thread.py --model smollm2-135m > "$out/engine_thread.md"

@@ -579,6 +579,7 @@ def test_sliding_window_layers_keep_only_their_window(spec, tiny_models):
         engine = _window_engine(lm, spec, **kw)
         plan = engine.plan
         assert plan.sliding_window == 16 and plan.window_blocks > 0
+        assert not engine.blocks.prefix_caching  # a cached prefix would lack its window: off
         assert plan.kv_bytes_per_token == kv_bytes_per_token(cfg, "fp32", cfg.num_global_layers)
         sliding = [i for i in range(cfg.num_layers) if cfg.sliding(i)]
         assert all(engine.kv.k[i].shape[0] == plan.window_blocks for i in sliding)

@@ -4,8 +4,8 @@ The step loop owns the :class:`LLMEngine`; requests and aborts reach it through 
 its outputs go back to each request's asyncio queue. The forward pass releases the GIL, so the
 event loop keeps serving HTTP. By default the loop runs in a background thread started with the
 app; ``specserve serve`` instead runs it in the main thread (:meth:`AsyncEngine.run_forever`)
-and the HTTP server in a second one: the OpenMP kernels run much faster from the thread that
-built the model (measured on 2 cores: 154 tok/s there vs 84 from another thread).
+and the HTTP server in a second one: the OpenMP kernels run much slower when stepped from a
+thread other than the one that built the model (benchmarks/engine_thread.py: 148 vs 81 tok/s).
 """
 
 from __future__ import annotations

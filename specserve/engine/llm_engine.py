@@ -221,8 +221,9 @@ class LLMEngine:
 
     def _build_batch(self, rows: list[_Row]) -> ForwardBatch:
         ids, pos, sids, logit_rows = [], [], [], []
-        groups = [([], torch.zeros((len(rows), self._max_blocks), dtype=torch.int32), pick)
-                  for pick in ((lambda s: s.table), (lambda s: s.wtable))[:1 + (self.wblocks is not None)]]
+        # one (slots, block tables) pair per pool: the global one, then the sliding-window one if any
+        groups = [([], torch.zeros((len(rows), self._max_blocks), dtype=torch.int32))
+                  for _ in range(1 + (self.wblocks is not None))]
         bs = self.ecfg.block_size
         for i, r in enumerate(rows):
             seq = r.seq
@@ -232,15 +233,15 @@ class LLMEngine:
             ids += toks
             pos += p
             sids += [i] * r.count
-            for slots, tables, pick in groups:  # released blocks stay HOLE (-1): the kernel refuses to read them
-                blocks = pick(seq).blocks
+            for (slots, tables), (_, table) in zip(groups, self._tables(seq)):
+                blocks = table.blocks  # released blocks stay HOLE (-1): the kernel refuses to read them
                 slots += [blocks[x // bs] * bs + x % bs for x in p]
                 tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             if r.sample:
                 logit_rows += range(r.start + (r.count - 1 if not r.drafts and r.count > 1 else 0),
                                     r.start + r.count)
         dev = self.device
-        paging = [(tables.to(dev), torch.tensor(slots, dtype=torch.int64, device=dev)) for slots, tables, _ in groups]
+        paging = [(tables.to(dev), torch.tensor(slots, dtype=torch.int64, device=dev)) for slots, tables in groups]
         window = paging[1] if len(paging) > 1 else (None, None)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
