@@ -37,6 +37,9 @@ from specserve.models.loader import LoadOptions, load_model  # noqa: E402
 from specserve.spec.config import parse_spec_config  # noqa: E402
 from specserve.spec.registry import build_drafter  # noqa: E402
 
+# the 0.5b draft in 4 bits over a 32K-token draft vocabulary (README: "Draft model")
+FAST_DRAFT = {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5,
+              "quantization": "q4_0", "draft_vocab_size": 32768}
 # model -> drafters worth trying on it: (label, speculative config without "adaptive")
 DRAFTERS = {
     "smollm2-135m": [("ngram", {"method": "ngram", "num_speculative_tokens": 8}),
@@ -44,6 +47,7 @@ DRAFTERS = {
     "qwen2.5-coder-1.5b": [
         ("ngram", {"method": "ngram", "num_speculative_tokens": 8}),
         ("draft 0.5b", {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5}),
+        ("draft 0.5b q4_0 32K", FAST_DRAFT),
     ],
 }
 DEFAULT_DRAFTERS = [("ngram", {"method": "ngram", "num_speculative_tokens": 8})]
@@ -181,7 +185,7 @@ def main() -> int:
     ap.add_argument("--prompts-per-suite", type=int, default=4)
     ap.add_argument("--adaptive", choices=["on", "off", "both"], default="on",
                     help='"adaptive" in the speculative config (both: compare the two)')
-    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "q4"])
+    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "q4", "q4_0"])
     ap.add_argument("--ctx", type=int, default=2048, help="--max-model-len of every engine (KV pool size)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="write raw rows and summary as JSON")

@@ -8,7 +8,7 @@ with CMAKE_ARGS="-DGGML_NATIVE=ON" (several minutes on 2 cores; the log is in th
 
 Every configuration is a long-lived worker process (one model load each, so each has its own peak
 RSS): llama.cpp (flash_attn, n_batch 512, --threads threads) and specserve plain greedy, ngram and,
-for qwen2.5-coder-1.5b, the 0.5b draft model. The prompt is rendered with the model's chat template
+for qwen2.5-coder-1.5b, the 0.5b draft model (4-bit, 32K draft vocabulary). The prompt is rendered with the model's chat template
 and tokenized ONCE by specserve; both engines get the same token ids, decode greedily and ignore EOS
 for exactly --tokens tokens. Per prompt and run the workers take turns (order rotated).
 
@@ -152,7 +152,8 @@ def start_workers(a: argparse.Namespace) -> dict[str, Worker]:
             "--threads", str(a.threads), "--max-num-seqs", "1", "--max-model-len", str(a.ctx)]
     specs = {"specserve": None, "specserve ngram": {"method": "ngram", "num_speculative_tokens": 8}}
     if a.model in DRAFT_FOR and not a.no_draft:
-        specs["specserve draft"] = {"method": "draft_model", "model": DRAFT_FOR[a.model], "num_speculative_tokens": 5}
+        specs["specserve draft"] = {"method": "draft_model", "model": DRAFT_FOR[a.model], "num_speculative_tokens": 5,
+                                    "quantization": "q4_0", "draft_vocab_size": 32768}
     workers = {"llama.cpp": Worker("llama.cpp", [str(py), str(driver), largs])}
     for name, spec in specs.items():
         workers[name] = Worker(name, base + (["--speculative-config", json.dumps(spec)] if spec else []))
@@ -193,7 +194,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--suites", default="code,math,prose")
     ap.add_argument("--prompts-per-suite", type=int, default=4)
-    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "q4"],
+    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "q4", "q4_0"],
                     help="specserve's run-time weight format (llama.cpp runs the GGUF as stored)")
     ap.add_argument("--ctx", type=int, default=2048, help="n_ctx of llama.cpp = --max-model-len of specserve")
     ap.add_argument("--threads", type=int, default=2)

@@ -26,6 +26,8 @@ def prompts_and_plain():
     '{"method": "ngram", "num_speculative_tokens": 8, "adaptive": false}',
     '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 3}',
     '{"method": "draft_model", "model": "smollm2-135m", "quantization": "int8", "num_speculative_tokens": 4}',
+    # a 4-bit draft over a cut vocabulary that grows with the tokens the prompts use
+    '{"method": "draft_model", "model": "smollm2-135m", "quantization": "q4_0", "draft_vocab_size": 2048}',
 ])
 def test_speculative_greedy_equals_plain_greedy_smollm2(prompts_and_plain, spec):
     prompts, plain = prompts_and_plain
@@ -46,7 +48,8 @@ def test_draft_model_pair_qwen_coder_is_lossless():
     del target
     spec = make_engine("--model", "qwen2.5-coder-1.5b", "--max-num-seqs", "2", "--max-model-len", "1024",
                        "--speculative-config",
-                       '{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}')
+                       '{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4, '
+                       '"quantization": "q4_0", "draft_vocab_size": 32768}')
     assert run_all(spec, prompts, params) == plain
     assert spec.totals.accepted_tokens > 0
 

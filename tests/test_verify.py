@@ -29,14 +29,15 @@ def test_greedy_accepts_longest_matching_prefix_then_target_token():
     assert verify_greedy(logits[:1], []) == (0, [2])  # plain decode
 
 
-def _run(verifier, n: int, k: int, seed: int, point_mass: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Count the first and second output tokens over n verification steps."""
+def _run(verifier, n: int, k: int, seed: int, point_mass: bool = False,
+         q: torch.Tensor = Q) -> tuple[torch.Tensor, torch.Tensor]:
+    """Count the first and second output tokens over n verification steps (draft distribution q)."""
     g = make_generator(seed, 0)
     first, second = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
     target = P.expand(k + 1, V).float()
-    draft = None if point_mass else Q.expand(k, V).float()
+    draft = None if point_mass else q.expand(k, V).float()
     for _ in range(n):
-        drafts = [2] * k if point_mass else [sample_from(Q.float(), g) for _ in range(k)]
+        drafts = [2] * k if point_mass else [sample_from(q.float(), g) for _ in range(k)]
         _, toks = verifier(target, drafts, draft, g)
         first[toks[0]] += 1
         if len(toks) > 1:
@@ -53,6 +54,15 @@ def test_rejection_sampling_preserves_the_target_distribution():
 def test_point_mass_drafter_preserves_the_target_distribution():
     first, _ = _run(verify_sampling, 100_000, 1, seed=2, point_mass=True)
     assert chi2_pvalue(first, P) > 0.001
+
+
+def test_draft_with_a_cut_vocabulary_preserves_the_target_distribution():
+    """A draft vocabulary (spec/draft_vocab.py) leaves tokens out of the draft's support: q = 0
+    there, and the residual must supply them at exactly their target probability."""
+    q = torch.tensor([0.0, 0.20, 0.50, 0.0, 0.30, 0.0], dtype=torch.float64)
+    first, second = _run(verify_sampling, 100_000, 2, seed=5, q=q)
+    assert chi2_pvalue(first, P) > 0.001
+    assert chi2_pvalue(second, P) > 0.001
 
 
 def _no_residual(target, drafts, draft_probs, generator):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from specserve.models.quant import QUANTIZATIONS
+
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -16,8 +18,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="activation dtype (auto: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "q4"],
-                   help="run-time weight format (auto: the fastest exact-kernel format for the device)")
+    p.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
+                   help="run-time weight format (auto: the fastest exact-kernel format for the device; "
+                        "q4_0: every linear in 4 bits, re-quantizing other types, for draft models)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from specserve.models.quant import QUANTIZATIONS
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train-drafter", help="train a dflash or mtp drafter for a model (self-distillation)")
@@ -48,7 +50,7 @@ def add_parser(sub) -> None:
     p.add_argument("--export-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the exported drafter weights (checkpoints are always float32)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "q4"],
+    p.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                    help="the target's weight format while generating data")
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=run)

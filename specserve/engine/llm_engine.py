@@ -24,12 +24,14 @@ from specserve.engine.types import EngineStats, RequestOutput, SamplingParams, S
 from specserve.errors import RequestError
 from specserve.models.loader import LoadedModel
 from specserve.models.transformer import ForwardBatch, KVCache
-from specserve.spec.adaptive import CostModel, DraftPolicy
+from specserve.spec.adaptive import CostModel, DraftPolicy, calibrate
 from specserve.spec.config import SpecConfig
 from specserve.spec.drafter import Drafter, Proposal
 from specserve.spec.verify import verify_greedy, verify_sampling
 
 log = logging.getLogger("specserve.engine")
+
+CALIBRATE_MAX_K = 15  # start-up timing covers draft lengths up to this (wider ones are extrapolated)
 
 
 @dataclass
@@ -70,8 +72,33 @@ class LLMEngine:
         self.totals = SpecStats()
         self.cost = CostModel()
         k_max = spec.num_speculative_tokens if spec else 0
-        self.policy = DraftPolicy(k_max, bool(spec and spec.adaptive), self.cost)
+        self.policy = DraftPolicy(k_max, bool(spec and spec.adaptive), self.cost,
+                                  drafter.draft_cost if drafter else lambda k: 0.0)
         self._max_blocks = -(-self.max_model_len // ecfg.block_size) + 1
+        if self.policy.adaptive and drafter is not None:
+            self._calibrate(k_max)
+
+    def _calibrate(self, k_max: int) -> None:
+        """Measure the verification widths 1 .. k_max + 1 (and the drafter's own step) once, so
+        that the first steps already choose draft lengths from this machine's costs."""
+        widths = list(range(1, min(k_max, CALIBRATE_MAX_K) + 2))
+        eos = self.tokenizer.eos_token_ids
+        filler = min(eos) if eos else 0
+
+        def scratch() -> Sequence:
+            params = SamplingParams(max_tokens=max(widths) + 1, ignore_eos=True)
+            return Sequence("calibrate", [filler] * max(widths), params,
+                            IncrementalDetokenizer(self.tokenizer, [], params.stop))
+
+        def run(width: int) -> None:  # one sequence verifying width - 1 drafts: logits for every row
+            seq = scratch()
+            if self._reserve(seq, width):
+                row = _Row(seq, 0, width, [filler] * (width - 1), None, True)
+                self.model.forward(self._build_batch([row]), self.kv)
+            self._free(seq)
+
+        calibrate(self.cost, run, widths)
+        self.drafter.warm_up(scratch)
 
     # ---- requests --------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -174,7 +201,6 @@ class LLMEngine:
             return [Proposal([]) for _ in seqs]
         limits = [min(s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.num_tokens - 1)
                   for s in seqs]
-        self.policy.draft_cost = self.drafter.draft_cost(1)
         ks = self.policy.lengths(seqs, limits)
         props = self.drafter.propose(seqs, ks)
         return [Proposal(p.token_ids[:k], None if p.probs is None else p.probs[:k]) for p, k in zip(props, ks)]

@@ -298,6 +298,10 @@ class F32Weight:
 
     act_block = None  # activations always stay fp32
 
+    def rows(self, idx: torch.Tensor) -> F32Weight:
+        """The weight of output channels idx [n'] int64 only."""
+        return F32Weight(self.w[idx].contiguous())
+
     def _c_args(self) -> tuple[int, int, int, int]:
         return self.w.data_ptr(), _FMT_F32, self.w.shape[1] * 4, 0
 
@@ -361,6 +365,10 @@ class Int8Weight:
     def act_block(self) -> int | None:
         """Activation block of the integer-dot path, or None when x stays fp32."""
         return 32 if self.int_dot and self.k % 32 == 0 else None
+
+    def rows(self, idx: torch.Tensor) -> Int8Weight:
+        """The weight of output channels idx [n'] int64 only."""
+        return Int8Weight(self.q[idx].contiguous(), self.scale[idx].contiguous(), int_dot=self.int_dot)
 
     def _c_args(self) -> tuple[int, int, int, int]:
         return self.q.data_ptr(), _FMT_I8, self.q.shape[1], self.scale.data_ptr()
@@ -475,6 +483,10 @@ class GGUFBlockWeight:
     def act_block(self) -> int | None:
         """Activation block of the integer-dot path, or None when x stays fp32."""
         return ACT_BLOCK[self.fmt] if self.int_dot else None
+
+    def rows(self, idx: torch.Tensor) -> GGUFBlockWeight:
+        """The weight of output channels idx [n'] int64 only (blocks copied as stored)."""
+        return GGUFBlockWeight(self.raw[idx].contiguous(), self.qtype, int(idx.numel()), self.k, int_dot=self.int_dot)
 
     def _c_args(self) -> tuple[int, int, int, int]:
         return self.raw.data_ptr(), GGUF_QTYPES[self.qtype][0], self.raw.shape[1], 0

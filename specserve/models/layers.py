@@ -17,6 +17,25 @@ from specserve.models.weights import RawTensor
 NATIVE_GGUF = frozenset(ops.GGUF_QTYPES)
 
 
+# GGUF formats of 4.5 bits per weight or less, kept as stored by --quantization q4_0
+SMALL_GGUF = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+
+
+def cpu_format(raw: RawTensor, quant: str) -> str:
+    """How a weight is kept on CPU under --quantization quant: "native" (the file's GGUF blocks),
+    "Q4_0" (re-quantized to 4 bits), "int8" or "fp32"."""
+    if quant == "q4" and raw.qtype in NATIVE_GGUF:
+        return "native"
+    if quant == "q4_0":
+        if raw.qtype in SMALL_GGUF:
+            return "native"
+        if raw.shape[1] % 32 == 0:
+            return "Q4_0"
+    if quant in ("int8", "q4", "q4_0"):
+        return "int8"
+    return "fp32"
+
+
 class Linear:
     """y = x W^T (+ b) with W kept in one run-time format.
 
@@ -29,13 +48,17 @@ class Linear:
         self.out_features, self.in_features = raw.shape
         self.device = device
         self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32 if device.type == "cpu" else dtype)
-        if device.type != "cpu":
+        kind = cpu_format(raw, quant) if device.type == "cpu" else "device"
+        if kind == "device":
             self.weight = raw.dequantize().to(device=device, dtype=dtype)
             self.format = str(dtype).removeprefix("torch.")
-        elif quant == "q4" and raw.qtype in NATIVE_GGUF:
+        elif kind == "native":
             self.weight = ops.GGUFBlockWeight.from_raw(raw.raw_rows(), raw.qtype, *raw.shape)
             self.format = raw.qtype
-        elif quant in ("int8", "q4"):
+        elif kind == "Q4_0":
+            self.weight = ops.GGUFBlockWeight.from_float(raw.dequantize(), "Q4_0")
+            self.format = "Q4_0"
+        elif kind == "int8":
             self.weight = ops.Int8Weight.from_float(raw.dequantize())
             self.format = "int8"
         else:
@@ -53,16 +76,26 @@ class Linear:
         """
         if len({r.shape[1] for r in raws}) != 1 or (any(b is None for b in biases) and any(b is not None for b in biases)):
             return None
-        native = [quant == "q4" and r.qtype in NATIVE_GGUF for r in raws]
-        if device.type == "cpu" and any(native) and not (all(native) and len({r.qtype for r in raws}) == 1):
+        kinds = {cpu_format(r, quant) if device.type == "cpu" else "device" for r in raws}
+        if len(kinds) != 1 or ("native" in kinds and len({r.qtype for r in raws}) != 1):
             return None
         n = sum(r.shape[0] for r in raws)
-        if all(native) and device.type == "cpu":
+        if kinds == {"native"}:
             raw = RawTensor("fused", (n, raws[0].shape[1]), raws[0].qtype, torch.cat([r.raw_rows() for r in raws]).numpy())
         else:
             raw = RawTensor("fused", (n, raws[0].shape[1]), "torch", torch.cat([r.dequantize() for r in raws]))
         bias = None if biases[0] is None else torch.cat(biases)
         return cls(raw, bias, quant, device, dtype)
+
+    def select_rows(self, idx: torch.Tensor) -> "Linear":
+        """This layer restricted to the output channels idx [n'] (int64): no re-quantization."""
+        out = object.__new__(Linear)
+        out.__dict__.update(self.__dict__)
+        out.out_features = int(idx.numel())
+        out.bias = None if self.bias is None else self.bias[idx.to(self.bias.device)].contiguous()
+        w = self.weight
+        out.weight = w[idx.to(w.device)].contiguous() if isinstance(w, torch.Tensor) else w.rows(idx)
+        return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if self.device.type != "cpu":

@@ -25,7 +25,7 @@ class LoadOptions:
 
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "auto"  # auto | none | int8 | q4
+    quantization: str = "auto"  # one of specserve.models.quant.QUANTIZATIONS
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -110,8 +110,9 @@ class Transformer:
         x = self.embed_table[ids]
         return x * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else x
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:  # [L, H] normed -> [L, V] float32
-        out = self.lm_head(h).float()
+    def logits(self, h: torch.Tensor, head: Linear | None = None) -> torch.Tensor:
+        """[L, H] normed -> [L, V] float32 (with ``head``: that head's rows, e.g. a draft vocabulary)."""
+        out = (head or self.lm_head)(h).float()
         if self.cfg.final_softcap:
             c = self.cfg.final_softcap
             out = torch.tanh(out / c) * c

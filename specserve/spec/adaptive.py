@@ -1,16 +1,17 @@
 """Adaptive draft length: choose each sequence's k from acceptance and measured cost.
 
-Cost model: a forward pass over w tokens takes about a + b*w seconds (measured at start-up
-and refit online). A sequence whose drafts are accepted with per-token probability p yields
-on average 1 + p + ... + p^k tokens for k drafts. Starting from k = 0 everywhere, drafts
-are added one at a time to the sequence with the best marginal gain p_i^(k_i+1), as long as
-the batch's expected tokens per second still rises. On text where drafts are rarely
-accepted this settles at k = 0, so speculation never makes decode slower by much.
+Cost model: the time of a forward pass over w tokens, per width, measured at start-up for the
+verification widths and kept up to date online (``CostModel``), plus the drafter's own cost for k
+tokens (``Drafter.draft_cost``). A sequence whose drafts are accepted with per-token probability p
+yields on average 1 + p + ... + p^k tokens for k drafts. Starting from k = 0 everywhere, drafts
+are added one at a time to the sequence with the best marginal gain p_i^(k_i+1), up to every cap,
+and the point of that path with the most expected tokens per second is chosen. On text where
+drafts are rarely accepted this settles at k = 0, so speculation never makes decode slower by much.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import time
 
 from specserve.engine.sequence import Sequence
 
@@ -18,37 +19,60 @@ PROBE_EVERY = 8  # a sequence at k = 0 still drafts 1 token every so often, to k
 
 
 class CostModel:
-    """Least-squares fit of forward time vs tokens in the forward, over recent steps."""
+    """Seconds of one forward pass as a function of its width (tokens in the pass).
 
-    def __init__(self, window: int = 256):
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
-        self.a, self.b = 0.01, 0.001
+    Each width seen keeps a running average; a width not seen yet is interpolated between its
+    known neighbours, or extrapolated from the widest two (never below a narrower width's time).
+    Passes wider than ``max_width`` (prefill chunks) are left out: their cost per token says
+    nothing about a verification block's. Before anything is measured, ``a + b * width``.
+    """
+
+    def __init__(self, max_width: int = 64, alpha: float = 0.25, a: float = 0.01, b: float = 0.001):
+        self.max_width, self.alpha = max_width, alpha
+        self.a, self.b = a, b
+        self.table: dict[int, float] = {}  # width -> running average seconds
 
     def add(self, width: int, seconds: float) -> None:
-        self.samples.append((width, seconds))
-        self._fit()
-
-    def _fit(self) -> None:
-        n = len(self.samples)
-        if n < 2:
+        if not 1 <= width <= self.max_width:
             return
-        mx = sum(w for w, _ in self.samples) / n
-        my = sum(t for _, t in self.samples) / n
-        var = sum((w - mx) ** 2 for w, _ in self.samples)
-        if var == 0:
-            return
-        b = sum((w - mx) * (t - my) for w, t in self.samples) / var
-        self.b = max(b, 1e-7)
-        self.a = max(my - self.b * mx, 1e-6)
+        old = self.table.get(width)
+        self.table[width] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
 
     def time(self, width: int) -> float:
-        return self.a + self.b * width
+        t = self.table.get(width)
+        if t is not None:
+            return t
+        known = sorted(self.table)
+        if not known:
+            return self.a + self.b * width
+        below = [w for w in known if w < width]
+        above = [w for w in known if w > width]
+        if below and above:
+            w0, w1 = below[-1], above[0]
+            t0, t1 = self.table[w0], self.table[w1]
+            return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
+        if above:  # narrower than anything measured: the narrowest time
+            return self.table[above[0]]
+        w1 = below[-1]
+        slope = self.b if len(below) < 2 else max((self.table[w1] - self.table[below[-2]]) / (w1 - below[-2]), 0.0)
+        return self.table[w1] + slope * (width - w1)
+
+
+def calibrate(cost: CostModel, run, widths: list[int], rounds: int = 2) -> None:
+    """Time ``run(width)`` (one forward pass of that width) for each width, interleaved over
+    ``rounds`` rounds after one warm-up pass, and fold the times into ``cost``."""
+    run(widths[0])
+    for _ in range(rounds):
+        for w in widths:
+            t0 = time.perf_counter()
+            run(w)
+            cost.add(w, time.perf_counter() - t0)
 
 
 class DraftPolicy:
-    def __init__(self, k_max: int, adaptive: bool, cost: CostModel, draft_cost_per_token: float = 0.0):
+    def __init__(self, k_max: int, adaptive: bool, cost: CostModel, draft_cost=lambda k: 0.0):
         self.k_max, self.adaptive, self.cost = k_max, adaptive, cost
-        self.draft_cost = draft_cost_per_token
+        self.draft_cost = draft_cost  # k -> seconds to propose k tokens (Drafter.draft_cost)
         self._step = 0
 
     def lengths(self, seqs: list[Sequence], limits: list[int], extra_width: int = 0) -> list[int]:
@@ -60,24 +84,28 @@ class DraftPolicy:
         ks = [0] * len(seqs)
         width = len(seqs) + extra_width
         tokens = float(len(seqs))
-        best = tokens / self._time(width, ks)
+        best, best_ks = tokens / self._time(width, ks), list(ks)
+        # add drafts in order of marginal gain and keep the best point of the whole path: a cost
+        # that is not linear in k (a block drafter, a verification width that starts a new tile)
+        # can make one draft a loss and five a win
         while True:
             gains = [(s.accept_ema ** (k + 1), i) for i, (s, k) in enumerate(zip(seqs, ks)) if k < caps[i]]
             if not gains:
                 break
             gain, i = max(gains)
             ks[i] += 1
-            rate = (tokens + gain) / self._time(width + 1, ks)
-            if rate <= best:
-                ks[i] -= 1
-                break
-            tokens, width, best = tokens + gain, width + 1, rate
+            tokens, width = tokens + gain, width + 1
+            rate = tokens / self._time(width, ks)
+            if rate > best:
+                best, best_ks = rate, list(ks)
+        ks = best_ks
         if self._step % PROBE_EVERY == 0:
             ks = [max(k, min(1, c)) for k, c in zip(ks, caps)]
         return ks
 
     def _time(self, width: int, ks: list[int]) -> float:
-        return self.cost.time(width) + self.draft_cost * max(ks, default=0)
+        k = max(ks, default=0)
+        return self.cost.time(width) + (self.draft_cost(k) if k else 0.0)
 
     @staticmethod
     def update(seq: Sequence, num_drafted: int, num_accepted: int, alpha: float = 0.3) -> None:

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, fields
 
 from specserve.errors import SpecserveError
+from specserve.models.quant import QUANTIZATIONS
 
 METHODS = ("ngram", "draft_model", "dflash", "mtp")
 
@@ -21,6 +22,7 @@ class SpecConfig:
     model: str | None = None  # draft model (draft_model) or drafter directory (dflash, mtp)
     adaptive: bool = True  # adapt the draft length to acceptance and verification cost
     quantization: str | None = None  # draft model weight format (default: the target's)
+    draft_vocab_size: int | None = None  # draft_model: cut the draft's LM head to this many tokens
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -31,12 +33,20 @@ class SpecConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise SpecserveError("speculative config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                                  f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise SpecserveError(f"speculative config: quantization {self.quantization!r} is not one of "
+                                 f"{', '.join(QUANTIZATIONS)}")
+        if self.draft_vocab_size is not None:
+            if self.method != "draft_model":
+                raise SpecserveError("speculative config: draft_vocab_size applies to method \"draft_model\" only")
+            if self.draft_vocab_size < 256:
+                raise SpecserveError(f"speculative config: draft_vocab_size must be >= 256, got {self.draft_vocab_size}")
         if self.method in ("draft_model", "dflash") and not self.model:
             raise SpecserveError(f"speculative config: method {self.method!r} needs \"model\"")
 
 
 _TYPES = {"method": str, "num_speculative_tokens": int, "prompt_lookup_min": int, "prompt_lookup_max": int,
-          "model": str, "adaptive": bool, "quantization": str}
+          "model": str, "adaptive": bool, "quantization": str, "draft_vocab_size": int}
 
 
 def parse_spec_config(text: str | dict | None) -> SpecConfig | None:

@@ -16,8 +16,9 @@ Layout (after DFlash, "block diffusion for flash speculative decoding"):
   front of the block, so a block row sees the injected context of every verified token
   before the anchor plus the whole block.
 * **Per-sequence cache**: the engine hands the drafter the target's hidden states of every
-  token whose K/V it keeps (``observe``); the drafter immediately turns them into per-layer
-  context K/V and appends them to a per-sequence tensor. Only kept tokens are ever observed,
+  token whose K/V it keeps (``observe``); the drafter queues them and, when the sequence next
+  drafts, turns them in one batch into per-layer context K/V appended to a per-sequence tensor
+  (steps where the adaptive policy drafts nothing pay almost nothing). Only kept tokens are ever observed,
   so nothing needs undoing after verification; a re-observed position (preemption and
   recompute) truncates the cache back to it. The cache keeps the last ``context_window``
   positions (default 1024, trimmed in chunks of 64, so a block sees between
@@ -354,6 +355,7 @@ class _Ctx:
     start: int = 0  # position of the first cached context row
     k: list[torch.Tensor] = field(default_factory=list)  # per layer [n, kvh, D]
     v: list[torch.Tensor] = field(default_factory=list)
+    pending: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)  # observed, not yet ingested
     generator: torch.Generator | None = None
 
     @property
@@ -397,11 +399,29 @@ class DFlashDrafter(Drafter):
     def _state(self, seq: Sequence) -> _Ctx:
         return self.seq_state(seq, _Ctx)
 
-    @torch.inference_mode()
     def observe(self, seq: Sequence, hidden: dict[int, torch.Tensor], positions: list[int]) -> None:
+        """Queue the rows; their context K/V are computed when the sequence next drafts (in one
+        batch), so steps where the adaptive policy drafts nothing cost almost nothing here."""
         if not positions:
             return
         st = self._state(seq)
+        h = torch.cat([hidden[i].float() for i in self.cfg.target_layer_ids], dim=-1)  # [n, k*H]
+        last = st.pending[-1] if st.pending else None
+        if last is not None and positions[0] == last[1][-1] + 1:  # continues the queue: merge
+            st.pending[-1] = (torch.cat([last[0], h]), last[1] + positions)
+        else:
+            st.pending.append((h, list(positions)))
+        if sum(len(p) for _, p in st.pending) > self.cfg.context_window + CONTEXT_TRIM:
+            self._flush(st)
+
+    @torch.inference_mode()
+    def _flush(self, st: _Ctx) -> None:
+        for h, positions in st.pending:
+            self._ingest(st, h, positions)
+        st.pending = []
+
+    def _ingest(self, st: _Ctx, h: torch.Tensor, positions: list[int]) -> None:
+        """Append the context K/V of hidden rows h [n, k*H] at positions to the cache."""
         first = positions[0]
         if st.k and first < st.end:  # recompute after preemption: drop what follows
             keep = max(first - st.start, 0)
@@ -411,7 +431,6 @@ class DFlashDrafter(Drafter):
                 st.k, st.v = [], []
         if not st.k or first > st.end:  # first rows, or a gap (prefix-cached prompt): start here
             st.k, st.v, st.start = [], [], first
-        h = torch.cat([hidden[i].float() for i in self.cfg.target_layer_ids], dim=-1)
         pos = torch.tensor(positions, device=h.device)
         kv = self.model.context_kv(self.model.context(h), pos)
         if not st.k:
@@ -435,6 +454,7 @@ class DFlashDrafter(Drafter):
     def block_hidden(self, seq: Sequence) -> torch.Tensor:
         """Final-normed drafter outputs [B, H] for the block anchored at the last token."""
         st = self._state(seq)
+        self._flush(st)
         p = seq.num_tokens - 1
         dev = self.head.model.device
         anchor = self.head.embed(torch.tensor([seq.token_ids[-1]], device=dev))[0]
@@ -463,8 +483,8 @@ class DFlashDrafter(Drafter):
         return out
 
     def draft_cost(self, k: int) -> float:
-        # one forward yields the whole block: spread its cost over the block's drafts
-        return self.step_time * k / (self.cfg.block_size - 1)
+        # one forward yields the whole block: any k costs one forward
+        return self.step_time if k > 0 else 0.0
 
 
 def pick_tokens(seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None) -> Proposal:

@@ -20,9 +20,12 @@ from specserve.engine.block_manager import BlockManager, BlockTable
 from specserve.engine.config import EngineConfig, kv_bytes_per_token
 from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
+from specserve.models.catalog import cache_root
 from specserve.models.loader import LoadedModel, LoadOptions, load_model
 from specserve.models.transformer import ForwardBatch, KVCache
+from specserve.spec.adaptive import CostModel
 from specserve.spec.config import SpecConfig
+from specserve.spec.draft_vocab import DraftVocab, frequent_ids
 from specserve.spec.drafter import Drafter, Proposal
 
 DRAFT_POOL_CAP = 1 << 30
@@ -43,14 +46,15 @@ class DraftModelDrafter(Drafter):
     has_cost = True
 
     def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int, max_model_len: int,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, vocab: DraftVocab | None = None):
         self.draft = draft
         self.model = draft.model
+        self.vocab = vocab  # None: the full LM head
         self.kv = KVCache.allocate(draft.config, num_blocks, block_size, self.model.dtype, self.model.device)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching, salt=draft.identity)
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size) + 2
-        self.step_time = 0.0  # seconds per draft forward, running average
+        self.cost = CostModel()  # seconds per draft forward, by width
 
     @classmethod
     def build(cls, spec: SpecConfig, target: LoadedModel, options: LoadOptions, ecfg: EngineConfig,
@@ -62,7 +66,10 @@ class DraftModelDrafter(Drafter):
         want = ecfg.max_num_seqs * (max_model_len + 2 * ecfg.block_size) * per_token
         num_blocks = max(min(want, DRAFT_POOL_CAP) // (ecfg.block_size * per_token),
                          -(-max_model_len // ecfg.block_size) + 2)
-        return cls(draft, int(num_blocks), ecfg.block_size, max_model_len, ecfg.enable_prefix_caching)
+        vocab = None
+        if spec.draft_vocab_size and spec.draft_vocab_size < draft.model.lm_head.out_features:
+            vocab = DraftVocab(draft.model, frequent_ids(draft.tokenizer, spec.draft_vocab_size, cache_root()))
+        return cls(draft, int(num_blocks), ecfg.block_size, max_model_len, ecfg.enable_prefix_caching, vocab)
 
     def weight_bytes(self) -> int:
         return self.model.weight_bytes()
@@ -82,7 +89,10 @@ class DraftModelDrafter(Drafter):
         drafts: dict[int, list[int]] = {id(s): [] for s, _ in active}
         probs: dict[int, list[torch.Tensor]] = {id(s): [] for s, _ in active}
         for s, _ in active:
-            self._state(s).base = s.num_tokens
+            st = self._state(s)
+            if self.vocab is not None:  # tokens since the last proposal (the prompt, at first)
+                self.vocab.add(s.token_ids[st.base:])
+            st.base = s.num_tokens
         active_all = list(active)
         while active:
             rows = [(s, (s.token_ids + drafts[id(s)])[self._state(s).num_computed:]) for s, _ in active]
@@ -123,13 +133,14 @@ class DraftModelDrafter(Drafter):
             st.num_computed += len(toks)
             last.append(len(ids) - 1)
         dev = self.model.device
+        wanted = [] if self.vocab is not None else last  # a draft vocabulary: logits from its own heads
         batch = ForwardBatch(torch.tensor(ids, device=dev), torch.tensor(pos, dtype=torch.int32, device=dev),
                              torch.tensor(sids, dtype=torch.int32, device=dev), tables.to(dev),
-                             torch.tensor(slots, device=dev), torch.tensor(last, device=dev))
+                             torch.tensor(slots, device=dev), torch.tensor(wanted, dtype=torch.int64, device=dev))
         t0 = time.perf_counter()
-        logits = self.model.forward(batch, self.kv).logits
-        dt = time.perf_counter() - t0
-        self.step_time = dt if not self.step_time else 0.8 * self.step_time + 0.2 * dt
+        out = self.model.forward(batch, self.kv)
+        logits = out.logits if self.vocab is None else self.vocab.logits(out.final_hidden[last])
+        self.cost.add(len(ids), time.perf_counter() - t0)
         return [logits[i:i + 1] for i in range(len(rows))]
 
     def on_verified(self, seq: Sequence, num_accepted: int) -> None:
@@ -147,8 +158,14 @@ class DraftModelDrafter(Drafter):
         if st is not None:
             self.blocks.free(st.table)
 
+    def warm_up(self, make_seq) -> None:
+        for _ in range(3):  # the first forward catches up on the scratch prompt, the rest are single tokens
+            seq = make_seq()
+            self.propose([seq], [3])
+            self.on_finished(seq)
+
     def draft_cost(self, k: int) -> float:
-        return self.step_time * k
+        return self.cost.time(1) * k
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:

@@ -71,6 +71,10 @@ class Drafter(ABC):
         """Bytes of a fixed KV pool of the drafter's own (a draft model's cache)."""
         return 0
 
+    def warm_up(self, make_seq) -> None:
+        """Time the drafter's own step once at start-up (``make_seq()``: a scratch sequence that
+        is dropped afterwards); model-free drafters have nothing to time."""
+
     def draft_cost(self, k: int) -> float:
         """Seconds to propose k tokens for one sequence (0 for model-free drafters)."""
         return 0.0

@@ -1,0 +1,85 @@
+"""Adaptive draft length: the per-width cost model, start-up calibration and the policy's choices."""
+
+from engine_utils import make_engine
+from specserve.engine.sequence import Sequence
+from specserve.engine.types import SamplingParams
+from specserve.spec.adaptive import CostModel, DraftPolicy, calibrate
+
+
+def _seq(accept: float) -> Sequence:
+    s = Sequence("s", [1, 2, 3], SamplingParams(max_tokens=64), None)
+    s.accept_ema = accept
+    return s
+
+
+def test_cost_model_keeps_a_time_per_width_and_interpolates():
+    c = CostModel(max_width=16)
+    assert c.time(3) == c.a + 3 * c.b  # nothing measured yet
+    for w, t in ((1, 0.010), (2, 0.011), (4, 0.013), (8, 0.030)):
+        c.add(w, t)
+    assert c.time(2) == 0.011
+    assert abs(c.time(3) - 0.012) < 1e-12  # between its neighbours
+    assert abs(c.time(6) - 0.0215) < 1e-12
+    assert abs(c.time(10) - (0.030 + 2 * (0.030 - 0.013) / 4)) < 1e-12  # the slope of the widest two
+    c.add(200, 5.0)  # a prefill chunk says nothing about verification widths
+    assert 200 not in c.table
+    c.add(2, 0.021)  # running average
+    assert abs(c.time(2) - (0.75 * 0.011 + 0.25 * 0.021)) < 1e-12
+
+
+def test_cost_model_never_extrapolates_downwards():
+    c = CostModel()
+    c.add(1, 0.020)
+    c.add(2, 0.019)  # noise: wider measured faster
+    assert c.time(5) == 0.019
+
+
+def test_calibrate_times_every_width_interleaved():
+    calls = []
+    c = CostModel()
+    calibrate(c, calls.append, [1, 2, 3], rounds=2)
+    assert calls == [1, 1, 2, 3, 1, 2, 3]  # one warm-up, then the rounds
+    assert sorted(c.table) == [1, 2, 3]
+
+
+def _policy(step: float, draft: float, k_max: int = 8) -> DraftPolicy:
+    c = CostModel()
+    for w in range(1, k_max + 2):
+        c.add(w, 0.030 + step * (w - 1))
+    p = DraftPolicy(k_max, True, c)
+    p.draft_cost = lambda k: draft * k
+    p._step = 1  # not a probe step
+    return p
+
+
+def test_policy_drafts_nothing_when_drafting_costs_more_than_it_yields():
+    p = _policy(step=0.010, draft=0.020)
+    assert p.lengths([_seq(0.3)], [8]) == [0]
+
+
+def test_policy_drafts_more_when_drafts_are_cheap_and_accepted():
+    cheap = _policy(step=0.001, draft=0.002)
+    assert cheap.lengths([_seq(0.9)], [8]) == [8]
+    dear = _policy(step=0.001, draft=0.010)
+    k = dear.lengths([_seq(0.9)], [8])[0]
+    assert 1 <= k < 8
+    assert cheap.lengths([_seq(0.9)], [3]) == [3]  # capped by the tokens left
+
+
+def test_policy_sees_a_block_drafter_pay_one_forward_for_any_k():
+    p = _policy(step=0.001, draft=0.0)
+    p.draft_cost = lambda k: 0.040  # e.g. dflash: one forward whatever k
+    assert p.lengths([_seq(0.5)], [7]) == [0]  # 1.5 tokens for 0.071 s is worse than 1 for 0.030
+    assert p.lengths([_seq(0.95)], [7]) == [7]  # once it pays, the whole block
+
+
+def test_engine_calibrates_the_verification_widths_at_start():
+    spec = '{"method": "draft_model", "model": "smollm2-135m", "quantization": "q4_0", "num_speculative_tokens": 3}'
+    engine = make_engine("--model", "smollm2-135m", "--speculative-config", spec)
+    assert sorted(engine.cost.table) == [1, 2, 3, 4]
+    assert 1 in engine.drafter.cost.table  # the draft model's own step
+    assert engine.blocks.num_free == engine.blocks.num_blocks  # the scratch sequences left nothing behind
+    assert engine.drafter.blocks.num_free == engine.drafter.blocks.num_blocks
+    fixed = make_engine("--model", "smollm2-135m", "--speculative-config",
+                        spec.replace('"num_speculative_tokens"', '"adaptive": false, "num_speculative_tokens"'))
+    assert not fixed.cost.table  # nothing to choose: no start-up timing

@@ -1,0 +1,48 @@
+"""The draft vocabulary: frequency-ranked ids, a cut LM head whose logits equal the full head's."""
+
+import torch
+
+from specserve.models.loader import LoadOptions, load_model
+from specserve.spec.draft_vocab import DraftVocab, frequent_ids, token_counts
+
+
+def _smollm2():
+    return load_model("smollm2-135m", LoadOptions("cpu", "auto", "q4_0"))
+
+
+def test_frequent_ids_are_the_most_counted_plus_special_tokens(tmp_path):
+    m = _smollm2()
+    tok = m.tokenizer
+    counts = token_counts(tok, tmp_path)
+    assert counts.shape == (tok.vocab_size,) and counts.sum() > 500_000  # about 1M tokens of stdlib source
+    assert list((tmp_path / "draft_vocab").glob("*.pt"))  # cached per tokenizer
+    ids = frequent_ids(tok, 1000, tmp_path)
+    assert ids.shape == (1000,) and torch.equal(ids, torch.sort(ids).values)
+    assert set(tok.eos_token_ids) <= set(ids.tolist())
+    assert int(counts.argmax()) in ids.tolist()
+    kept = counts[ids]
+    left = counts.clone()
+    left[ids] = -1
+    special = len(set(tok.eos_token_ids) | set(tok.backend.get_added_tokens_decoder()))
+    # apart from the special tokens, nothing left out was counted more often than what was kept
+    assert int((left > torch.sort(kept).values[special]).sum()) == 0
+    assert torch.equal(frequent_ids(tok, 10 ** 9, tmp_path), torch.arange(tok.vocab_size))
+
+
+def test_cut_head_logits_equal_the_full_head_and_grow_with_added_tokens(tmp_path):
+    m = _smollm2()
+    model = m.model
+    ids = frequent_ids(m.tokenizer, 2000, tmp_path)
+    vocab = DraftVocab(model, ids)
+    h = torch.randn(3, m.config.hidden_size)
+    full = model.logits(h)  # [3, V]
+    cut = vocab.logits(h)
+    assert torch.equal(cut[:, ids], full[:, ids])  # the same rows, the same bits
+    outside = torch.ones(full.shape[1], dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isinf(cut[:, outside]).all()
+    rare = int(torch.nonzero(outside)[-1])
+    vocab.add([rare, int(ids[0])])
+    grown = vocab.logits(h)
+    assert vocab.size == 2001
+    assert torch.equal(grown[:, rare], full[:, rare]) and torch.equal(grown[:, ids], full[:, ids])
