@@ -106,6 +106,10 @@ class FusedStack:
         self._kv_ref = None
         self._pools = None
 
+    def __deepcopy__(self, memo) -> None:
+        """A copied model must not reuse raw pointers into the original's tensors: it rebuilds."""
+        return None
+
     def _act_key(self) -> tuple:
         """Which linears take the integer-dot path (a weight's int_dot may be switched at run time)."""
         return tuple(w.act_block is not None for w in self._weights if hasattr(w, "int_dot"))
