@@ -774,3 +774,24 @@ def test_fused_layers_equal_python_qwen_mixed_formats():
     assert any(layer.qkv is None for layer in lm.model.layers)
     for scenario in ("decode", "verify"):
         _assert_fused_equals_python(lm.model, lm.config, scenario)
+
+
+@pytest.mark.parametrize("variant", ["c-avx2", "c-scalar"])
+def test_fused_layers_same_bits_in_every_build(variant, tiny_models):
+    """The AVX-512 (native), AVX2 and scalar builds of the fused path give the same bits."""
+    from specserve.kernels import ops
+
+    try:
+        ops._select(variant)
+    except ops.KernelError as e:
+        pytest.skip(str(e))
+    lm, _ = tiny_models("qwen3")
+    native, _ = _run_path(lm.model, lm.config, "batch", True, expect_fused=True)
+    ops.set_default_impl(variant)
+    try:
+        other, _ = _run_path(lm.model, lm.config, "batch", True, expect_fused=True)
+        _assert_fused_equals_python(lm.model, lm.config, "verify")
+    finally:
+        ops.set_default_impl(None)
+    for a, b in zip(native, other):
+        assert torch.equal(a.logits, b.logits)
