@@ -761,6 +761,17 @@ def test_fused_layers_equal_python_smollm2(smollm2_quantized, quant):
     lm = smollm2_quantized(quant)
     for scenario in FUSED_SCENARIOS:
         _assert_fused_equals_python(lm.model, lm.config, scenario)
+    if quant == "q4":  # switching the weights to fp32 activations at run time reaches the fused path
+        weights = [lin.weight for layer in lm.model.layers for lin in layer.linears()]
+        try:
+            for w in weights:
+                w.int_dot = False
+            _assert_fused_equals_python(lm.model, lm.config, "verify")
+            with_int_dot = _run_path(lm.model, lm.config, "decode", True)[0]
+        finally:
+            for w in weights:
+                w.int_dot = True
+        assert not torch.equal(with_int_dot[-1].logits, _run_path(lm.model, lm.config, "decode", True)[0][-1].logits)
 
 
 def test_fused_layers_equal_python_qwen_mixed_formats():

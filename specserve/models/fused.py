@@ -17,6 +17,7 @@ sliding-window paging.
 from __future__ import annotations
 
 import weakref
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +27,9 @@ from specserve.kernels import ops
 if TYPE_CHECKING:
     from specserve.models.kv_cache import KVCache
     from specserve.models.transformer import ForwardBatch, Transformer, _Layer
+
+
+_INT_DOT = attrgetter("int_dot")
 
 
 def unsupported(model: Transformer) -> str | None:
@@ -98,7 +102,9 @@ class FusedStack:
                                       cfg.intermediate_size, cfg.rms_eps, cfg.scale, cfg.attn_softcap,
                                       ops.ACTIVATIONS[cfg.activation], cos.data_ptr(), sin.data_ptr(), cos.shape[0])
         self._slots = [_slot_linears(layer) for layer in model.layers]
-        self._weights = [lin.weight for lins in self._slots for lin in lins.values()]
+        # weights with a switchable activation path (int8 / GGUF): their int_dot is part of the key
+        self._dot_weights = [lin.weight for lins in self._slots for lin in lins.values()
+                             if hasattr(lin.weight, "int_dot")]
         self._layers_key: tuple | None = None
         self._layers = None
         self._cfg = cfg
@@ -112,7 +118,7 @@ class FusedStack:
 
     def _act_key(self) -> tuple:
         """Which linears take the integer-dot path (a weight's int_dot may be switched at run time)."""
-        return tuple(w.act_block is not None for w in self._weights if hasattr(w, "int_dot"))
+        return tuple(map(_INT_DOT, self._dot_weights))
 
     def _layer_array(self):
         key = self._act_key()
