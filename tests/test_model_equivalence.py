@@ -649,20 +649,32 @@ def _paged_batch(parts: list[tuple[PagedSeq, list[int]]], hidden_layers: tuple[i
                         torch.arange(len(ids), dtype=torch.int64), hidden_layers=hidden_layers)
 
 
-def _run_path(model, cfg, scenario: str, fused: bool, hidden_layers=(), kv_dtype="fp32", expect_fused=None):
+def _window_paging(batch: ForwardBatch, parts: list[tuple[PagedSeq, list[int]]]) -> ForwardBatch:
+    """batch with the sliding layers' own block tables / slots (pools of their own, as the engine
+    gives long contexts); parts: each row's window-pool sequence (advanced here)."""
+    w = _paged_batch(parts)
+    batch.window_block_tables, batch.window_slot_mapping = w.block_tables, w.slot_mapping
+    return batch
+
+
+def _run_path(model, cfg, scenario: str, fused: bool, hidden_layers=(), kv_dtype="fp32", expect_fused=None,
+              window_pool=False):
     """All passes of a scenario on a fresh cache; returns (outputs, cache)."""
     model.fused = fused
     rng, bs = random.Random(7), 4
-    kv = KVCache.allocate(cfg, 60, bs, kv_dtype)
+    kv = KVCache.allocate(cfg, 60, bs, kv_dtype, window_blocks=30 if window_pool else None)
     blocks = list(range(60))
     random.Random(3).shuffle(blocks)  # non-contiguous block tables
     seqs = [PagedSeq(blocks[i * 20:(i + 1) * 20], bs) for i in range(3)]
+    wseqs = [PagedSeq(sorted(b for b in blocks if b < 30)[i::3], bs) for i in range(3)]  # the window pools
     vocab = min(cfg.vocab_size, 300)
     outs = []
     try:
         for parts in FUSED_SCENARIOS[scenario]:
-            batch = _paged_batch([(seqs[j], [rng.randrange(3, vocab) for _ in range(n)]) for j, n in parts],
-                                 hidden_layers)
+            toks = [[rng.randrange(3, vocab) for _ in range(n)] for _, n in parts]
+            batch = _paged_batch([(seqs[j], t) for (j, _), t in zip(parts, toks)], hidden_layers)
+            if window_pool:
+                batch = _window_paging(batch, [(wseqs[j], t) for (j, _), t in zip(parts, toks)])
             if expect_fused is not None:
                 assert (model.fused_stack(batch, kv) is not None) == expect_fused
             outs.append(model.forward(batch, kv))
@@ -671,9 +683,10 @@ def _run_path(model, cfg, scenario: str, fused: bool, hidden_layers=(), kv_dtype
     return outs, kv
 
 
-def _assert_fused_equals_python(model, cfg, scenario: str, hidden_layers=(), kv_dtype="fp32", fused_runs=True):
-    fused, kv_f = _run_path(model, cfg, scenario, True, hidden_layers, kv_dtype, expect_fused=fused_runs)
-    python, kv_p = _run_path(model, cfg, scenario, False, hidden_layers, kv_dtype, expect_fused=False)
+def _assert_fused_equals_python(model, cfg, scenario: str, hidden_layers=(), kv_dtype="fp32", fused_runs=True,
+                                window_pool=False):
+    fused, kv_f = _run_path(model, cfg, scenario, True, hidden_layers, kv_dtype, fused_runs, window_pool)
+    python, kv_p = _run_path(model, cfg, scenario, False, hidden_layers, kv_dtype, False, window_pool)
     for i, (a, b) in enumerate(zip(fused, python)):
         assert torch.equal(a.logits, b.logits), f"{scenario} pass {i}: logits differ"
         assert torch.equal(a.final_hidden, b.final_hidden), f"{scenario} pass {i}: final hidden differs"
@@ -691,6 +704,14 @@ def test_fused_layers_equal_python_tiny(kind, scenario, tiny_models):
     """Llama, Qwen2 (q/k/v biases), Qwen3 (qk-norm), sliding layers sharing the block tables."""
     lm, _ = tiny_models(kind)
     _assert_fused_equals_python(lm.model, lm.config, scenario)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2_sliding"])
+def test_fused_layers_equal_python_window_pools(kind, tiny_models):
+    """Sliding layers with pools and block tables of their own (window_block_tables)."""
+    lm, _ = tiny_models(kind)
+    for scenario in FUSED_SCENARIOS:
+        _assert_fused_equals_python(lm.model, lm.config, scenario, window_pool=True)
 
 
 def _split_linear(lin, sizes: list[int], weights) -> list:

@@ -147,7 +147,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ss_rope.restype = _i32
     lib.ss_act_mul.argtypes = [_vp, _vp, _i64, _i64, _i64, _i64, _i32, _vp, _i64, _i32]
     lib.ss_act_mul.restype = _i32
-    lib.ss_decoder_layers.argtypes = [_vp, _vp, _vp, _i64, _i64, _vp, _vp, _i32]
+    lib.ss_decoder_layers.argtypes = [_vp, _vp, _vp, _i64, _i64, _vp, _vp, _vp, _i32]
     lib.ss_decoder_layers.restype = _i32
     return lib
 
@@ -1049,10 +1049,12 @@ def decoder_library(impl: str | None = None) -> ctypes.CDLL | None:
 
 
 def decoder_layers(lib: ctypes.CDLL, model: SSModel, layers: ctypes.Array, pools: ctypes.Array, l0: int,
-                   l1: int, rows: SSRows, x: torch.Tensor) -> None:
-    """Run layers l0 .. l1 - 1 on x [T, hidden] in place (csrc/decoder.h: ss_decoder_layers).
+                   l1: int, rows: SSRows, window_rows: SSRows | None, x: torch.Tensor) -> None:
+    """Run layers l0 .. l1 - 1 on x [T, hidden] in place (csrc/decoder.h: ss_decoder_layers);
+    window_rows: the slots / block tables of the sliding-window layers' own pools, or None.
 
     The caller validates the descriptors once (models/fused.py); x must be a contiguous float32
     [T, hidden] tensor."""
-    _check(lib.ss_decoder_layers(ctypes.byref(model), layers, pools, l0, l1, ctypes.byref(rows), x.data_ptr(),
+    _check(lib.ss_decoder_layers(ctypes.byref(model), layers, pools, l0, l1, ctypes.byref(rows),
+                                 None if window_rows is None else ctypes.byref(window_rows), x.data_ptr(),
                                  get_num_threads()), "decoder_layers")

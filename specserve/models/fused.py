@@ -8,10 +8,13 @@ one, on the same shapes, so the results are bit-identical to it (tests/test_mode
 
 Covered: Llama / SmolLM2 / Mistral / Qwen2 (q/k/v biases) / Qwen3 (qk-norm), any weight format,
 fused or separate q/k/v and gate/up weights, sliding layers that share the global block tables,
-an fp32 KV cache. Everything else falls back to the Python path (``unsupported`` /
-``batch_supported`` say why): Gemma 3 (sandwich norms, local rope), CUDA, non-fp32 activations,
-the torch kernel fallback, quantized / half KV caches, and batches with their own
-sliding-window paging.
+sliding layers with their own pools (``window_block_tables``), an fp32 KV cache. Everything else
+falls back to the Python path (``unsupported`` / ``batch_supported`` say why): Gemma 3 (sandwich
+norms, local rope), CUDA, non-fp32 activations, the torch kernel fallback, quantized / half KV
+caches (their write quantizes in torch).
+
+The descriptors are built on the first fused forward: linears replaced on the layers after that
+need ``model._stack = None``; a switched ``int_dot`` is picked up by itself.
 """
 
 from __future__ import annotations
@@ -46,16 +49,22 @@ def unsupported(model: Transformer) -> str | None:
     return None
 
 
+def _paging_ok(tables: torch.Tensor | None, slots: torch.Tensor | None, t: int) -> bool:
+    return (tables is not None and slots is not None and tables.dtype == torch.int32 and tables.dim() == 2
+            and tables.is_contiguous() and tables.device.type == "cpu" and slots.dtype == torch.int64
+            and slots.shape == (t,) and slots.is_contiguous())
+
+
 def batch_supported(batch: ForwardBatch, kv: KVCache) -> bool:
     """Whether this batch and cache can run fused (cheap checks, once per forward)."""
     t = batch.positions.shape[0]
-    return (kv.kv_dtype == "fp32" and kv.k_scales is None and batch.window_block_tables is None and t > 0
-            and batch.positions.dtype == torch.int32 and batch.seq_ids.dtype == torch.int32
-            and batch.slot_mapping.dtype == torch.int64 and batch.block_tables.dtype == torch.int32
-            and batch.block_tables.dim() == 2 and batch.block_tables.is_contiguous()
-            and batch.positions.is_contiguous() and batch.seq_ids.is_contiguous()
-            and batch.slot_mapping.is_contiguous() and batch.seq_ids.shape == (t,)
-            and batch.slot_mapping.shape == (t,) and batch.positions.device.type == "cpu")
+    window = batch.window_block_tables
+    return (kv.kv_dtype == "fp32" and kv.k_scales is None and t > 0
+            and batch.positions.dtype == torch.int32 and batch.positions.is_contiguous()
+            and batch.positions.device.type == "cpu" and batch.seq_ids.dtype == torch.int32
+            and batch.seq_ids.shape == (t,) and batch.seq_ids.is_contiguous()
+            and _paging_ok(batch.block_tables, batch.slot_mapping, t)
+            and (window is None or _paging_ok(window, batch.window_slot_mapping, t)))
 
 
 def _norm_ptr(w: torch.Tensor | None, n: int) -> int | None:
@@ -87,6 +96,12 @@ def _slot_linears(layer: _Layer) -> dict:
     lins.update({"q": layer.qkv} if layer.qkv is not None else {"q": layer.q, "k": layer.k, "v": layer.v})
     lins.update({"gate": layer.gate_up} if layer.gate_up is not None else {"gate": layer.gate, "up": layer.up})
     return lins
+
+
+def _rows(batch: ForwardBatch, tables: torch.Tensor, slots: torch.Tensor) -> ops.SSRows:
+    """SSRows of the batch with one pool's block tables [S, max_blocks] and slots [T]."""
+    return ops.SSRows(batch.positions.shape[0], batch.positions.data_ptr(), batch.seq_ids.data_ptr(),
+                      slots.data_ptr(), tables.data_ptr(), tables.shape[0], tables.shape[1])
 
 
 class FusedStack:
@@ -153,14 +168,14 @@ class FusedStack:
         if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[1:] == (self.hidden,)):
             raise ValueError(f"fused layers: x must be a contiguous float32 [T, {self.hidden}] tensor")
         layers, pools = self._layer_array(), self._pool_array(kv)
-        bt = batch.block_tables
-        rows = ops.SSRows(x.shape[0], batch.positions.data_ptr(), batch.seq_ids.data_ptr(),
-                          batch.slot_mapping.data_ptr(), bt.data_ptr(), bt.shape[0], bt.shape[1])
+        rows = _rows(batch, batch.block_tables, batch.slot_mapping)
+        wrows = (None if batch.window_block_tables is None
+                 else _rows(batch, batch.window_block_tables, batch.window_slot_mapping))
         hidden: dict[int, torch.Tensor] = {}
         start = 0
         for end in sorted({i + 1 for i in batch.hidden_layers if 0 <= i < self.num_layers}):
-            ops.decoder_layers(self.lib, self.model_desc, layers, pools, start, end, rows, x)
+            ops.decoder_layers(self.lib, self.model_desc, layers, pools, start, end, rows, wrows, x)
             hidden[end - 1] = x.clone()
             start = end
-        ops.decoder_layers(self.lib, self.model_desc, layers, pools, start, self.num_layers, rows, x)
+        ops.decoder_layers(self.lib, self.model_desc, layers, pools, start, self.num_layers, rows, wrows, x)
         return hidden

@@ -298,10 +298,12 @@ static int decoder_layer(const SSModel *m, const SSLayer *L, const SSKVPool *kv,
  * Layers l0 .. l1 - 1 of a model on x [T, hidden] (in place): per layer
  * attn_norm, q|k|v, (qk-norm), rope, KV write, paged attention, o, residual,
  * ffn_norm, gate|up, act_mul, down, residual. layers / pools: arrays over all
- * layers. Scratch is allocated per call (one block).
+ * layers. rw (or NULL): the rows' slots and block tables in the sliding-window
+ * layers' own pools (same T, positions, seq ids as r). Scratch is allocated
+ * per call (one block).
  */
 SS_EXPORT int ss_decoder_layers(const SSModel *m, const SSLayer *layers, const SSKVPool *pools, int64_t l0,
-                                int64_t l1, const SSRows *r, float *x, int nthreads) {
+                                int64_t l1, const SSRows *r, const SSRows *rw, float *x, int nthreads) {
     const int64_t T = r->T, H = m->hidden, I = m->inter, D = m->head_dim;
     if (T < 0 || H <= 0 || I <= 0 || D <= 0 || D % 2 || m->n_heads <= 0 || m->n_kv_heads <= 0) return SS_EINVAL;
     if (l0 < 0 || l1 < l0) return SS_EINVAL;
@@ -317,7 +319,8 @@ SS_EXPORT int ss_decoder_layers(const SSModel *m, const SSLayer *layers, const S
     const SSScratch s = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
     int rc = SS_OK;
     for (int64_t i = l0; i < l1 && rc == SS_OK; i++)
-        rc = pools[i].block_size <= 0 ? SS_EINVAL : decoder_layer(m, layers + i, pools + i, r, x, &s, nthreads);
+        rc = pools[i].block_size <= 0 ? SS_EINVAL
+             : decoder_layer(m, layers + i, pools + i, layers[i].window && rw ? rw : r, x, &s, nthreads);
     free(buf);
     return rc;
 }
