@@ -24,6 +24,13 @@ float multiply-add per 64 values instead of per 256). A weight built with
 the fp32-activation path. The torch fallback quantizes the activations the
 same way.
 
+``rope`` and ``act_mul`` are the elementwise parts of a decoder layer in C
+(``csrc/decoder.h``; rope gives the bits of the torch formula, act_mul is
+within a few ulp of torch's silu / gelu), and ``decoder_layers`` runs a whole
+stack of decoder layers in one call from descriptors (``SSLayer`` etc.; built
+by ``specserve/models/fused.py``), chaining the same kernels as the per-op
+path, so both give the same bits.
+
 The C library is compiled on first use (``build.py``). Without a compiler a
 pure-torch fallback is used: it processes one row (one query) per torch call,
 so it is batch-invariant too, but slow. Force it with ``impl="torch"``, with
