@@ -2,7 +2,7 @@
 
     python benchmarks/decode_cost.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--formats none,int8,q4]
         [--rows 1,2,4,8,16] [--context 256] [--layout verify|batch] [--min-time 2] [--markdown cost.md]
-        [--activations int8,fp32]
+        [--activations int8,fp32] [--paths fused,python]
 
 One forward of the full model (all layers + lm_head, logits for every row) is timed for M rows:
   verify: ONE sequence with M new tokens after --context cached tokens (the shape of verifying M-1
@@ -16,6 +16,8 @@ zero-filled rather than prefilled: the values do not change the arithmetic, only
 --activations int8,fp32 times both linear paths of the int8 / GGUF weights on the same loaded model
 (int8: activations quantized, integer dot products, the default; fp32: weights dequantized and
 multiplied with fp32 activations), interleaved within each round like the row counts.
+--paths fused,python times the fused CPU decoder path (all layers in one C call, the default) and
+the per-op Python path (Transformer.fused = False; bit-identical results) the same way.
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ def set_int_dot(model, on: bool) -> None:
             lin.weight.int_dot = on
 
 
+def set_case(model, act: str, path: str) -> None:
+    set_int_dot(model, act == "int8")
+    model.fused = path == "fused"
+
+
 def measure(model_name: str, fmt: str, a: argparse.Namespace) -> list[dict]:
     t = time.perf_counter()
     lm = load_model(model_name, LoadOptions("cpu", "auto", fmt))
@@ -69,32 +76,35 @@ def measure(model_name: str, fmt: str, a: argparse.Namespace) -> list[dict]:
     cfg, model = lm.config, lm.model
     rows = [int(x) for x in a.rows.split(",")]
     acts = [x.strip() for x in a.activations.split(",")] if fmt != "none" else ["fp32"]
+    paths = [x.strip() for x in a.paths.split(",")]
     bps = -(-(a.context + max(rows)) // BLOCK)
     n_seqs = 1 if a.layout == "verify" else max(rows)
     kv = KVCache.allocate(cfg, bps * n_seqs, BLOCK, model.dtype, model.device)
     batches = {m: make_batch(m, a.context, a.layout, bps, cfg.vocab_size) for m in rows}
-    cases = [(act, m) for act in acts for m in rows]
-    times: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
+    cases = [(act, path, m) for act in acts for path in paths for m in rows]
+    times: dict[tuple[str, str, int], list[float]] = {c: [] for c in cases}
     with torch.inference_mode():
-        for act, m in cases:  # warm-up
-            set_int_dot(model, act == "int8")
+        for act, path, m in cases:  # warm-up
+            set_case(model, act, path)
             for _ in range(2):
                 model.forward(batches[m], kv)
         t_end, rnd = time.perf_counter() + a.min_time * len(cases), 0
         while rnd < a.min_rounds or (time.perf_counter() < t_end and rnd < a.max_rounds):
-            for act, m in cases[rnd % len(cases):] + cases[:rnd % len(cases)]:
-                set_int_dot(model, act == "int8")
+            for act, path, m in cases[rnd % len(cases):] + cases[:rnd % len(cases)]:
+                set_case(model, act, path)
                 t0 = time.perf_counter()
                 model.forward(batches[m], kv)
-                times[(act, m)].append(time.perf_counter() - t0)
+                times[(act, path, m)].append(time.perf_counter() - t0)
             rnd += 1
+    model.fused = True
     out = []
-    for act in acts:
-        med = {m: statistics.median(times[(act, m)]) for m in rows}
+    for act, path in [(act, path) for act in acts for path in paths]:
+        med = {m: statistics.median(times[(act, path, m)]) for m in rows}
         label = fmt if fmt == "none" else f"{fmt} ({act} act.)"
+        label += f", {path}" if len(paths) > 1 or path != "fused" else ""
         out.append({"model": model_name, "format": label, "weights_mb": model.weight_bytes() / 1e6,
                     "load_s": load_s, "rounds": rnd, "median_ms": {m: med[m] * 1e3 for m in rows},
-                    "min_ms": {m: min(times[(act, m)]) * 1e3 for m in rows},
+                    "min_ms": {m: min(times[(act, path, m)]) * 1e3 for m in rows},
                     "ratio_vs_1": {m: med[m] / med[rows[0]] for m in rows}})
     del lm, model, kv, batches
     gc.collect()
@@ -127,6 +137,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="default: the cores this process may use")
     ap.add_argument("--activations", default="int8",
                     help="linear paths of int8 / GGUF weights to time: int8 (integer dot, default), fp32, or both")
+    ap.add_argument("--paths", default="fused",
+                    help="decoder paths to time: fused (one C call for all layers, default), python (per op), "
+                         "or both")
     ap.add_argument("--out", default=None)
     ap.add_argument("--markdown", default=None)
     a = ap.parse_args()

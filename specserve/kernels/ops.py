@@ -24,6 +24,13 @@ float multiply-add per 64 values instead of per 256). A weight built with
 the fp32-activation path. The torch fallback quantizes the activations the
 same way.
 
+``rope`` and ``act_mul`` are the elementwise parts of a decoder layer in C
+(``csrc/decoder.h``; rope gives the bits of the torch formula, act_mul is
+within a few ulp of torch's silu / gelu), and ``decoder_layers`` runs a whole
+stack of decoder layers in one call from descriptors (``SSLayer`` etc.; built
+by ``specserve/models/fused.py``), chaining the same kernels as the per-op
+path, so both give the same bits.
+
 The C library is compiled on first use (``build.py``). Without a compiler a
 pure-torch fallback is used: it processes one row (one query) per torch call,
 so it is batch-invariant too, but slow. Force it with ``impl="torch"``, with
@@ -60,6 +67,11 @@ __all__ = [
     "kv_row_bytes",
     "rms_norm",
     "add_rms_norm",
+    "rope",
+    "act_mul",
+    "ACTIVATIONS",
+    "decoder_library",
+    "decoder_layers",
     "kernels_available",
     "kernels_info",
     "set_num_threads",
@@ -96,6 +108,8 @@ _ERRORS = {
     -4: (IndexError, "position beyond the block table (or negative)"),
     -5: (IndexError, "seq id out of range of block_tables"),
     -6: (MemoryError, "out of memory in kernel"),
+    -7: (IndexError, "position beyond the rope table (or negative)"),
+    -8: (IndexError, "kv slot out of range of the kv cache"),
 }
 
 # --------------------------------------------------------------------------
@@ -136,6 +150,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ss_rms_norm.restype = _i32
     lib.ss_add_rms_norm.argtypes = [_vp, _vp, _i64, _i64, _vp, _f32, _i32, _vp, _vp, _i32]
     lib.ss_add_rms_norm.restype = _i32
+    lib.ss_rope.argtypes = [_vp, _i64, _i64, _i64, _i64, _vp, _vp, _vp, _i64, _vp, _i64, _i32]
+    lib.ss_rope.restype = _i32
+    lib.ss_act_mul.argtypes = [_vp, _vp, _i64, _i64, _i64, _i64, _i32, _vp, _i64, _i32]
+    lib.ss_act_mul.restype = _i32
+    lib.ss_decoder_layers.argtypes = [_vp, _vp, _vp, _i64, _i64, _vp, _vp, _vp, _i32]
+    lib.ss_decoder_layers.restype = _i32
     return lib
 
 
@@ -914,3 +934,146 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
             for i in range(M):
                 out[i:i + 1] = _rms_row_torch(h[i:i + 1], w, eps)
     return out.reshape(x.shape), h.reshape(x.shape)
+
+
+# --------------------------------------------------------------------------
+# rope, act_mul (the elementwise parts of a decoder layer)
+# --------------------------------------------------------------------------
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+         impl: str | None = None) -> torch.Tensor:
+    """Half-split rotary embedding (HF's rotate_half layout) -> a new contiguous [T, heads, D].
+
+    x: float32 [T, heads, D], heads contiguous (a view with a token stride, such as q of a fused
+    q|k|v output, is read in place); positions: [T] int; cos, sin: float32 [max_pos, D / 2].
+    out[..., :D/2] = x1 * cos - x2 * sin, out[..., D/2:] = x2 * cos + x1 * sin with x1, x2 the
+    halves of x: every product and sum rounded on its own, the bits of the torch formula (the
+    fallback). Elementwise per row: batch invariant.
+    """
+    T, heads, D = x.shape
+    if not (x.dtype == torch.float32 and x.device.type == "cpu" and D % 2 == 0
+            and tuple(cos.shape) == (cos.shape[0], D // 2) and cos.shape == sin.shape):
+        raise ValueError(f"rope: x must be a float32 CPU [T, heads, D] tensor with even D and tables "
+                         f"[max_pos, D / 2], got x {x.dtype} {tuple(x.shape)}, cos {tuple(cos.shape)}")
+    lib = _select(impl)
+    if lib is None:
+        c = cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        s = sin[positions].unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    if not (x.stride(2) == 1 and x.stride(1) == D and (T < 2 or x.stride(0) >= heads * D)):
+        x = x.contiguous()
+    if positions.dtype != torch.int32 or not positions.is_contiguous():
+        positions = positions.to(torch.int32).contiguous()
+    if not (positions.shape == (T,) and cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()
+            and sin.is_contiguous()):
+        raise ValueError("rope: positions must be [T] and the tables contiguous float32")
+    out = torch.empty(T, heads, D, dtype=torch.float32)
+    if T:
+        _check(lib.ss_rope(x.data_ptr(), T, heads, D, x.stride(0) if T > 1 else heads * D, positions.data_ptr(),
+                           cos.data_ptr(), sin.data_ptr(), cos.shape[0], out.data_ptr(), heads * D,
+                           get_num_threads()), "rope")
+    return out
+
+
+# activation name -> C id (ss_act_mul)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", *,
+            impl: str | None = None) -> torch.Tensor:
+    """act(gate) * up -> a new contiguous float32 [T, N]; act: silu or gelu_tanh.
+
+    gate, up: float32 [T, N] with contiguous rows (views with a row stride, such as the halves of a
+    fused gate|up output, are read in place). C: silu(g) = g / (1 + exp(-g)), gelu_tanh(g) =
+    g / (1 + exp(-2 sqrt(2/pi) (g + 0.044715 g^3))) with the kernels' exp (a few ulp from torch's
+    F.silu / F.gelu, the fallback; identical in the AVX-512, AVX2 and scalar builds).
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"act_mul: unknown activation {activation!r} (expected {', '.join(ACTIVATIONS)})")
+    lib = _select(impl)
+    if lib is None:
+        g = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
+        return g * up
+    if not (gate.dim() == 2 and gate.shape == up.shape and gate.dtype == up.dtype == torch.float32
+            and gate.device.type == "cpu" and up.device.type == "cpu"):
+        raise ValueError(f"act_mul: gate and up must be float32 CPU [T, N] tensors of one shape, got "
+                         f"{gate.dtype} {tuple(gate.shape)} and {up.dtype} {tuple(up.shape)}")
+    T, N = gate.shape
+    gate = gate if gate.stride(1) == 1 and gate.stride(0) >= N else gate.contiguous()
+    up = up if up.stride(1) == 1 and up.stride(0) >= N else up.contiguous()
+    out = torch.empty(T, N, dtype=torch.float32)
+    if T and N:
+        _check(lib.ss_act_mul(gate.data_ptr(), up.data_ptr(), T, N, gate.stride(0), up.stride(0),
+                              ACTIVATIONS[activation], out.data_ptr(), N, get_num_threads()), "act_mul")
+    return out
+
+
+# --------------------------------------------------------------------------
+# a stack of decoder layers in one call (csrc/decoder.h)
+# --------------------------------------------------------------------------
+
+
+class SSLin(ctypes.Structure):
+    """One linear layer's weight; n == 0: absent."""
+
+    _fields_ = [("w", _vp), ("scale", _vp), ("bias", _vp), ("n", _i64), ("row_bytes", _i64),
+                ("fmt", ctypes.c_int32), ("int_dot", ctypes.c_int32)]
+
+
+# SSLayer.lin slots
+LIN_SLOTS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class SSLayer(ctypes.Structure):
+    """One decoder layer: lin[0] is the fused q|k|v weight when lin[1].n == 0, lin[4] the fused
+    gate|up weight when lin[5].n == 0; q_norm / k_norm are NULL without qk-norm."""
+
+    _fields_ = [("lin", SSLin * len(LIN_SLOTS)), ("attn_norm", _vp), ("ffn_norm", _vp), ("q_norm", _vp),
+                ("k_norm", _vp), ("window", _i64)]
+
+
+class SSKVPool(ctypes.Structure):
+    """One layer's fp32 K / V pools [num_blocks, block_size, Hkv, D]."""
+
+    _fields_ = [("k", _vp), ("v", _vp), ("num_blocks", _i64), ("block_size", _i64)]
+
+
+class SSModel(ctypes.Structure):
+    _fields_ = [("hidden", _i64), ("n_heads", _i64), ("n_kv_heads", _i64), ("head_dim", _i64), ("inter", _i64),
+                ("eps", _f32), ("scale", _f32), ("softcap", _f32), ("act", ctypes.c_int32),
+                ("rope_cos", _vp), ("rope_sin", _vp), ("rope_max_pos", _i64)]
+
+
+class SSRows(ctypes.Structure):
+    _fields_ = [("T", _i64), ("positions", _vp), ("seq_ids", _vp), ("slots", _vp), ("block_tables", _vp),
+                ("S", _i64), ("max_blocks", _i64)]
+
+
+def lin_struct(w: Weight, bias: torch.Tensor | None) -> SSLin:
+    """The SSLin of one weight, with the kernel ops.linear would choose (integer dot or fp32)."""
+    w = _as_weight(w)
+    wptr, fmt, row_bytes, sptr = w._c_args()
+    if bias is not None and not (bias.dtype == torch.float32 and bias.shape == (w.n,) and bias.is_contiguous()):
+        raise ValueError(f"decoder layers: bias must be a contiguous float32 [{w.n}] tensor")
+    return SSLin(wptr, sptr or None, None if bias is None else bias.data_ptr(), w.n, row_bytes, fmt,
+                 int(w.act_block is not None))
+
+
+def decoder_library(impl: str | None = None) -> ctypes.CDLL | None:
+    """The C library when the fused decoder-layer path can run (None: torch fallback selected or
+    no compiler)."""
+    return _select(impl)
+
+
+def decoder_layers(lib: ctypes.CDLL, model: SSModel, layers: ctypes.Array, pools: ctypes.Array, l0: int,
+                   l1: int, rows: SSRows, window_rows: SSRows | None, x: torch.Tensor) -> None:
+    """Run layers l0 .. l1 - 1 on x [T, hidden] in place (csrc/decoder.h: ss_decoder_layers);
+    window_rows: the slots / block tables of the sliding-window layers' own pools, or None.
+
+    The caller validates the descriptors once (models/fused.py); x must be a contiguous float32
+    [T, hidden] tensor."""
+    _check(lib.ss_decoder_layers(ctypes.byref(model), layers, pools, l0, l1, ctypes.byref(rows),
+                                 None if window_rows is None else ctypes.byref(window_rows), x.data_ptr(),
+                                 get_num_threads()), "decoder_layers")

@@ -128,7 +128,11 @@ class Rope:
         self.sin = freqs.sin().to(device)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D]; positions: [T] -> rotated x (new tensor)."""
+        """x: [T, heads, D]; positions: [T] -> rotated x (new tensor).
+
+        CPU: ops.rope (the C kernel the fused decoder path uses too, same bits as below)."""
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            return ops.rope(x, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
@@ -178,6 +182,9 @@ def _torch_paged_attention(q, k_cache, v_cache, block_tables, seq_ids, positions
 
 
 def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up, gate / up: [T, N] -> [T, N]. CPU: ops.act_mul (shared with the fused path)."""
+    if gate.device.type == "cpu" and gate.dtype == torch.float32:
+        return ops.act_mul(gate, up, activation)
     if activation == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
     return F.silu(gate) * up

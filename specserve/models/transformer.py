@@ -12,7 +12,11 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.errors import ModelLoadError
+from specserve.kernels import ops
 from specserve.models.config import ModelConfig
+from specserve.models.fused import FusedStack
+from specserve.models.fused import batch_supported as fused_batch_supported
+from specserve.models.fused import unsupported as fused_unsupported
 from specserve.models.kv_cache import KVCache  # noqa: F401  (re-exported: the paged KV cache)
 from specserve.models.layers import Linear, Rope, act_mul, paged_attention, rms_norm
 from specserve.models.weights import RawTensor
@@ -88,11 +92,17 @@ class _Layer:
 
 
 class Transformer:
-    """Weights plus the forward pass. Build with :meth:`from_tensors`."""
+    """Weights plus the forward pass. Build with :meth:`from_tensors`.
+
+    ``fused`` (default True): on CPU, run the decoder layers through one C call per forward
+    (models/fused.py; bit-identical to the per-op Python path) whenever the model, the batch and
+    the KV cache allow it; False always takes the Python path (``_layer``)."""
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, RawTensor], quant: str, device: torch.device,
-                 dtype: torch.dtype, norm_offset: float = 0.0):
+                 dtype: torch.dtype, norm_offset: float = 0.0, fused: bool = True):
         self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.fused = fused
+        self._stack: FusedStack | None = None
         tensors = _check_and_offset(cfg, tensors, norm_offset)
         self.layers = [_Layer(cfg, i, tensors, quant, device, dtype) for i in range(cfg.num_layers)]
         embed = tensors["embed"]
@@ -126,14 +136,31 @@ class Transformer:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> ForwardOutput:
         x = self.embed(batch.input_ids)  # [T, H]
-        hidden: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, batch, kv)
-            if i in batch.hidden_layers:
-                hidden[i] = x
+        stack = self.fused_stack(batch, kv)
+        if stack is not None:
+            hidden = stack.run(x, batch, kv)  # x updated in place
+        else:
+            hidden = {}
+            for i, layer in enumerate(self.layers):
+                x = self._layer(i, layer, x, batch, kv)
+                if i in batch.hidden_layers:
+                    hidden[i] = x
         h = rms_norm(x, self.final_norm, self.cfg.rms_eps)  # [T, H]
         logits = self.logits(h[batch.logits_indices])
         return ForwardOutput(logits, hidden, h)
+
+    def fused_stack(self, batch: ForwardBatch, kv: KVCache) -> FusedStack | None:
+        """The fused layer stack when this forward can use it, else None (Python path)."""
+        if not self.fused or not fused_batch_supported(batch, kv):
+            return None
+        lib = ops.decoder_library()  # None: the torch kernels are selected (or no compiler)
+        if lib is None:
+            return None
+        if self._stack is None or self._stack.lib is not lib:
+            if fused_unsupported(self) is not None:
+                return None
+            self._stack = FusedStack(self, lib)
+        return self._stack
 
     def _layer(self, i: int, layer: _Layer, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         cfg = self.cfg

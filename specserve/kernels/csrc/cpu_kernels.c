@@ -67,7 +67,7 @@
 #define SS_ALIGN __attribute__((aligned(64)))
 #define SS_INLINE static inline __attribute__((always_inline))
 
-#define SS_ABI_VERSION 2
+#define SS_ABI_VERSION 3
 
 /* weight formats (keep in sync with ops.py) */
 enum {
@@ -1482,3 +1482,9 @@ SS_EXPORT int ss_add_rms_norm(const float *x, const float *residual, int64_t M, 
 /* ------------------------------------------------------------------------ */
 
 #include "linear_q8.h"
+
+/* ------------------------------------------------------------------------ */
+/* decoder layers: rope, act_mul, a stack of layers in one call             */
+/* ------------------------------------------------------------------------ */
+
+#include "decoder.h"

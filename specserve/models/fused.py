@@ -1,0 +1,181 @@
+"""The fused CPU decoder path: a stack of decoder layers in one C call (kernels/csrc/decoder.h).
+
+``FusedStack`` holds, for one :class:`~specserve.models.transformer.Transformer`, the C
+descriptors of its layers (weight pointers, formats, norms, rope tables) and of the KV pools it
+writes; ``run`` executes layers ``l0 .. l1 - 1`` of a forward pass with one ``ss_decoder_layers``
+call. The C code chains the same kernels the Python path (``Transformer._layer``) calls one by
+one, on the same shapes, so the results are bit-identical to it (tests/test_model_equivalence.py).
+
+Covered: Llama / SmolLM2 / Mistral / Qwen2 (q/k/v biases) / Qwen3 (qk-norm), any weight format,
+fused or separate q/k/v and gate/up weights, sliding layers that share the global block tables,
+sliding layers with their own pools (``window_block_tables``), an fp32 KV cache. Everything else
+falls back to the Python path (``unsupported`` / ``batch_supported`` say why): Gemma 3 (sandwich
+norms, local rope), CUDA, non-fp32 activations, the torch kernel fallback, quantized / half KV
+caches (their write quantizes in torch).
+
+The descriptors are built on the first fused forward: linears replaced on the layers after that
+need ``model._stack = None``; a switched ``int_dot`` is picked up by itself.
+"""
+
+from __future__ import annotations
+
+import weakref
+from operator import attrgetter
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve.kernels import ops
+
+if TYPE_CHECKING:
+    from specserve.models.kv_cache import KVCache
+    from specserve.models.transformer import ForwardBatch, Transformer, _Layer
+
+
+_INT_DOT = attrgetter("int_dot")
+
+
+def unsupported(model: Transformer) -> str | None:
+    """Why the model's layers cannot run fused (None: they can)."""
+    cfg = model.cfg
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return "CPU float32 only"
+    if cfg.sandwich_norms or cfg.rope_theta_local:
+        return "Gemma 3 layers (sandwich norms, local rope)"
+    if cfg.activation not in ops.ACTIVATIONS:
+        return f"activation {cfg.activation}"
+    if cfg.head_dim % 2:
+        return "odd head_dim"
+    return None
+
+
+def _paging_ok(tables: torch.Tensor | None, slots: torch.Tensor | None, t: int) -> bool:
+    return (tables is not None and slots is not None and tables.dtype == torch.int32 and tables.dim() == 2
+            and tables.is_contiguous() and tables.device.type == "cpu" and slots.dtype == torch.int64
+            and slots.shape == (t,) and slots.is_contiguous())
+
+
+def batch_supported(batch: ForwardBatch, kv: KVCache) -> bool:
+    """Whether this batch and cache can run fused (cheap checks, once per forward)."""
+    t = batch.positions.shape[0]
+    window = batch.window_block_tables
+    return (kv.kv_dtype == "fp32" and kv.k_scales is None and t > 0
+            and batch.positions.dtype == torch.int32 and batch.positions.is_contiguous()
+            and batch.positions.device.type == "cpu" and batch.seq_ids.dtype == torch.int32
+            and batch.seq_ids.shape == (t,) and batch.seq_ids.is_contiguous()
+            and _paging_ok(batch.block_tables, batch.slot_mapping, t)
+            and (window is None or _paging_ok(window, batch.window_slot_mapping, t)))
+
+
+def _norm_ptr(w: torch.Tensor | None, n: int) -> int | None:
+    if w is None:
+        return None
+    if not (w.dtype == torch.float32 and w.shape == (n,) and w.is_contiguous()):
+        raise ValueError(f"fused layers: norm weight must be a contiguous float32 [{n}] tensor")
+    return w.data_ptr()
+
+
+def _layer_struct(layer: _Layer, cfg, lins: dict) -> ops.SSLayer:
+    """SSLayer of one layer; lins: slot name -> Linear (q holds q|k|v, gate holds gate|up when fused)."""
+    s = ops.SSLayer()
+    for j, name in enumerate(ops.LIN_SLOTS):
+        if name in lins:
+            s.lin[j] = ops.lin_struct(lins[name].weight, lins[name].bias)
+    d = cfg.head_dim
+    s.attn_norm = _norm_ptr(layer.attn_norm, cfg.hidden_size)
+    s.ffn_norm = _norm_ptr(layer.ffn_norm, cfg.hidden_size)
+    s.q_norm = _norm_ptr(getattr(layer, "q_norm", None) if cfg.qk_norm else None, d)
+    s.k_norm = _norm_ptr(getattr(layer, "k_norm", None) if cfg.qk_norm else None, d)
+    s.window = layer.window
+    return s
+
+
+def _slot_linears(layer: _Layer) -> dict:
+    """SSLayer slot name -> Linear."""
+    lins = {"o": layer.o, "down": layer.down}
+    lins.update({"q": layer.qkv} if layer.qkv is not None else {"q": layer.q, "k": layer.k, "v": layer.v})
+    lins.update({"gate": layer.gate_up} if layer.gate_up is not None else {"gate": layer.gate, "up": layer.up})
+    return lins
+
+
+def _rows(batch: ForwardBatch, tables: torch.Tensor, slots: torch.Tensor) -> ops.SSRows:
+    """SSRows of the batch with one pool's block tables [S, max_blocks] and slots [T]."""
+    return ops.SSRows(batch.positions.shape[0], batch.positions.data_ptr(), batch.seq_ids.data_ptr(),
+                      slots.data_ptr(), tables.data_ptr(), tables.shape[0], tables.shape[1])
+
+
+class FusedStack:
+    """C descriptors of one model's decoder layers, and the call that runs them."""
+
+    def __init__(self, model: Transformer, lib):
+        cfg = model.cfg
+        self.lib, self.num_layers, self.hidden = lib, cfg.num_layers, cfg.hidden_size
+        rope = model.rope_global
+        cos, sin = rope.cos.contiguous(), rope.sin.contiguous()  # [max_pos, D / 2]
+        self._keep = [cos, sin]  # tensors whose pointers the descriptors hold
+        self.model_desc = ops.SSModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                      cfg.intermediate_size, cfg.rms_eps, cfg.scale, cfg.attn_softcap,
+                                      ops.ACTIVATIONS[cfg.activation], cos.data_ptr(), sin.data_ptr(), cos.shape[0])
+        self._slots = [_slot_linears(layer) for layer in model.layers]
+        # weights with a switchable activation path (int8 / GGUF): their int_dot is part of the key
+        self._dot_weights = [lin.weight for lins in self._slots for lin in lins.values()
+                             if hasattr(lin.weight, "int_dot")]
+        self._layers_key: tuple | None = None
+        self._layers = None
+        self._cfg = cfg
+        self._model_layers = model.layers
+        self._kv_ref = None
+        self._pools = None
+
+    def __deepcopy__(self, memo) -> None:
+        """A copied model must not reuse raw pointers into the original's tensors: it rebuilds."""
+        return None
+
+    def _act_key(self) -> tuple:
+        """Which linears take the integer-dot path (a weight's int_dot may be switched at run time)."""
+        return tuple(map(_INT_DOT, self._dot_weights))
+
+    def _layer_array(self):
+        key = self._act_key()
+        if key != self._layers_key:
+            arr = (ops.SSLayer * self.num_layers)()
+            for i, (layer, lins) in enumerate(zip(self._model_layers, self._slots)):
+                arr[i] = _layer_struct(layer, self._cfg, lins)
+            self._layers, self._layers_key = arr, key
+        return self._layers
+
+    def _pool_array(self, kv: KVCache):
+        """SSKVPool per layer for this cache (rebuilt when another cache comes)."""
+        if self._kv_ref is not None and self._kv_ref() is kv:
+            return self._pools
+        cfg = self._cfg
+        if kv.num_layers != self.num_layers:
+            raise ValueError(f"KV cache has {kv.num_layers} layers, the model {self.num_layers}")
+        arr = (ops.SSKVPool * self.num_layers)()
+        for i, (k, v) in enumerate(zip(kv.k, kv.v)):
+            want = (k.shape[0], k.shape[1], cfg.num_kv_heads, cfg.head_dim)
+            if not (k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
+                    and tuple(k.shape) == want and v.shape == k.shape and k.device.type == "cpu"):
+                raise ValueError(f"fused layers: KV pools of layer {i} must be contiguous float32 CPU tensors "
+                                 f"[num_blocks, block_size, {cfg.num_kv_heads}, {cfg.head_dim}]")
+            arr[i] = ops.SSKVPool(k.data_ptr(), v.data_ptr(), k.shape[0], k.shape[1])
+        self._kv_ref, self._pools = weakref.ref(kv), arr
+        return arr
+
+    def run(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> dict[int, torch.Tensor]:
+        """Layers 0 .. num_layers - 1 on x [T, H] (in place). Returns {layer: [T, H] copy} for the
+        layers in batch.hidden_layers (the stack runs in segments that end at those layers)."""
+        if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[1:] == (self.hidden,)):
+            raise ValueError(f"fused layers: x must be a contiguous float32 [T, {self.hidden}] tensor")
+        layers, pools = self._layer_array(), self._pool_array(kv)
+        rows = _rows(batch, batch.block_tables, batch.slot_mapping)
+        wrows = (None if batch.window_block_tables is None
+                 else _rows(batch, batch.window_block_tables, batch.window_slot_mapping))
+        hidden: dict[int, torch.Tensor] = {}
+        start = 0
+        for end in sorted({i + 1 for i in batch.hidden_layers if 0 <= i < self.num_layers}):
+            ops.decoder_layers(self.lib, self.model_desc, layers, pools, start, end, rows, wrows, x)
+            hidden[end - 1] = x.clone()
+            start = end
+        ops.decoder_layers(self.lib, self.model_desc, layers, pools, start, self.num_layers, rows, wrows, x)
+        return hidden
