@@ -83,3 +83,15 @@ def test_engine_calibrates_the_verification_widths_at_start():
     fixed = make_engine("--model", "smollm2-135m", "--speculative-config",
                         spec.replace('"num_speculative_tokens"', '"adaptive": false, "num_speculative_tokens"'))
     assert not fixed.cost.table  # nothing to choose: no start-up timing
+
+
+def test_probes_are_rarer_for_an_expensive_drafter():
+    cheap = _policy(step=0.010, draft=0.0)  # model-free (ngram), but a wider forward costs
+    dear = _policy(step=0.010, draft=0.0)
+    dear.draft_cost = lambda k: 0.030  # a block drafter: one target forward's worth per probe
+    probes = {}
+    for name, p in (("cheap", cheap), ("dear", dear)):
+        p._step = 0
+        probes[name] = sum(p.lengths([_seq(0.05)], [7])[0] for _ in range(400))
+    assert probes["cheap"] == 400 // 8  # k = 0 but one draft every 8 steps, to keep learning
+    assert probes["dear"] == 400 // 34  # 0.030 / (3% of 0.030 s) = 34 steps between probes

@@ -11,11 +11,14 @@ drafts are rarely accepted this settles at k = 0, so speculation never makes dec
 
 from __future__ import annotations
 
+import math
 import time
 
 from specserve.engine.sequence import Sequence
 
 PROBE_EVERY = 8  # a sequence at k = 0 still drafts 1 token every so often, to keep learning
+PROBE_MAX = 256  # ... at least this often
+PROBE_BUDGET = 0.03  # ... and a drafter with a cost of its own probes at most ~3% of decode time
 
 
 class CostModel:
@@ -99,9 +102,17 @@ class DraftPolicy:
             if rate > best:
                 best, best_ks = rate, list(ks)
         ks = best_ks
-        if self._step % PROBE_EVERY == 0:
+        if self._step % self._probe_every(len(seqs) + extra_width) == 0:
             ks = [max(k, min(1, c)) for k, c in zip(ks, caps)]
         return ks
+
+    def _probe_every(self, width: int) -> int:
+        """Steps between probes: a drafter that costs a whole forward (a block drafter) probes
+        rarely enough that probing stays within PROBE_BUDGET of the decode time."""
+        d = self.draft_cost(1)
+        if d <= 0:
+            return PROBE_EVERY
+        return min(PROBE_MAX, max(PROBE_EVERY, math.ceil(d / (PROBE_BUDGET * self.cost.time(width)))))
 
     def _time(self, width: int, ks: list[int]) -> float:
         k = max(ks, default=0)
