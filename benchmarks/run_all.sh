@@ -19,6 +19,8 @@ specserve bench --ab " --speculative-config '{\"method\":\"ngram\",\"num_specula
   --out "$out/bench_ab.json" --markdown "$out/bench_ab.md" --chart "$out/bench_ab.png"
 python benchmarks/decode_cost.py --models smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b --formats auto \
   --rows 1,2,4,8 --paths fused,python --min-time 1 --out "$out/decode_cost.json" --markdown "$out/decode_cost.md"
+python benchmarks/weight_quality.py --models smollm2-135m,qwen2.5-coder-1.5b --out "$out/weight_quality.json" \
+  --markdown "$out/weight_quality.md"
 python benchmarks/kv_dtypes.py --models smollm2-135m --out "$out/kv_dtypes.json" --markdown "$out/kv_dtypes.md"
 specserve bench --ab " --speculative-config '{\"method\":\"ngram\",\"num_speculative_tokens\":8}'" " --model smollm2-135m" \
   --labels ngram,plain --scenario concurrency --concurrency 1,2,4,8 --requests-per-client 2 --max-tokens 96 \
