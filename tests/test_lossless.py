@@ -58,7 +58,10 @@ def test_draft_model_cache_reused_with_the_prefix_cache(prompts_and_plain):
     """The draft model's own KV is reused in step with the target's: a repeated prompt starts
     both caches from the cached prefix, and the tokens still equal plain greedy decoding."""
     prompts, plain = prompts_and_plain
-    spec = '{"method": "draft_model", "model": "smollm2-135m", "quantization": "int8", "num_speculative_tokens": 4}'
+    # a fixed draft length: the drafter runs from the first decode step (an adaptive policy may
+    # start at k = 0, and a draft state created later matches generated tokens too)
+    spec = ('{"method": "draft_model", "model": "smollm2-135m", "quantization": "int8", "num_speculative_tokens": 4, '
+            '"adaptive": false}')
     engine = make_engine("--model", "smollm2-135m", "--speculative-config", spec)
     seen: dict[str, tuple[int, int]] = {}
     for rid in ("cold", "warm"):
