@@ -46,3 +46,19 @@ def test_cut_head_logits_equal_the_full_head_and_grow_with_added_tokens(tmp_path
     grown = vocab.logits(h)
     assert vocab.size == 2001
     assert torch.equal(grown[:, rare], full[:, rare]) and torch.equal(grown[:, ids], full[:, ids])
+
+
+def test_draft_vocab_and_quantization_keys_are_validated():
+    import pytest
+
+    from specserve.errors import SpecserveError
+    from specserve.spec.config import parse_spec_config
+
+    ok = parse_spec_config('{"method": "draft_model", "model": "m", "quantization": "q4_0", "draft_vocab_size": 32768}')
+    assert ok.quantization == "q4_0" and ok.draft_vocab_size == 32768
+    for bad, says in (('{"method": "ngram", "draft_vocab_size": 1000}', "draft_model"),
+                      ('{"method": "draft_model", "model": "m", "draft_vocab_size": 10}', ">= 256"),
+                      ('{"method": "draft_model", "model": "m", "draft_vocab_size": "big"}', "draft_vocab_size"),
+                      ('{"method": "draft_model", "model": "m", "quantization": "q3"}', "q3")):
+        with pytest.raises(SpecserveError, match=says):
+            parse_spec_config(bad)
