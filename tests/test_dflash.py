@@ -161,6 +161,28 @@ def test_inference_block_equals_training_block(tiny, tmp_path):
     assert len(props[0].token_ids) == 3 and props[0].probs is None
 
 
+def test_queued_context_is_bounded_and_gives_the_eager_block(tiny):
+    """Observed rows wait until the sequence drafts; the queue is flushed once it passes the
+    context window, and the block equals the one of a drafter that ingested every row at once."""
+    cfg = DFlashConfig.for_target(tiny, num_layers=1, block_size=4, context_window=8)
+    m = DFlashModel(cfg)
+    m.init_weights(1.0, tiny.model.final_norm, 0)
+    lazy, eager = DFlashDrafter(m, tiny), DFlashDrafter(m, tiny)
+    T = 100
+    hid = {lid: torch.randn(T, 64) for lid in cfg.target_layer_ids}
+    seq_l, seq_e = _seq(list(range(T + 1)), 10), _seq(list(range(T + 1)), 10)
+    for t in range(T):
+        rows = {k: v[t:t + 1] for k, v in hid.items()}
+        lazy.observe(seq_l, rows, [t])
+        eager.observe(seq_e, rows, [t])
+        eager._flush(eager._state(seq_e))
+        st = lazy._state(seq_l)
+        assert sum(len(p) for _, p in st.pending) <= cfg.context_window + 64  # bounded queue
+    torch.testing.assert_close(lazy.block_hidden(seq_l), eager.block_hidden(seq_e), rtol=1e-4, atol=1e-4)
+    st = lazy._state(seq_l)
+    assert not st.pending and st.end == T and st.k[0].shape[0] <= cfg.context_window + 64
+
+
 def test_sampling_proposals_carry_probabilities(tiny, tmp_path):
     m = random_drafter(tiny, block_size=5)
     save_drafter(m, m.cfg.to_json(), tmp_path / "d")

@@ -86,8 +86,8 @@ class PagedSeq:
         return [self.blocks[p // bs] * bs + p % bs for p in range(self.length, self.length + n)]
 
 
-def forward_chunks(lm: LoadedModel, kv: KVCache, parts: list[tuple[PagedSeq, list[int]]]) -> list[torch.Tensor]:
-    """One forward pass over several sequences' chunks; returns each chunk's logits rows [n, V]."""
+def paged_batch(parts: list[tuple[PagedSeq, list[int]]], hidden_layers: tuple[int, ...] = ()) -> ForwardBatch:
+    """One pass over several sequences' new tokens, logits for every row (advances each length)."""
     width = max(len(s.blocks) for s, _ in parts)
     tables = torch.full((len(parts), width), -1, dtype=torch.int32)
     ids, pos, sid, slots = [], [], [], []
@@ -97,16 +97,17 @@ def forward_chunks(lm: LoadedModel, kv: KVCache, parts: list[tuple[PagedSeq, lis
         pos += range(seq.length, seq.length + len(toks))
         sid += [row] * len(toks)
         slots += seq.slots(len(toks))
-    batch = ForwardBatch(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int32),
-                         torch.tensor(sid, dtype=torch.int32), tables, torch.tensor(slots, dtype=torch.int64),
-                         torch.arange(len(ids), dtype=torch.int64))
-    logits = lm.model.forward(batch, kv).logits
-    out, start = [], 0
-    for seq, toks in parts:
-        out.append(logits[start:start + len(toks)])
         seq.length += len(toks)
-        start += len(toks)
-    return out
+    return ForwardBatch(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int32),
+                        torch.tensor(sid, dtype=torch.int32), tables, torch.tensor(slots, dtype=torch.int64),
+                        torch.arange(len(ids), dtype=torch.int64), hidden_layers=hidden_layers)
+
+
+def forward_chunks(lm: LoadedModel, kv: KVCache, parts: list[tuple[PagedSeq, list[int]]]) -> list[torch.Tensor]:
+    """One forward pass over several sequences' chunks; returns each chunk's logits rows [n, V]."""
+    logits = lm.model.forward(paged_batch(parts), kv).logits
+    sizes = [len(toks) for _, toks in parts]
+    return list(logits.split(sizes))
 
 
 def _new_cache(lm: LoadedModel, num_blocks: int, block_size: int) -> KVCache:
@@ -632,27 +633,10 @@ FUSED_SCENARIOS = {
 }
 
 
-def _paged_batch(parts: list[tuple[PagedSeq, list[int]]], hidden_layers: tuple[int, ...] = ()) -> ForwardBatch:
-    """One pass over several sequences' new tokens (advances each sequence's length)."""
-    width = max(len(s.blocks) for s, _ in parts)
-    tables = torch.full((len(parts), width), -1, dtype=torch.int32)
-    ids, pos, sid, slots = [], [], [], []
-    for row, (seq, toks) in enumerate(parts):
-        tables[row, :len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
-        ids += toks
-        pos += range(seq.length, seq.length + len(toks))
-        sid += [row] * len(toks)
-        slots += seq.slots(len(toks))
-        seq.length += len(toks)
-    return ForwardBatch(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int32),
-                        torch.tensor(sid, dtype=torch.int32), tables, torch.tensor(slots, dtype=torch.int64),
-                        torch.arange(len(ids), dtype=torch.int64), hidden_layers=hidden_layers)
-
-
 def _window_paging(batch: ForwardBatch, parts: list[tuple[PagedSeq, list[int]]]) -> ForwardBatch:
     """batch with the sliding layers' own block tables / slots (pools of their own, as the engine
     gives long contexts); parts: each row's window-pool sequence (advanced here)."""
-    w = _paged_batch(parts)
+    w = paged_batch(parts)
     batch.window_block_tables, batch.window_slot_mapping = w.block_tables, w.slot_mapping
     return batch
 
@@ -672,7 +656,7 @@ def _run_path(model, cfg, scenario: str, fused: bool, hidden_layers=(), kv_dtype
     try:
         for parts in FUSED_SCENARIOS[scenario]:
             toks = [[rng.randrange(3, vocab) for _ in range(n)] for _, n in parts]
-            batch = _paged_batch([(seqs[j], t) for (j, _), t in zip(parts, toks)], hidden_layers)
+            batch = paged_batch([(seqs[j], t) for (j, _), t in zip(parts, toks)], hidden_layers)
             if window_pool:
                 batch = _window_paging(batch, [(wseqs[j], t) for (j, _), t in zip(parts, toks)])
             if expect_fused is not None:
