@@ -10,6 +10,8 @@ python benchmarks/vs_llamacpp.py --model smollm2-135m --tokens 128 --runs 2 --pr
   --out "$out/vs_llamacpp_smollm2.json" --markdown "$out/vs_llamacpp_smollm2.md"
 python benchmarks/spec_decode.py --models smollm2-135m --tokens 128 --runs 2 --prompts-per-suite 2 \
   --adaptive both --out "$out/spec_smollm2.json" --markdown "$out/spec_smollm2.md"
+# the shipped dflash drafter's teacher-forced acceptance (set ANSWERS=DIR/data/answers.pt for the held-out rows)
+python benchmarks/drafter_acceptance.py ${ANSWERS:+--answers "$ANSWERS"} --out "$out/drafter_acceptance.json"
 python benchmarks/spec_decode.py --models qwen2.5-coder-1.5b --tokens 128 --runs 2 --prompts-per-suite 2 \
   --adaptive both --out "$out/spec_qwen1.5b.json" --markdown "$out/spec_qwen1.5b.md"
 python benchmarks/vs_llamacpp.py --model qwen2.5-coder-1.5b --tokens 64 --runs 1 --prompts-per-suite 1 \

@@ -94,6 +94,8 @@ def run_one(engine, ids: list[int], tokens: int) -> dict:
 
 def configs_for(model: str, a: argparse.Namespace) -> list[tuple[str, dict | None]]:
     drafters = DRAFTERS.get(model, DEFAULT_DRAFTERS)
+    if a.spec:  # --spec LABEL=JSON (repeatable) replaces the built-in list
+        drafters = [(lab, json.loads(js)) for lab, _, js in (x.partition("=") for x in a.spec)]
     if a.drafters:
         drafters = [d for d in drafters if d[0].split()[0] in a.drafters.split(",")]
     modes = {"on": [True], "off": [False], "both": [True, False]}[a.adaptive]
@@ -179,6 +181,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-1.5b")
     ap.add_argument("--drafters", default=None, help="comma list to keep, e.g. ngram or draft")
+    ap.add_argument("--spec", action="append", default=None, metavar="LABEL=JSON",
+                    help="a speculative config to compare (repeatable; replaces the built-in drafters)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--suites", default="code,math,prose")

@@ -295,3 +295,84 @@ def test_drafts_are_distributed_as_their_returned_probabilities(tiny, tmp_path):
     for j in range(2):
         support = probs[j] > 0
         assert chi2_pvalue(counts[j][support], probs[j][support].double()) > 0.001
+
+
+def test_draft_vocabulary_cuts_the_head_and_stays_lossless(tiny, tmp_path):
+    """A dflash drafter with a draft vocabulary ranked by its token counts proposes only tokens of
+    that set or of the request, gives the full head's logits on the set, and stays lossless."""
+    from specserve.spec.dflash import TOKEN_COUNTS, save_token_counts
+
+    m = random_drafter(tiny, block_size=4)
+    save_drafter(m, m.cfg.to_json(), tmp_path / "d")
+    counts = torch.zeros(TINY_VOCAB, dtype=torch.int64)
+    counts[64:] = torch.arange(TINY_VOCAB - 64, 0, -1)  # ids 0..63 never seen in "training"
+    save_token_counts(counts, tmp_path / "d")
+    assert (tmp_path / "d" / TOKEN_COUNTS).is_file()
+    drafter = DFlashDrafter.load(tmp_path / "d", tiny, draft_vocab_size=128)  # of the tokenizer's 258
+    kept = drafter.vocab.member.clone()
+    assert drafter.vocab.size == 128 and not kept[:64].any() and kept[256:258].all()  # + the specials
+    prompt = list(range(70, 90)) + [5, 6]  # 5 and 6 join the set as the request uses them
+    seq = _seq(prompt, len(prompt), SamplingParams(max_tokens=10))
+    drafter.observe(seq, {lid: torch.randn(len(prompt), 64) for lid in m.cfg.target_layer_ids},
+                    list(range(len(prompt))))
+    drafts = drafter.propose([seq], [3])[0].token_ids
+    assert drafter.vocab.member[[5, 6]].all() and drafter.vocab.size == 130
+    assert all(drafter.vocab.member[t] for t in drafts)
+    h = drafter.block_hidden(seq)[1:4]
+    full, cut = drafter.head.logits(h), drafter.vocab.logits(h.contiguous())
+    member = drafter.vocab.member
+    assert torch.equal(cut[:, member], full[:, member]) and torch.isinf(cut[:, ~member]).all()
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 33)]
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    eng = _engine(tiny, DFlashDrafter.load(tmp_path / "d", tiny, draft_vocab_size=128))
+    assert _run(eng, prompts, greedy) == _run(_engine(tiny), prompts, greedy)
+    assert eng.totals.draft_tokens > 0
+
+
+def test_int8_drafter_weights_are_lossless(tiny, tmp_path):
+    """"quantization": "int8" runs the drafter's linears in the CPU kernels' int8 format: close to
+    the float32 block, lossless in the engine, and any other format is a clear error."""
+    from specserve.spec.dflash import KernelLinear
+    from specserve.spec.registry import build_drafter
+
+    m = random_drafter(tiny, block_size=4)
+    save_drafter(m, m.cfg.to_json(), tmp_path / "d")
+    spec = SpecConfig("dflash", model=str(tmp_path / "d"), quantization="int8", num_speculative_tokens=3)
+    d8 = build_drafter(spec, tiny, FP32, EngineConfig(), 256)
+    assert isinstance(d8.model.layers[0].q, KernelLinear) and isinstance(d8.model.fc, KernelLinear)
+    assert d8.weight_bytes() < DFlashDrafter.load(tmp_path / "d", tiny).weight_bytes() / 3
+    prompt = list(range(40, 60))
+    blocks = []
+    for d in (d8, DFlashDrafter.load(tmp_path / "d", tiny)):
+        seq = _seq(prompt, len(prompt), SamplingParams(max_tokens=4))
+        g = torch.Generator().manual_seed(3)
+        d.observe(seq, {lid: torch.randn(len(prompt), 64, generator=g) for lid in m.cfg.target_layer_ids},
+                  list(range(len(prompt))))
+        blocks.append(d.block_hidden(seq))
+    assert (blocks[0] - blocks[1]).abs().max() < 0.1 * blocks[1].abs().max()
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17)]
+    greedy = SamplingParams(max_tokens=30, ignore_eos=True)
+    eng = _engine(tiny, build_drafter(spec, tiny, FP32, EngineConfig(), 256))
+    assert _run(eng, prompts, greedy) == _run(_engine(tiny), prompts, greedy) and eng.totals.draft_tokens > 0
+    with pytest.raises(Exception, match="int8"):
+        build_drafter(SpecConfig("dflash", model=str(tmp_path / "d"), quantization="q4_0"), tiny, FP32,
+                      EngineConfig(), 256)
+
+
+def test_int8_export_rebuilds_the_int8_inference_weights(tiny, tmp_path):
+    """save_drafter(..., torch.int8) stores matrices as per-row int8 + scale; loading them gives
+    weights within half a step of the originals, and the int8 inference path rebuilds exactly
+    the int8 values it would have made from the float weights."""
+    from specserve.kernels import ops
+    from specserve.spec.dflash import load_state
+
+    m = random_drafter(tiny, block_size=4)
+    save_drafter(m, m.cfg.to_json(), tmp_path / "f")
+    save_drafter(m, m.cfg.to_json(), tmp_path / "q", torch.int8)
+    assert (tmp_path / "q" / "model.safetensors").stat().st_size < (tmp_path / "f" / "model.safetensors").stat().st_size / 3
+    _, state = load_state(tmp_path / "q")
+    for name, w in m.state_dict().items():
+        step = w.abs().amax(dim=-1, keepdim=True) / 127 if w.dim() == 2 else 0.0
+        assert state[name].shape == w.shape and ((state[name] - w).abs() <= step / 2 + 1e-7).all(), name
+    d8 = DFlashDrafter.load(tmp_path / "q", tiny, weights="int8")
+    assert torch.equal(d8.model.layers[0].gate.weight_q.q, ops.Int8Weight.from_float(m.layers[0].gate.weight).q)

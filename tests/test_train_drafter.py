@@ -160,3 +160,54 @@ def test_cli_end_to_end_tiny(tiny, tmp_path, method):
     assert run_all(eng, prompts, params) == plain
     # on prompts like its training data the trained drafter's drafts are accepted
     assert eng.totals.accepted_tokens > 0 and eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_answers_resume_and_training_on_saved_answers(tiny, tmp_path):
+    """--answers-only saves the target's answers as they come; a later call generates only the
+    missing ones; --use-saved-answers trains on them without the prompt sources, within a time
+    budget whose schedule ends on time, and writes the token counts of the training answers."""
+    from specserve.cli import main
+    from specserve.spec.dflash import TOKEN_COUNTS, load_token_counts
+
+    prompts = tdata.load_prompts("math:12", seed=0)
+    path, meta = tmp_path / "answers.pt", {"k": 1}
+    first = tdata.build_answers(tiny, prompts[:6], max_new_tokens=16, max_len=512, path=path, meta=meta,
+                                save_every=2)
+    assert len(tdata.load_answers(path, meta)) == 6 and tdata.load_answers(path, {"k": 2}) == {}
+    calls = []
+    real = tdata.generate_answers
+    try:
+        tdata.generate_answers = lambda target, p, *a, **kw: calls.append(len(p)) or real(target, p, *a, **kw)
+        both = tdata.build_answers(tiny, prompts, max_new_tokens=16, max_len=512, path=path, meta=meta)
+    finally:
+        tdata.generate_answers = real
+    assert calls == [6] and [a.ids for a in both[:6]] == [a.ids for a in first]
+
+    out = tmp_path / "drafter"
+    common = ["train-drafter", "--model", str(tiny.resolved.path), "--method", "dflash", "--out", str(out),
+              "--data", "math:12", "--seq-len", "512", "--max-new-tokens", "16", "--quantization", "none",
+              "--threads", "1"]
+    assert main(common + ["--answers-only"]) == 0
+    assert (out / "data" / "answers.pt").is_file() and not (out / "config.json").exists()
+    argv = common + ["--use-saved-answers", "--no-data-cache", "--steps", "100000", "--time-budget", "0.05",
+                     "--batch", "2", "--block-size", "4", "--eval-every", "0", "--warmup", "1",
+                     "--draft-vocab-size", "200"]
+    assert main(argv) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 200 and 0 < cfg["training"]["step"] < 100000
+    assert not (out / "data" / "dataset.pt").exists()
+    saved = tdata.load_answers(out / "data" / "answers.pt")
+    counts = load_token_counts(out)
+    assert (out / TOKEN_COUNTS).is_file() and int(counts.sum()) == sum(len(a.ids) - a.prompt_len
+                                                                       for a in saved.values())
+    log = json.loads((out / "train_log.json").read_text())
+    lrs = [e["lr"] for e in log if "lr" in e]
+    assert lrs[-1] < 0.5 * max(lrs)  # the cosine schedule followed the time budget
+
+
+def test_use_saved_answers_without_answers_is_a_clear_error(tiny, tmp_path):
+    from specserve.cli import main
+
+    argv = ["train-drafter", "--model", str(tiny.resolved.path), "--method", "dflash", "--out", str(tmp_path),
+            "--use-saved-answers", "--quantization", "none"]
+    assert main(argv) != 0

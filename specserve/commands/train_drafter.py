@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from specserve.errors import SpecserveError
 from specserve.models.quant import QUANTIZATIONS
 
 
@@ -28,10 +29,20 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--stop-at", type=int, default=None, help="stop (and checkpoint) after this step")
     p.add_argument("--time-limit", type=float, default=None, help="stop (and checkpoint) after this many minutes")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="train for this many minutes, the learning-rate schedule following the time spent "
+                        "(ends on time on any device; not bit-reproducible on --resume)")
     p.add_argument("--block-size", type=int, default=8, help="dflash block size B (B-1 drafts per forward)")
     p.add_argument("--layers", type=int, default=1, help="dflash drafter layers (1-5)")
     p.add_argument("--target-layers", type=int, default=3, help="dflash: target layers to read")
     p.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: the target's)")
+    p.add_argument("--init-from-target", action="store_true",
+                   help="dflash: start the drafter's layers as copies of the target's last layers "
+                        "(needs --intermediate-size equal to the target's)")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="dflash: the drafter's default draft vocabulary (the target's LM head cut to this many "
+                        "tokens, ranked by the training answers' token counts); the speculative config's "
+                        "draft_vocab_size overrides it")
     p.add_argument("--depth", type=int, default=3, help="mtp: chained steps trained")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup", type=int, default=50)
@@ -43,13 +54,25 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length when generating data")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the target's answers")
     p.add_argument("--gen-batch", type=int, default=16, help="sequences the engine decodes together for the data")
+    p.add_argument("--answers-only", action="store_true",
+                   help="only generate the target's answers (OUT/data/answers.pt, saved as they come, resumable) "
+                        "and stop; a later run with the same data options trains on them, e.g. on a GPU")
+    p.add_argument("--use-saved-answers", action="store_true",
+                   help="train on the answers already in OUT/data/answers.pt (made with the same data options), "
+                        "without reading the prompt sources or generating more (e.g. on a machine with no network)")
+    p.add_argument("--no-data-cache", action="store_true",
+                   help="do not save the hidden-state dataset (OUT/data/dataset.pt; several GB for large --data)")
     p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--export-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the exported drafter weights (checkpoints are always float32)")
+    p.add_argument("--export-dtype", default="float32", choices=["float32", "bfloat16", "float16", "int8"],
+                   help="dtype of the exported drafter weights (int8: matrices per-row symmetric int8, the "
+                        "format the CPU runs them in; checkpoints are always float32)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the target's activation dtype (CUDA defaults to bfloat16; float32 gives hidden states "
+                        "closer to the CPU engine's)")
     p.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                    help="the target's weight format while generating data")
     p.add_argument("--threads", type=int, default=None)
@@ -61,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
     from specserve.engine.builder import set_threads
     from specserve.models.loader import LoadOptions, load_model
-    from specserve.spec.train import data as tdata
+    from specserve.spec.dflash import save_token_counts, target_identity
     from specserve.spec.train.trainer import (FrozenTarget, HParams, Trainer, make_model, model_from_checkpoint,
                                               split)
 
@@ -70,9 +93,10 @@ def run(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     torch.manual_seed(args.seed)
+    torch.backends.cuda.matmul.allow_tf32 = True  # CUDA: the frozen target's hidden states in TF32
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    target = load_model(args.model, LoadOptions(args.device, "auto", args.quantization))
+    target = load_model(args.model, LoadOptions(args.device, args.dtype, args.quantization))
     device = target.model.device
     say(f"target {target.name}: {target.config.num_layers} layers, hidden {target.config.hidden_size}, on {device}")
 
@@ -81,33 +105,21 @@ def run(args: argparse.Namespace) -> int:
     else:
         model = make_model(args.method, target, layers=args.layers, block_size=args.block_size,
                            num_target_layers=args.target_layers, intermediate_size=args.intermediate_size,
-                           depth=args.depth, seed=args.seed)
+                           depth=args.depth, seed=args.seed, init_from_target=args.init_from_target)
     if args.method == "dflash":
         layers, final_norm = tuple(model.cfg.target_layer_ids), False
     else:
         layers, final_norm = (target.config.num_layers - 1,), True
 
-    data_path = out / "data" / "dataset.pt"
-    meta = {"model": target.name, "method": args.method, "layers": list(layers), "final_norm": final_norm,
-            "data": args.data, "max_new_tokens": args.max_new_tokens, "seq_len": args.seq_len,
-            "temperature": args.temperature, "seed": args.seed}
-    examples = None
-    if data_path.is_file():
-        cached, cmeta = tdata.load_dataset(data_path)
-        if cmeta == meta:
-            examples = cached
-            say(f"using the cached dataset {data_path} ({len(examples)} sequences)")
-    if examples is None:
-        prompts = tdata.load_prompts(args.data, args.seed)
-        say(f"{len(prompts)} prompts; generating the target's answers")
-        t0 = time.perf_counter()
-        examples = tdata.build_dataset(target, prompts, layers=layers, final_norm=final_norm,
-                                       max_new_tokens=args.max_new_tokens, max_len=args.seq_len,
-                                       temperature=args.temperature, seed=args.seed, max_num_seqs=args.gen_batch,
-                                       progress=say)
-        tdata.save_dataset(examples, data_path, meta)
-        n_tok = sum(len(e.ids) - e.prompt_len for e in examples)
-        say(f"dataset: {len(examples)} sequences, {n_tok} answer tokens, {time.perf_counter() - t0:.0f} s")
+    answers_meta = {"model": target.name, "vocab": target_identity(target)["vocab_hash"], "data": args.data,
+                    "max_new_tokens": args.max_new_tokens, "seq_len": args.seq_len,
+                    "temperature": args.temperature, "seed": args.seed}
+    if args.answers_only:
+        answers = _answers(args, target, out, answers_meta, say)
+        n_tok = sum(len(a.ids) - a.prompt_len for a in answers)
+        say(f"{len(answers)} answers, {n_tok} answer tokens in {out / 'data' / 'answers.pt'}")
+        return 0
+    examples = _examples(args, target, out, answers_meta, layers, final_norm, say)
     train, val = split(examples, args.val_fraction, args.seed)
 
     hp = HParams(steps=args.steps, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, batch=args.batch,
@@ -122,13 +134,63 @@ def run(args: argparse.Namespace) -> int:
         trainer.state.log.append({"step": 0, **ev})
         say(f"step 0 validation mean acceptance length {ev['mean_acceptance_length']:.3f}")
     trainer.run(stop_at=args.stop_at, time_limit=None if args.time_limit is None else args.time_limit * 60,
-                progress=say)
+                progress=say, time_budget=None if args.time_budget is None else args.time_budget * 60)
     if trainer.val_set:
         ev = trainer.evaluate()
         trainer.state.log.append({"step": trainer.state.step, "final": True, **ev})
         say(f"final validation mean acceptance length {ev['mean_acceptance_length']:.3f} "
             f"(per position {', '.join(f'{x:.2f}' for x in ev['accept_rate_per_pos'])})")
+    if args.method == "dflash":
+        model.cfg.draft_vocab_size = args.draft_vocab_size
+        V = target.config.vocab_size
+        answer_ids = torch.cat([e.ids[e.prompt_len:] for e in examples]).clamp(max=V - 1)
+        save_token_counts(torch.bincount(answer_ids, minlength=V), out)  # one op: cheap on any machine
     trainer.export(getattr(torch, args.export_dtype))
     say(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}; use --speculative-config "
         + json.dumps(json.dumps({"method": args.method, "model": str(out)})))
     return 0
+
+
+def _answers(args, target, out: Path, meta: dict, say):
+    from specserve.spec.train import data as tdata
+
+    path = out / "data" / "answers.pt"
+    if args.use_saved_answers:
+        saved = tdata.load_answers(path, meta) if path.is_file() else {}
+        if not saved:
+            raise SpecserveError(f"--use-saved-answers: {path} holds no answers made with these data options")
+        say(f"{len(saved)} saved answers in {path}")
+        return [saved[i] for i in sorted(saved) if len(saved[i].ids) - saved[i].prompt_len >= 2]
+    prompts = tdata.load_prompts(args.data, args.seed)
+    say(f"{len(prompts)} prompts; generating the target's answers")
+    t0 = time.perf_counter()
+    answers = tdata.build_answers(target, prompts, max_new_tokens=args.max_new_tokens, max_len=args.seq_len,
+                                  temperature=args.temperature, seed=args.seed, max_num_seqs=args.gen_batch,
+                                  progress=say, path=path, meta=meta)
+    say(f"answers ready in {time.perf_counter() - t0:.0f} s")
+    return answers
+
+
+def _examples(args, target, out: Path, answers_meta: dict, layers, final_norm: bool, say):
+    """The training examples: the cached dataset if it matches, else answers + hidden capture."""
+    from specserve.spec.train import data as tdata
+
+    data_path = out / "data" / "dataset.pt"
+    meta = {**answers_meta, "method": args.method, "layers": list(layers), "final_norm": final_norm}
+    if data_path.is_file():
+        cached, cmeta = tdata.load_dataset(data_path)
+        if cmeta == meta:
+            say(f"using the cached dataset {data_path} ({len(cached)} sequences)")
+            return cached
+    answers = _answers(args, target, out, answers_meta, say)
+    t0 = time.perf_counter()
+    cuda = target.model.device.type == "cuda"  # CUDA: hidden states stay on the GPU, next to the drafter
+    examples = tdata.examples_from_answers(target, answers, layers=layers, final_norm=final_norm, progress=say,
+                                           max_batch_tokens=8192 if cuda else 2048,
+                                           device=target.model.device if cuda else "cpu")
+    if not args.no_data_cache:
+        tdata.save_dataset(examples, data_path, meta)
+    n_tok = sum(len(e.ids) - e.prompt_len for e in examples)
+    say(f"dataset: {len(examples)} sequences, {n_tok} answer tokens, hidden states in "
+        f"{time.perf_counter() - t0:.0f} s")
+    return examples

@@ -158,27 +158,38 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _torch_paged_attention(q, k_cache, v_cache, block_tables, seq_ids, positions, scale, window, softcap):
-    """Gather each sequence's keys and attend with a mask (CUDA path)."""
-    num_blocks, bs, hkv, d = k_cache.shape
-    t_len, hq, _ = q.shape
-    max_len = int(positions.max().item()) + 1
+    """Paged attention in torch (CUDA path): each run of rows of one sequence gathers that
+    sequence's keys once, and all runs attend together over a padded [S, Tmax] query grid."""
+    t_len, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    dev = q.device
+    sid, pos = seq_ids.long(), positions.long()
+    runs, row_run, counts = torch.unique_consecutive(sid, return_inverse=True, return_counts=True)  # [S]
+    n_runs, t_max = runs.numel(), int(counts.max())
+    col = torch.arange(t_len, device=dev) - (torch.cumsum(counts, 0) - counts)[row_run]  # row within its run
+    max_len = int(pos.max()) + 1
     nb = (max_len + bs - 1) // bs
-    tables = block_tables[seq_ids.long(), :nb].long()  # [T, nb]
-    k = k_cache[tables].reshape(t_len, nb * bs, hkv, d)[:, :max_len]
-    v = v_cache[tables].reshape(t_len, nb * bs, hkv, d)[:, :max_len]
+    tables = block_tables[runs, :nb].long()  # [S, nb]
     rep = hq // hkv
-    k = k.repeat_interleave(rep, dim=2).transpose(1, 2)  # [T, Hq, L, D]
+    k = k_cache[tables].reshape(n_runs, nb * bs, hkv, d)[:, :max_len].float()  # [S, L, Hkv, D]
+    v = v_cache[tables].reshape(n_runs, nb * bs, hkv, d)[:, :max_len].float()
+    k = k.repeat_interleave(rep, dim=2).transpose(1, 2)  # [S, Hq, L, D]
     v = v.repeat_interleave(rep, dim=2).transpose(1, 2)
-    scores = torch.einsum("thd,thld->thl", q.float(), k.float()) * scale
+    qg = q.new_zeros((n_runs, t_max, hq, d), dtype=torch.float32)
+    qg[row_run, col] = q.float()
+    qpos = torch.full((n_runs, t_max), -1, dtype=torch.long, device=dev)
+    qpos[row_run, col] = pos
+    scores = torch.matmul(qg.transpose(1, 2), k.transpose(-1, -2)) * scale  # [S, Hq, Tmax, L]
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
-    kpos = torch.arange(max_len, device=q.device)
-    mask = kpos[None, :] <= positions[:, None].long()
+    kpos = torch.arange(max_len, device=dev)
+    mask = kpos <= qpos[..., None]  # [S, Tmax, L]
     if window:
-        mask &= (positions[:, None].long() - kpos[None, :]) < window
-    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
-    probs = scores.softmax(-1)
-    return torch.einsum("thl,thld->thd", probs, v.float()).to(q.dtype)
+        mask &= (qpos[..., None] - kpos) < window
+    mask[..., 0] |= qpos < 0  # padding rows attend to key 0 (no NaN); they are dropped below
+    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
+    out = torch.matmul(probs, v).transpose(1, 2)  # [S, Tmax, Hq, D]
+    return out[row_run, col].to(q.dtype)
 
 
 def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:

@@ -22,7 +22,7 @@ class SpecConfig:
     model: str | None = None  # draft model (draft_model) or drafter directory (dflash, mtp)
     adaptive: bool = True  # adapt the draft length to acceptance and verification cost
     quantization: str | None = None  # draft model weight format (default: the target's)
-    draft_vocab_size: int | None = None  # draft_model: cut the draft's LM head to this many tokens
+    draft_vocab_size: int | None = None  # draft_model / dflash: cut the draft's LM head to this many tokens
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -37,8 +37,9 @@ class SpecConfig:
             raise SpecserveError(f"speculative config: quantization {self.quantization!r} is not one of "
                                  f"{', '.join(QUANTIZATIONS)}")
         if self.draft_vocab_size is not None:
-            if self.method != "draft_model":
-                raise SpecserveError("speculative config: draft_vocab_size applies to method \"draft_model\" only")
+            if self.method not in ("draft_model", "dflash"):
+                raise SpecserveError("speculative config: draft_vocab_size applies to methods \"draft_model\" and "
+                                     "\"dflash\" only")
             if self.draft_vocab_size < 256:
                 raise SpecserveError(f"speculative config: draft_vocab_size must be >= 256, got {self.draft_vocab_size}")
         if self.method in ("draft_model", "dflash") and not self.model:

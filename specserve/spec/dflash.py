@@ -54,6 +54,8 @@ from specserve.engine import sampler
 from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
 from specserve.models.loader import LoadedModel
+from specserve.models.catalog import cache_root
+from specserve.spec.draft_vocab import DraftVocab, frequent_ids
 from specserve.spec.drafter import Drafter, Proposal
 
 CONTEXT_TRIM = 64  # the per-sequence context cache is trimmed in chunks of this many positions
@@ -213,6 +215,7 @@ class DFlashConfig:
     target: dict = field(default_factory=dict)
     training: dict = field(default_factory=dict)
     drafter: str = "dflash"
+    draft_vocab_size: int | None = None  # default cut of the LM head (None: the full head); see load()
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -328,14 +331,48 @@ class DFlashModel(nn.Module):
         return torch.cat([ctx_ok, same], dim=-1)
 
 
+INT8_SCALE = ":scale"  # suffix of the per-row scale of a matrix stored in int8
+
+
 def save_drafter(model: nn.Module, cfg_json: dict, out: Path, dtype: torch.dtype = torch.float32) -> None:
+    """config.json + model.safetensors. dtype torch.int8: every matrix as symmetric per-row int8
+    (``name`` int8 [N, K] + ``name:scale`` float32 [N], the CPU kernels' Int8Weight layout, so
+    the int8 inference path rebuilds the same weights); vectors stay float32."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    tensors = {}
+    for k, v in model.state_dict().items():
+        v = v.detach().float()
+        if dtype == torch.int8 and v.dim() == 2:
+            scale = v.abs().amax(dim=1) / 127.0
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            tensors[k] = torch.round(v / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+            tensors[k + INT8_SCALE] = scale.contiguous()
+        else:
+            tensors[k] = v.to(torch.float32 if dtype == torch.int8 else dtype).contiguous()
     save_file(tensors, str(out / "model.safetensors"))
     (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600
     (out / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
+
+
+TOKEN_COUNTS = "token_counts.safetensors"
+
+
+def save_token_counts(counts: torch.Tensor, out: Path) -> None:
+    """[V] counts of the answer tokens a drafter was trained on (ranks its draft vocabulary; int32)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({"counts": counts.to(torch.int32).contiguous()}, str(out / TOKEN_COUNTS))
+    (out / TOKEN_COUNTS).chmod(0o644)
+
+
+def load_token_counts(directory: Path) -> torch.Tensor | None:
+    from safetensors.torch import load_file
+
+    path = directory / TOKEN_COUNTS
+    return load_file(str(path))["counts"].to(torch.int64) if path.is_file() else None
 
 
 def load_state(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -345,17 +382,46 @@ def load_state(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if not cfg_path.is_file() or not (directory / "model.safetensors").is_file():
         raise SpecserveError(f"{directory} is not a drafter directory (needs config.json and model.safetensors)")
     cfg = json.loads(cfg_path.read_text())
-    state = {k: v.float() for k, v in load_file(str(directory / "model.safetensors")).items()}
+    raw = load_file(str(directory / "model.safetensors"))
+    state = {k: v.float() * raw[k + INT8_SCALE][:, None] if k + INT8_SCALE in raw else v.float()
+             for k, v in raw.items() if not k.endswith(INT8_SCALE)}
     return cfg, state
 
 
 # ---- the drafter ------------------------------------------------------------------------------
+class KernelLinear(nn.Module):
+    """Inference stand-in for an nn.Linear: the CPU kernels' int8 weight format (a quarter of the
+    float32 bytes; activations quantized per row, as the target's linears do). Deterministic and
+    batch invariant; drafts need nothing more, verification keeps the output exact."""
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__()
+        from specserve.kernels import ops
+
+        self._ops = ops
+        self.weight_q = ops.Int8Weight.from_float(lin.weight.detach().float().contiguous())
+        self.bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        return self._ops.linear(x.float().contiguous(), self.weight_q, self.bias)
+
+
+def int8_linears(model: DFlashModel) -> DFlashModel:
+    """Swap every linear of the drafter for a KernelLinear (CPU inference)."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, KernelLinear(child))
+    return model
+
+
 @dataclass
 class _Ctx:
     start: int = 0  # position of the first cached context row
     k: list[torch.Tensor] = field(default_factory=list)  # per layer [n, kvh, D]
     v: list[torch.Tensor] = field(default_factory=list)
     pending: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)  # observed, not yet ingested
+    vocab_seen: int = 0  # tokens of the sequence already added to the draft vocabulary
     generator: torch.Generator | None = None
 
     @property
@@ -367,15 +433,23 @@ class DFlashDrafter(Drafter):
     name = "dflash"
     has_cost = True
 
-    def __init__(self, model: DFlashModel, target: LoadedModel):
+    def __init__(self, model: DFlashModel, target: LoadedModel, vocab: DraftVocab | None = None):
         self.model = model.eval().requires_grad_(False).to(target.model.device)
         self.cfg = model.cfg
         self.head = TargetHead(target)
+        self.vocab = vocab  # None: drafts come from the target's full LM head
         self.hidden_layers = tuple(self.cfg.target_layer_ids)
         self.step_time = 0.0
 
     @classmethod
-    def load(cls, directory: str | Path, target: LoadedModel) -> "DFlashDrafter":
+    def load(cls, directory: str | Path, target: LoadedModel, draft_vocab_size: int | None = None,
+             weights: str = "float32") -> "DFlashDrafter":
+        """A trained drafter. Its drafts come from the target's LM head cut to ``draft_vocab_size``
+        tokens (default: the drafter's config; None there: the full head), ranked by the token
+        counts of its training answers (``token_counts.safetensors``) or, without that file, of
+        the standard-library corpus; tokens requests use join as they appear (``DraftVocab``).
+        weights="int8" runs the drafter's linears in the CPU kernels' int8 format (CPU only; the
+        speculative config's default there: a quarter of the bytes, same acceptance in our runs)."""
         directory = Path(directory).expanduser()
         raw, state = load_state(directory)
         if raw.get("drafter") != "dflash":
@@ -390,10 +464,18 @@ class DFlashDrafter(Drafter):
         if missing or unexpected:
             raise SpecserveError(f"{directory}/model.safetensors does not match its config "
                                  f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-        return cls(model, target)
+        if target.model.device.type == "cpu" and weights == "int8":
+            int8_linears(model)
+        size = draft_vocab_size or cfg.draft_vocab_size
+        vocab = None
+        if size and size < target.model.lm_head.out_features:
+            vocab = DraftVocab(target.model, frequent_ids(target.tokenizer, size, cache_root(),
+                                                          load_token_counts(directory)))
+        return cls(model, target, vocab)
 
     def weight_bytes(self) -> int:
-        return self.module_bytes(self.model)
+        packed = sum(m.weight_q.nbytes for m in self.model.modules() if isinstance(m, KernelLinear))
+        return self.module_bytes(self.model) + packed
 
     # ---- context cache ----------------------------------------------------------------------
     def _state(self, seq: Sequence) -> _Ctx:
@@ -476,7 +558,13 @@ class DFlashDrafter(Drafter):
             t0 = time.perf_counter()
             k = min(k, self.cfg.block_size - 1)
             h = self.block_hidden(seq)[1:1 + k]
-            logits = self.head.logits(h)  # [k, V]
+            if self.vocab is None:
+                logits = self.head.logits(h)  # [k, V]
+            else:
+                st = self._state(seq)
+                self.vocab.add(seq.token_ids[st.vocab_seen:])  # the prompt, then tokens since the last draft
+                st.vocab_seen = seq.num_tokens
+                logits = self.vocab.logits(h.to(self.head.model.dtype).contiguous())  # [k, V], -inf outside
             out.append(pick_tokens(seq, logits, self._state(seq).generator))
             dt = time.perf_counter() - t0
             self.step_time = dt if not self.step_time else 0.8 * self.step_time + 0.2 * dt
@@ -516,4 +604,8 @@ def build(spec, target: LoadedModel, options, ecfg, max_model_len: int) -> DFlas
     where = spec.model
     if where in CATALOG and CATALOG[where].kind == "drafter":
         where = str(entry_path(CATALOG[where]))
-    return DFlashDrafter.load(where, target)
+    if spec.quantization not in (None, "none", "int8"):
+        raise SpecserveError(f'speculative config: a dflash drafter runs in "int8" (the CPU default) or '
+                             f'"none" (float32), not {spec.quantization!r}')
+    return DFlashDrafter.load(where, target, spec.draft_vocab_size,
+                              "float32" if spec.quantization == "none" else "int8")

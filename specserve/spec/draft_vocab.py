@@ -74,12 +74,14 @@ def token_counts(tok: Tokenizer, cache_dir: Path) -> torch.Tensor:
     return counts
 
 
-def frequent_ids(tok: Tokenizer, size: int, cache_dir: Path) -> torch.Tensor:
-    """[size] int64, ascending: the draft vocabulary (all ids when size >= the vocabulary)."""
+def frequent_ids(tok: Tokenizer, size: int, cache_dir: Path, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """[size] int64, ascending: the draft vocabulary (all ids when size >= the vocabulary).
+
+    counts: [V] token counts to rank by (default: the standard-library corpus, ``token_counts``)."""
     vocab = tok.vocab_size
     if size >= vocab:
         return torch.arange(vocab, dtype=torch.int64)
-    counts = token_counts(tok, cache_dir).clone()
+    counts = (token_counts(tok, cache_dir) if counts is None else counts[:vocab].to(torch.int64)).clone()
     special = set(tok.eos_token_ids) | set(tok.backend.get_added_tokens_decoder())
     if tok.bos_token_id is not None:
         special.add(tok.bos_token_id)

@@ -137,8 +137,11 @@ def stdlib_prompts(n: int, rng: random.Random) -> list[str]:
     rng.shuffle(funcs)
     out = []
     for i, code in enumerate(funcs[:n]):
-        kind = i % 3
-        if kind == 0:
+        kind = i % 4
+        spec = _function_spec(code) if kind == 3 else None
+        if spec:
+            out.append(f"Write a Python function `{spec[0]}` that {spec[1]} Include a docstring.")
+        elif kind in (0, 3):
             out.append(f"Explain what this Python function does:\n\n```python\n{code}\n```")
         elif kind == 1:
             head = "\n".join(code.splitlines()[:max(2, code.count(chr(10)) // 3)])
@@ -146,6 +149,25 @@ def stdlib_prompts(n: int, rng: random.Random) -> list[str]:
         else:
             out.append(f"Write a docstring and a short usage example for this function:\n\n```python\n{code}\n```")
     return out
+
+
+def _function_spec(code: str) -> tuple[str, str] | None:
+    """(signature, first docstring sentence, lower-cased) of a function's source, for a
+    "write this function" prompt; None without a usable docstring."""
+    try:
+        node = ast.parse(code.strip()).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    doc = ast.get_docstring(node) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+    if not doc:
+        return None
+    first = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
+    if not 15 <= len(first) <= 300:
+        return None
+    node.body = []
+    sig = ast.unparse(node).split("\n")[-1].removeprefix("def ").removeprefix("async def ").rstrip(":")
+    first = first[0].lower() + first[1:]
+    return sig, first if first.endswith(".") else first + "."
 
 
 _NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Farah", "Gus", "Hana", "Ivan", "Jo", "Kai", "Lena", "Maya", "Noor"]
@@ -159,7 +181,7 @@ def math_prompts(n: int, rng: random.Random) -> list[str]:
         a, b, c = rng.randint(3, 90), rng.randint(2, 40), rng.randint(2, 12)
         p, q = rng.sample(_NAMES, 2)
         item = rng.choice(_ITEMS)
-        kind = i % 6
+        kind = i % 12
         if kind == 0:
             out.append(f"{p} has {a} {item}. {q} gives {p} {b} more, then {p} gives away {c}. "
                        f"How many {item} does {p} have now? Explain step by step.")
@@ -174,9 +196,27 @@ def math_prompts(n: int, rng: random.Random) -> list[str]:
         elif kind == 4:
             out.append(f"A train travels {a * c} km in {c} hours. What is its average speed, and how far does "
                        f"it go in {b} hours at that speed?")
-        else:
+        elif kind == 5:
             out.append(f"{p} and {q} share {a * 2} {item} so that {p} gets {b % a + 1} more than {q}. "
                        "How many does each get? Explain.")
+        elif kind == 6:
+            out.append(f"Solve for x: {c}x + {a} = {c * b + a}. Show each step and check the answer.")
+        elif kind == 7:
+            out.append(f"What is {c * 5}% of {a * 20}? Then increase {a * 20} by {b}% and explain the method.")
+        elif kind == 8:
+            out.append(f"A rectangle is {a} cm long and {b} cm wide. Find its area and perimeter, and the "
+                       "length of its diagonal to two decimals.")
+        elif kind == 9:
+            out.append(f"A bag has {b} red and {c} blue marbles. Two are drawn without replacement. What is the "
+                       "probability that both are red? Give the reasoning and the final fraction.")
+        elif kind == 10:
+            out.append(f"Find the sum of the first {b + 5} terms of the arithmetic sequence {c}, {c + a % 9 + 1}, "
+                       f"{c + 2 * (a % 9 + 1)}, ... Explain the formula you use.")
+        else:
+            claims = ["the sum of two odd numbers is even", "the product of two consecutive integers is even",
+                      f"n^2 + n is divisible by 2 for every integer n", "the square of an odd number is odd",
+                      "there is no largest even number", f"{c}n + {c} is divisible by {c} for every integer n"]
+            out.append(f"Prove that {claims[(i // 12) % len(claims)]}.")
     return out
 
 
@@ -258,17 +298,23 @@ def chat_prompt_ids(target, text: str) -> list[int]:
 
 
 def generate_answers(target, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                     seed: int = 0, max_num_seqs: int = 8, progress=None) -> list[list[int]]:
-    """The target's own answers, from the real engine (continuous batching)."""
+                     seed: int = 0, max_num_seqs: int = 8, progress=None, on_done=None,
+                     indices: list[int] | None = None) -> list[list[int]]:
+    """The target's own answers, from the real engine (continuous batching).
+
+    ``indices`` name the prompts (default 0..n-1; a sampled answer's seed depends on it, so a
+    resumed generation gives the same answers); ``on_done(index, answer)`` is called as each
+    answer finishes."""
     from specserve.engine.config import EngineConfig
     from specserve.engine.llm_engine import LLMEngine
     from specserve.engine.types import SamplingParams
 
+    indices = list(range(len(prompts))) if indices is None else indices
     max_len = min(max(len(p) for p in prompts) + max_new_tokens + 8, target.config.max_position)
     ecfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_len, enable_prefix_caching=False, seed=seed)
     engine = LLMEngine(target, ecfg)
     answers: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
+    pending = list(zip(indices, prompts))
     done = 0
     while pending or engine.has_work():
         while pending and len(engine.waiting) + len(engine.running) < max_num_seqs * 2:
@@ -281,16 +327,20 @@ def generate_answers(target, prompts: list[list[int]], max_new_tokens: int, temp
             answers[out.request_id] += out.new_token_ids
             if out.finished:
                 done += 1
-                if progress and (done % 8 == 0 or done == len(prompts)):
+                if on_done is not None:
+                    on_done(int(out.request_id[1:]), answers[out.request_id])
+                if progress and (done % 64 == 0 or done == len(prompts)):
                     progress(f"generated {done}/{len(prompts)} answers")
-    return [answers[f"g{i}"] for i in range(len(prompts))]
+    return [answers[f"g{i}"] for i in indices]
 
 
 @torch.inference_mode()
 def capture_hidden(target, seqs: list[list[int]], layers: tuple[int, ...], final_norm: bool = False,
-                   max_batch_tokens: int = 2048) -> list[torch.Tensor]:
-    """Target hidden states of ``layers`` (concatenated, [T, len(layers)*H] float32) for every
-    token of each sequence; with final_norm, the target's final norm is applied (one layer)."""
+                   max_batch_tokens: int = 2048, dtype: torch.dtype = torch.float32,
+                   device: str | torch.device = "cpu") -> list[torch.Tensor]:
+    """Target hidden states of ``layers`` (concatenated, [T, len(layers)*H], float32 unless
+    ``dtype``, on ``device``) for every token of each sequence; with final_norm, the target's
+    final norm is applied (one layer)."""
     from specserve.models.layers import rms_norm
     from specserve.models.transformer import ForwardBatch, KVCache
 
@@ -330,44 +380,105 @@ def capture_hidden(target, seqs: list[list[int]], layers: tuple[int, ...], final
         start = 0
         for g in group:
             n = len(seqs[g])
-            out[g] = feats[start:start + n].cpu()
+            out[g] = feats[start:start + n].to(device=device, dtype=dtype)
             start += n
     return out
+
+
+@dataclass
+class Answer:
+    """A prompt and the target's answer, as token ids (no hidden states yet)."""
+
+    ids: list[int]  # prompt + answer, cut to the training window
+    prompt_len: int
+    source: str = ""
+
+
+def prompt_ids(target, prompts: list[tuple[str, str]], max_new_tokens: int, max_len: int,
+               progress=None) -> list[tuple[int, str, list[int]]]:
+    """[(prompt index, source, chat-templated ids)] of the prompts that fit the window."""
+    out = []
+    for i, (src, text) in enumerate(prompts):
+        p = chat_prompt_ids(target, text)
+        if len(p) + max_new_tokens <= max_len:  # longer ones do not fit the training window
+            out.append((i, src, p))
+    if not out:
+        raise SpecserveError("no usable prompts (all too long for --seq-len?)")
+    if progress and len(out) < len(prompts):
+        progress(f"skipped {len(prompts) - len(out)} prompts longer than --seq-len minus the answer length")
+    return out
+
+
+def build_answers(target, prompts: list[tuple[str, str]], *, max_new_tokens: int, max_len: int,
+                  temperature: float = 0.0, seed: int = 0, max_num_seqs: int = 8, progress=None,
+                  path: Path | None = None, meta: dict | None = None, save_every: int = 256) -> list[Answer]:
+    """Prompts -> the target's answers. With ``path``, finished answers are saved as they come
+    (every ``save_every``) and a later call with the same ``meta`` generates only the missing ones."""
+    max_new_tokens = max(1, min(max_new_tokens, max_len // 2))
+    todo = prompt_ids(target, prompts, max_new_tokens, max_len, progress)
+    have: dict[int, Answer] = load_answers(path, meta) if path is not None and path.is_file() else {}
+    if have and progress:
+        progress(f"{len(have)} answers already in {path}")
+    missing = [(i, src, p) for i, src, p in todo if i not in have]
+    random.Random(seed).shuffle(missing)  # sources interleaved: a run stopped early keeps a mix
+    sources = {i: src for i, src, _ in todo}
+    prompt_of = {i: p for i, _, p in missing}
+    fresh = 0
+
+    def done(i: int, answer: list[int]) -> None:
+        nonlocal fresh
+        have[i] = Answer((prompt_of[i] + answer)[:max_len], len(prompt_of[i]), sources[i])
+        fresh += 1
+        if path is not None and fresh % save_every == 0:
+            save_answers(have, path, meta or {})
+
+    if missing:
+        generate_answers(target, [p for _, _, p in missing], max_new_tokens, temperature, seed, max_num_seqs,
+                         progress, on_done=done, indices=[i for i, _, _ in missing])
+        if path is not None:
+            save_answers(have, path, meta or {})
+    return [have[i] for i, _, _ in todo if len(have[i].ids) - have[i].prompt_len >= 2]
+
+
+def save_answers(answers: dict[int, Answer], path: Path, meta: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    recs = {i: (torch.tensor(a.ids, dtype=torch.int32), a.prompt_len, a.source) for i, a in answers.items()}
+    torch.save({"meta": meta, "answers": recs}, str(path) + ".tmp")
+    Path(str(path) + ".tmp").replace(path)
+
+
+def load_answers(path: Path, meta: dict | None = None) -> dict[int, Answer]:
+    """The answers saved at path ({} when they were made with another meta)."""
+    obj = torch.load(str(path), weights_only=True)
+    if meta is not None and obj["meta"] != meta:
+        return {}
+    return {int(i): Answer(t.tolist(), int(pl), s) for i, (t, pl, s) in obj["answers"].items()}
+
+
+def examples_from_answers(target, answers: list[Answer], *, layers: tuple[int, ...], final_norm: bool,
+                          progress=None, max_batch_tokens: int = 2048,
+                          device: str | torch.device = "cpu") -> list[Example]:
+    """Answers -> examples with the target's captured hidden states (bfloat16, on ``device``)."""
+    if progress:
+        progress(f"capturing hidden states of {len(answers)} sequences")
+    hidden = capture_hidden(target, [a.ids for a in answers], layers, final_norm, max_batch_tokens,
+                            torch.bfloat16, device)
+    return [Example(torch.tensor(a.ids, dtype=torch.int64), a.prompt_len, h, a.source)
+            for a, h in zip(answers, hidden)]
 
 
 def build_dataset(target, prompts: list[tuple[str, str]], *, layers: tuple[int, ...], final_norm: bool,
                   max_new_tokens: int, max_len: int, temperature: float = 0.0, seed: int = 0,
                   max_num_seqs: int = 8, progress=None) -> list[Example]:
     """Prompts -> the target's answers -> examples with captured hidden states."""
-    ids, sources = [], []
-    max_new_tokens = max(1, min(max_new_tokens, max_len // 2))
-    for src, text in prompts:
-        p = chat_prompt_ids(target, text)
-        if len(p) + max_new_tokens > max_len:  # too long for the training window: skip
-            continue
-        ids.append(p)
-        sources.append(src)
-    if not ids:
-        raise SpecserveError("no usable prompts (all too long for --seq-len?)")
-    if progress and len(ids) < len(prompts):
-        progress(f"skipped {len(prompts) - len(ids)} prompts longer than --seq-len minus the answer length")
-    answers = generate_answers(target, ids, max_new_tokens, temperature, seed, max_num_seqs, progress)
-    seqs, kept = [], []
-    for p, a, s in zip(ids, answers, sources):
-        full = (p + a)[:max_len]
-        if len(full) - len(p) >= 2:
-            seqs.append(full)
-            kept.append((len(p), s))
-    if progress:
-        progress(f"capturing hidden states of {len(seqs)} sequences")
-    hidden = capture_hidden(target, seqs, layers, final_norm)
-    return [Example(torch.tensor(s, dtype=torch.int64), pl, h.to(torch.bfloat16), src)
-            for s, (pl, src), h in zip(seqs, kept, hidden)]
+    answers = build_answers(target, prompts, max_new_tokens=max_new_tokens, max_len=max_len,
+                            temperature=temperature, seed=seed, max_num_seqs=max_num_seqs, progress=progress)
+    return examples_from_answers(target, answers, layers=layers, final_norm=final_norm, progress=progress)
 
 
 def save_dataset(examples: list[Example], path: Path, meta: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"meta": meta, "examples": [(e.ids, e.prompt_len, e.hidden, e.source) for e in examples]},
+    torch.save({"meta": meta, "examples": [(e.ids, e.prompt_len, e.hidden.cpu(), e.source) for e in examples]},
                str(path) + ".tmp")
     Path(str(path) + ".tmp").replace(path)
 

@@ -105,11 +105,13 @@ class Trainer:
         self.state = TrainState()
 
     # ---- schedule ---------------------------------------------------------------------------
-    def lr_at(self, step: int) -> float:
+    def lr_at(self, step: int, time_fraction: float = 0.0) -> float:
+        """Linear warmup, then cosine decay to 10% over the steps (or over a time budget:
+        ``time_fraction`` of it spent, whichever is further)."""
         hp = self.hp
         if step < hp.warmup:
             return hp.lr * (step + 1) / hp.warmup
-        t = (step - hp.warmup) / max(1, hp.steps - hp.warmup)
+        t = max((step - hp.warmup) / max(1, hp.steps - hp.warmup), time_fraction)
         return hp.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
     # ---- batches ----------------------------------------------------------------------------
@@ -123,18 +125,19 @@ class Trainer:
         return ex.ids[s:s + L], ex.hidden[s:s + L], max(ex.prompt_len - s, 0)
 
     def _pad(self, items: list[tuple[torch.Tensor, torch.Tensor, int]]):
+        """Right-padded batch on the trainer's device: ids [b, T], hidden [b, T, F] float32,
+        valid [b, T], prompt lengths, lengths."""
         T = max(len(i) for i, _, _ in items)
-        b = len(items)
+        b, d = len(items), self.device
         F_ = items[0][1].shape[-1]
-        ids = torch.zeros(b, T, dtype=torch.int64)
-        hid = torch.zeros(b, T, F_)
-        valid = torch.zeros(b, T, dtype=torch.bool)
+        ids = torch.zeros(b, T, dtype=torch.int64, device=d)
+        hid = torch.zeros(b, T, F_, device=d)
+        valid = torch.zeros(b, T, dtype=torch.bool, device=d)
         for r, (i, h, _) in enumerate(items):
-            ids[r, :len(i)] = i
-            hid[r, :len(i)] = h.float()
+            ids[r, :len(i)] = i.to(d)
+            hid[r, :len(i)] = h.to(d).float()
             valid[r, :len(i)] = True
-        d = self.device
-        return ids.to(d), hid.to(d), valid.to(d), [pl for _, _, pl in items], [len(i) for i, _, _ in items]
+        return ids, hid, valid, [pl for _, _, pl in items], [len(i) for i, _, _ in items]
 
     def _anchors(self, prompt_lens: list[int], lens: list[int], m: int, gen: torch.Generator | None,
                  stride: bool = False) -> torch.Tensor:
@@ -215,19 +218,24 @@ class Trainer:
         return self._pad([self._crop(self.train_set[i], self.gen) for i in idx])
 
     # ---- the loop ---------------------------------------------------------------------------
-    def train_step(self) -> float:
+    def train_step(self, time_fraction: float = 0.0) -> float:
         self.model.train()
-        lr = self.lr_at(self.state.step)
+        lr = self.lr_at(self.state.step, time_fraction)
         for g in self.opt.param_groups:
             g["lr"] = lr
         batch = self.sample_batch()
-        loss = self.loss_dflash(batch) if self.method == "dflash" else self.loss_mtp(batch)
+        with self._autocast():
+            loss = self.loss_dflash(batch) if self.method == "dflash" else self.loss_mtp(batch)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.state.step += 1
         return float(loss.detach())
+
+    def _autocast(self):
+        """bfloat16 matmuls on CUDA (weights, optimizer and loss reduction stay float32)."""
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
 
     @torch.no_grad()
     def evaluate(self, examples: list[Example] | None = None) -> dict:
@@ -271,21 +279,30 @@ class Trainer:
         return {"mean_acceptance_length": mal, "anchors": n_anchors,
                 "accept_rate_per_pos": [p / max(n_anchors, 1) for p in per_pos]}
 
-    def run(self, stop_at: int | None = None, time_limit: float | None = None, progress=print) -> dict:
-        """Train until hp.steps (or stop_at / time_limit seconds); checkpoints as it goes."""
+    def run(self, stop_at: int | None = None, time_limit: float | None = None, progress=print,
+            time_budget: float | None = None) -> dict:
+        """Train until hp.steps (or stop_at / time_limit seconds); checkpoints as it goes.
+
+        time_budget (seconds): also stop when it is spent, and let the cosine schedule follow
+        the elapsed time, so that it ends on time whatever the device's speed (such a run is
+        not bit-reproducible on resume)."""
         t0 = time.perf_counter()
         last = stop_at if stop_at is not None else self.hp.steps
         last = min(last, self.hp.steps)
+        limit = min(x for x in (time_limit, time_budget, math.inf) if x is not None)
         losses = []
+        frac = 0.0
         while self.state.step < last:
-            loss = self.train_step()
+            loss = self.train_step(frac)
             losses.append(loss)
             step = self.state.step
+            elapsed = time.perf_counter() - t0
+            frac = elapsed / time_budget if time_budget else 0.0
             if step % 10 == 0 or step == last:
                 avg = sum(losses) / len(losses)
-                self.state.log.append({"step": step, "loss": avg, "lr": self.lr_at(step - 1),
-                                       "elapsed_s": round(time.perf_counter() - t0, 1)})
-                progress(f"step {step}/{self.hp.steps} loss {avg:.4f} lr {self.lr_at(step - 1):.2e}")
+                lr = self.lr_at(step - 1, frac)
+                self.state.log.append({"step": step, "loss": avg, "lr": lr, "elapsed_s": round(elapsed, 1)})
+                progress(f"step {step}/{self.hp.steps} loss {avg:.4f} lr {lr:.2e}")
                 losses = []
             if self.hp.eval_every and step % self.hp.eval_every == 0 and self.val_set:
                 ev = self.evaluate()
@@ -293,7 +310,7 @@ class Trainer:
                 progress(f"step {step} validation mean acceptance length {ev['mean_acceptance_length']:.3f}")
             if self.hp.save_every and step % self.hp.save_every == 0:
                 self.save_checkpoint()
-            if time_limit is not None and time.perf_counter() - t0 > time_limit:
+            if time.perf_counter() - t0 > limit:
                 progress(f"time limit reached at step {step}")
                 break
         self.save_checkpoint()
@@ -333,13 +350,18 @@ class Trainer:
 
 
 def make_model(method: str, target, *, layers: int = 1, block_size: int = 8, num_target_layers: int = 3,
-               intermediate_size: int | None = None, depth: int = 3, seed: int = 0) -> torch.nn.Module:
+               intermediate_size: int | None = None, depth: int = 3, seed: int = 0,
+               init_from_target: bool = False) -> torch.nn.Module:
+    """A fresh drafter. With init_from_target (dflash), drafter layer i starts as a copy of the
+    target's layer ``num_layers - layers + i`` (same shapes needed: the target's MLP width)."""
     std = float(target.model.embed_table.float().std())
     if method == "dflash":
         cfg = DFlashConfig.for_target(target, num_layers=layers, block_size=block_size,
                                       num_target_layers=num_target_layers, intermediate_size=intermediate_size)
         model = DFlashModel(cfg)
         model.init_weights(std, target.model.final_norm.cpu(), seed)
+        if init_from_target:
+            copy_target_layers(model, target)
         return model
     if method == "mtp":
         cfg = MTPConfig.for_target(target, intermediate_size=intermediate_size, depth=depth)
@@ -347,6 +369,35 @@ def make_model(method: str, target, *, layers: int = 1, block_size: int = 8, num
         model.init_weights(target.model.final_norm.cpu(), seed)
         return model
     raise SpecserveError(f"unknown drafter method {method!r}")
+
+
+def _float_weight(linear) -> torch.Tensor:
+    w = linear.weight
+    return (w if isinstance(w, torch.Tensor) else w.dequantize()).float().cpu()
+
+
+def copy_target_layers(model: DFlashModel, target) -> None:
+    """Start the drafter's layers as copies of the target's last layers (a warm start)."""
+    tcfg, layers = target.config, target.model.layers
+    if model.cfg.intermediate_size != tcfg.intermediate_size or model.cfg.qk_norm or tcfg.qkv_bias:
+        raise SpecserveError("--init-from-target needs the target's MLP width and a Llama-style layer "
+                             f"(drafter width {model.cfg.intermediate_size}, target {tcfg.intermediate_size})")
+    first = len(layers) - len(model.layers)
+    for mine, src in zip(model.layers, layers[first:]):
+        if src.qkv is not None:
+            q, k, v = _float_weight(src.qkv).split(src.split_qkv)
+        else:
+            q, k, v = (_float_weight(x) for x in (src.q, src.k, src.v))
+        if src.gate_up is not None:
+            gate, up = _float_weight(src.gate_up).chunk(2)
+        else:
+            gate, up = _float_weight(src.gate), _float_weight(src.up)
+        with torch.no_grad():
+            for lin, w in ((mine.q, q), (mine.k, k), (mine.v, v), (mine.o, _float_weight(src.o)),
+                           (mine.gate, gate), (mine.up, up), (mine.down, _float_weight(src.down))):
+                lin.weight.copy_(w)
+            mine.attn_norm.copy_(src.attn_norm.float().cpu())
+            mine.ffn_norm.copy_(src.ffn_norm.float().cpu())
 
 
 def model_from_checkpoint(method: str, out: Path) -> torch.nn.Module:

@@ -1,0 +1,114 @@
+"""Teacher-forced acceptance of a dflash drafter: on the benchmark prompts and per training source.
+
+    python benchmarks/drafter_acceptance.py [--drafter smollm2-135m-dflash] [--tokens 128]
+        [--prompts-per-suite 2] [--answers OUT/data/answers.pt --per-source 40] [--out acc.json]
+
+For each sequence the target's own greedy continuation is the label; at anchors spread over the
+answer, the drafter proposes a block from the target's real hidden states, and the accepted
+length is the number of leading drafts equal to the labels, + 1 (llama.cpp's mean acceptance
+length, as `train-drafter` logs it for its validation set). Two sets:
+
+* ``bench``: the benchmark suites' prompts (code, math, prose), the target's greedy answers of
+  --tokens tokens (EOS ignored, as in spec_decode.py);
+* ``held-out`` (with --answers): the answers `train-drafter --answers-only` saved, restricted to the
+  10% validation split train-drafter holds out, grouped by prompt source.
+
+A gap between the two says how far the validation number over-states acceptance on new prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from specserve.bench.suites import load_suites  # noqa: E402
+from specserve.engine.config import EngineConfig  # noqa: E402
+from specserve.engine.llm_engine import LLMEngine  # noqa: E402
+from specserve.engine.types import SamplingParams  # noqa: E402
+from specserve.models.catalog import CATALOG, entry_path  # noqa: E402
+from specserve.models.chat_template import ChatTemplate  # noqa: E402
+from specserve.models.loader import load_model  # noqa: E402
+from specserve.spec.dflash import DFlashDrafter  # noqa: E402
+from specserve.spec.train import data as tdata  # noqa: E402
+from specserve.spec.train.trainer import FrozenTarget, HParams, Trainer, split  # noqa: E402
+
+
+def bench_answers(target, tokens: int, per_suite: int) -> list[tdata.Answer]:
+    tok = target.tokenizer
+    ct = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
+    eng = LLMEngine(target, EngineConfig(max_num_seqs=1, max_model_len=2048))
+    out = []
+    for suite, prompts in load_suites("code,math,prose", per_suite).items():
+        for p in prompts:
+            ids = tok.encode(ct.render(p.as_messages()), add_special_tokens=False)
+            got: list[int] = []
+            for o in eng.generate(ids, SamplingParams(max_tokens=tokens, ignore_eos=True), request_id=p.id):
+                got += o.new_token_ids
+            out.append(tdata.Answer(ids + got, len(ids), suite))
+    return out
+
+
+def held_out(path: Path, per_source: int) -> list[tdata.Answer]:
+    """train-drafter's validation split of saved answers (same order and seed as its split)."""
+    saved = tdata.load_answers(path)
+    answers = [saved[i] for i in sorted(saved) if len(saved[i].ids) - saved[i].prompt_len >= 2]
+    _, val = split(answers, 0.1, 0)
+    by: dict[str, list[tdata.Answer]] = {}
+    for a in val:
+        by.setdefault(a.source, []).append(a)
+    return [a for lst in by.values() for a in lst[:per_source]]
+
+
+def acceptance(drafter: DFlashDrafter, target, answers: list[tdata.Answer]) -> dict:
+    layers = tuple(drafter.cfg.target_layer_ids)
+    ex = tdata.examples_from_answers(target, answers, layers=layers, final_norm=False)
+    cpu = torch.device("cpu")
+    tr = Trainer("dflash", drafter.model, FrozenTarget.from_target(target, cpu), ex, ex,
+                 HParams(batch=8, seq_len=2048, val_anchors=32), Path("/nonexistent"), cpu)
+    out = {}
+    for source in sorted({e.source for e in ex}):
+        ev = tr.evaluate([e for e in ex if e.source == source])
+        out[source] = {"sequences": sum(e.source == source for e in ex), "anchors": ev["anchors"],
+                       "mean_acceptance_length": round(ev["mean_acceptance_length"], 3),
+                       "accept_rate_per_pos": [round(x, 3) for x in ev["accept_rate_per_pos"]]}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", default="smollm2-135m-dflash", help="catalog name or drafter directory")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--prompts-per-suite", type=int, default=2)
+    ap.add_argument("--answers", default=None, help="answers.pt saved by train-drafter (for the held-out set)")
+    ap.add_argument("--per-source", type=int, default=40, help="held-out sequences per source")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    where = a.drafter
+    if where in CATALOG and CATALOG[where].kind == "drafter":
+        where = str(entry_path(CATALOG[where]))
+    cfg = json.loads((Path(where) / "config.json").read_text())
+    target = load_model(cfg["target"]["name"])
+    drafter = DFlashDrafter.load(where, target, weights="float32")  # the weights as trained
+    report = {"drafter": a.drafter, "bench": acceptance(drafter, target, bench_answers(target, a.tokens,
+                                                                                        a.prompts_per_suite))}
+    if a.answers:
+        report["held-out"] = acceptance(drafter, target, held_out(Path(a.answers), a.per_source))
+    for group, rows in report.items():
+        if isinstance(rows, dict):
+            for source, r in rows.items():
+                print(f"{group:9s} {source:9s} mean acceptance length {r['mean_acceptance_length']:.2f}  "
+                      f"first drafts accepted {r['accept_rate_per_pos'][0]:.0%}  ({r['sequences']} sequences)")
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
