@@ -300,3 +300,22 @@ def test_real_default_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert m.kind == "gguf" and m.source == "catalog" and m.path.stat().st_size == entry.size
     with open(m.path, "rb") as f:
         assert f.read(4) == b"GGUF"
+
+
+def test_weights_identity_follows_content_not_mtime(tmp_path):
+    """The id behind the tokenizer cache and prefix-cache keys survives a copy (new mtime) and
+    changes with the bytes."""
+    import os
+
+    from specserve.models.loader import IDENTITY_SAMPLE, _identity
+
+    f = tmp_path / "w.gguf"
+    data = bytearray(b"GGUF" + os.urandom(3 * IDENTITY_SAMPLE))
+    f.write_bytes(data)
+    resolved = resolve_model(str(f))
+    first = _identity(resolved)
+    os.utime(f, ns=(1, 1))
+    assert _identity(resolved) == first
+    data[-1] ^= 1  # last byte: in the hashed tail
+    f.write_bytes(data)
+    assert _identity(resolved) != first

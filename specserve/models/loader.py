@@ -58,11 +58,21 @@ class LoadedModel:
     identity: str  # stable id of the weights (for prefix-cache keys and vocab checks)
 
 
+IDENTITY_SAMPLE = 1 << 20  # bytes hashed at each end of a weight file
+
+
 def _identity(resolved: ResolvedModel) -> str:
+    """Stable id of the weights from their content (name, size, first and last MiB), not their
+    mtime: a copied or re-assembled file keeps its tokenizer cache and prefix-cache keys."""
     h = hashlib.sha256()
     for f in resolved.files:
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}:".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(IDENTITY_SAMPLE))
+            if size > IDENTITY_SAMPLE:
+                fh.seek(max(size - IDENTITY_SAMPLE, IDENTITY_SAMPLE))
+                h.update(fh.read(IDENTITY_SAMPLE))
     return h.hexdigest()[:16]
 
 
