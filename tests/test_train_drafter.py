@@ -211,3 +211,23 @@ def test_use_saved_answers_without_answers_is_a_clear_error(tiny, tmp_path):
     argv = ["train-drafter", "--model", str(tiny.resolved.path), "--method", "dflash", "--out", str(tmp_path),
             "--use-saved-answers", "--quantization", "none"]
     assert main(argv) != 0
+
+
+def test_init_from_target_copies_the_last_layers(tiny):
+    """--init-from-target: drafter layer i starts as the target's layer num_layers - layers + i."""
+    from specserve.spec.train.trainer import _float_weight
+
+    m = make_model("dflash", tiny, layers=2, block_size=4, intermediate_size=tiny.config.intermediate_size,
+                   init_from_target=True)
+    src = tiny.model.layers[-2:]
+    c = tiny.config
+    for mine, layer in zip(m.layers, src):
+        q, k, v = _float_weight(layer.qkv).split(layer.split_qkv)
+        gate, up = _float_weight(layer.gate_up).chunk(2)
+        for got, want in ((mine.q, q), (mine.k, k), (mine.v, v), (mine.gate, gate), (mine.up, up),
+                          (mine.o, _float_weight(layer.o)), (mine.down, _float_weight(layer.down))):
+            assert torch.equal(got.weight.detach(), want)
+        assert torch.equal(mine.attn_norm.detach(), layer.attn_norm.float())
+    assert m.layers[0].gate.weight.shape == (c.intermediate_size, c.hidden_size)
+    with pytest.raises(SpecserveError, match="MLP width"):
+        make_model("dflash", tiny, layers=1, intermediate_size=c.intermediate_size * 2, init_from_target=True)

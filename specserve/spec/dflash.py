@@ -53,8 +53,9 @@ from torch import nn
 from specserve.engine import sampler
 from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
-from specserve.models.loader import LoadedModel
+from specserve.kernels import ops
 from specserve.models.catalog import cache_root
+from specserve.models.loader import LoadedModel
 from specserve.spec.draft_vocab import DraftVocab, frequent_ids
 from specserve.spec.drafter import Drafter, Proposal
 
@@ -396,14 +397,11 @@ class KernelLinear(nn.Module):
 
     def __init__(self, lin: nn.Linear):
         super().__init__()
-        from specserve.kernels import ops
-
-        self._ops = ops
         self.weight_q = ops.Int8Weight.from_float(lin.weight.detach().float().contiguous())
         self.bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        return self._ops.linear(x.float().contiguous(), self.weight_q, self.bias)
+        return ops.linear(x.float().contiguous(), self.weight_q, self.bias)
 
 
 def int8_linears(model: DFlashModel) -> DFlashModel:
