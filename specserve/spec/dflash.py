@@ -419,6 +419,7 @@ class _Ctx:
     k: list[torch.Tensor] = field(default_factory=list)  # per layer [n, kvh, D]
     v: list[torch.Tensor] = field(default_factory=list)
     pending: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)  # observed, not yet ingested
+    pending_rows: int = 0
     vocab_seen: int = 0  # tokens of the sequence already added to the draft vocabulary
     generator: torch.Generator | None = None
 
@@ -486,19 +487,23 @@ class DFlashDrafter(Drafter):
             return
         st = self._state(seq)
         h = torch.cat([hidden[i].float() for i in self.cfg.target_layer_ids], dim=-1)  # [n, k*H]
-        last = st.pending[-1] if st.pending else None
-        if last is not None and positions[0] == last[1][-1] + 1:  # continues the queue: merge
-            st.pending[-1] = (torch.cat([last[0], h]), last[1] + positions)
-        else:
-            st.pending.append((h, list(positions)))
-        if sum(len(p) for _, p in st.pending) > self.cfg.context_window + CONTEXT_TRIM:
+        st.pending.append((h, list(positions)))  # merged at flush: no per-step copy of the queue
+        st.pending_rows += len(positions)
+        if st.pending_rows > self.cfg.context_window + CONTEXT_TRIM:
             self._flush(st)
 
     @torch.inference_mode()
     def _flush(self, st: _Ctx) -> None:
+        runs: list[tuple[list[torch.Tensor], list[int]]] = []  # contiguous segments, merged
         for h, positions in st.pending:
-            self._ingest(st, h, positions)
-        st.pending = []
+            if runs and positions[0] == runs[-1][1][-1] + 1:
+                runs[-1][0].append(h)
+                runs[-1][1].extend(positions)
+            else:
+                runs.append(([h], list(positions)))
+        for hs, positions in runs:
+            self._ingest(st, torch.cat(hs) if len(hs) > 1 else hs[0], positions)
+        st.pending, st.pending_rows = [], 0
 
     def _ingest(self, st: _Ctx, h: torch.Tensor, positions: list[int]) -> None:
         """Append the context K/V of hidden rows h [n, k*H] at positions to the cache."""
