@@ -57,9 +57,7 @@ def bench_answers(target, tokens: int, per_suite: int) -> list[tdata.Answer]:
 
 def held_out(path: Path, per_source: int) -> list[tdata.Answer]:
     """train-drafter's validation split of saved answers (same order and seed as its split)."""
-    saved = tdata.load_answers(path)
-    answers = [saved[i] for i in sorted(saved) if len(saved[i].ids) - saved[i].prompt_len >= 2]
-    _, val = split(answers, 0.1, 0)
+    _, val = split(tdata.trainable(tdata.load_answers(path)), 0.1, 0)
     by: dict[str, list[tdata.Answer]] = {}
     for a in val:
         by.setdefault(a.source, []).append(a)

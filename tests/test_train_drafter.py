@@ -205,29 +205,44 @@ def test_answers_resume_and_training_on_saved_answers(tiny, tmp_path):
     assert lrs[-1] < 0.5 * max(lrs)  # the cosine schedule followed the time budget
 
 
-def test_use_saved_answers_without_answers_is_a_clear_error(tiny, tmp_path):
+def test_use_saved_answers_without_answers_is_a_clear_error(tiny, tmp_path, capsys):
     from specserve.cli import main
 
     argv = ["train-drafter", "--model", str(tiny.resolved.path), "--method", "dflash", "--out", str(tmp_path),
             "--use-saved-answers", "--quantization", "none"]
-    assert main(argv) != 0
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "error: --use-saved-answers" in err and "answers.pt holds no answers" in err
+
+
+def test_write_this_function_prompts_come_from_signature_and_docstring():
+    code = ('def area(width: float, height=2.0) -> float:\n'
+            '    """Return the area of a rectangle.\n\n    More text."""\n    return width * height\n')
+    assert tdata._function_spec(code) == ("area(width: float, height=2.0) -> float", "return the area of a rectangle.")
+    assert tdata._function_spec("def f(x):\n    return x\n") is None  # no docstring
+    assert tdata._function_spec("def f(x):\n    \"\"\"Short.\"\"\"\n    return x\n") is None  # too short
+    got = tdata.stdlib_prompts(8, random.Random(0))
+    assert any(p.startswith("Write a Python function `") for p in got)
 
 
 def test_init_from_target_copies_the_last_layers(tiny):
-    """--init-from-target: drafter layer i starts as the target's layer num_layers - layers + i."""
-    from specserve.spec.train.trainer import _float_weight
+    """--init-from-target: drafter layer i starts as the target's layer num_layers - layers + i
+    (compared with the checkpoint's own tensors)."""
+    from safetensors.torch import load_file
 
-    m = make_model("dflash", tiny, layers=2, block_size=4, intermediate_size=tiny.config.intermediate_size,
-                   init_from_target=True)
-    src = tiny.model.layers[-2:]
+    from specserve.spec.train.trainer import make_model
+
     c = tiny.config
-    for mine, layer in zip(m.layers, src):
-        q, k, v = _float_weight(layer.qkv).split(layer.split_qkv)
-        gate, up = _float_weight(layer.gate_up).chunk(2)
-        for got, want in ((mine.q, q), (mine.k, k), (mine.v, v), (mine.gate, gate), (mine.up, up),
-                          (mine.o, _float_weight(layer.o)), (mine.down, _float_weight(layer.down))):
-            assert torch.equal(got.weight.detach(), want)
-        assert torch.equal(mine.attn_norm.detach(), layer.attn_norm.float())
-    assert m.layers[0].gate.weight.shape == (c.intermediate_size, c.hidden_size)
+    m = make_model("dflash", tiny, layers=2, block_size=4, intermediate_size=c.intermediate_size,
+                   init_from_target=True)
+    hf = load_file(str(tiny.resolved.path / "model.safetensors"))
+    for mine, i in zip(m.layers, range(c.num_layers - 2, c.num_layers)):
+        pre = f"model.layers.{i}."
+        for got, name in ((mine.q, "self_attn.q_proj"), (mine.k, "self_attn.k_proj"), (mine.v, "self_attn.v_proj"),
+                          (mine.o, "self_attn.o_proj"), (mine.gate, "mlp.gate_proj"), (mine.up, "mlp.up_proj"),
+                          (mine.down, "mlp.down_proj")):
+            assert torch.equal(got.weight.detach(), hf[pre + name + ".weight"].float()), name
+        assert torch.equal(mine.attn_norm.detach(), hf[pre + "input_layernorm.weight"].float())
+        assert torch.equal(mine.ffn_norm.detach(), hf[pre + "post_attention_layernorm.weight"].float())
     with pytest.raises(SpecserveError, match="MLP width"):
         make_model("dflash", tiny, layers=1, intermediate_size=c.intermediate_size * 2, init_from_target=True)

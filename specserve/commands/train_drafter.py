@@ -93,11 +93,12 @@ def run(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     torch.manual_seed(args.seed)
-    torch.backends.cuda.matmul.allow_tf32 = True  # CUDA: the frozen target's hidden states in TF32
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     target = load_model(args.model, LoadOptions(args.device, args.dtype, args.quantization))
     device = target.model.device
+    if device.type == "cuda":  # the frozen target's hidden states and the drafter's float32 matmuls in TF32
+        torch.backends.cuda.matmul.allow_tf32 = True
     say(f"target {target.name}: {target.config.num_layers} layers, hidden {target.config.hidden_size}, on {device}")
 
     if args.resume:
@@ -160,7 +161,7 @@ def _answers(args, target, out: Path, meta: dict, say):
         if not saved:
             raise SpecserveError(f"--use-saved-answers: {path} holds no answers made with these data options")
         say(f"{len(saved)} saved answers in {path}")
-        return [saved[i] for i in sorted(saved) if len(saved[i].ids) - saved[i].prompt_len >= 2]
+        return tdata.trainable(saved)
     prompts = tdata.load_prompts(args.data, args.seed)
     say(f"{len(prompts)} prompts; generating the target's answers")
     t0 = time.perf_counter()

@@ -106,6 +106,11 @@ class Linear:
         w = self.weight
         return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
 
+    def float_weight(self) -> torch.Tensor:
+        """The weight as a float32 [out, in] tensor on its device (dequantized if packed)."""
+        w = self.weight
+        return (w if isinstance(w, torch.Tensor) else w.dequantize()).float()
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, H] -> [T, H]; weight already includes Gemma's +1 offset."""

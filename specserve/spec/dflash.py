@@ -187,9 +187,7 @@ class TargetHead:
         return self.model.logits(h.to(self.model.dtype).contiguous())
 
     def float_head(self) -> torch.Tensor:
-        w = self.model.lm_head.weight
-        w = w if isinstance(w, torch.Tensor) else w.dequantize()
-        return w.float()
+        return self.model.lm_head.float_weight()
 
 
 def head_logits(h: torch.Tensor, head_w: torch.Tensor, softcap: float) -> torch.Tensor:
@@ -346,10 +344,8 @@ def save_drafter(model: nn.Module, cfg_json: dict, out: Path, dtype: torch.dtype
     for k, v in model.state_dict().items():
         v = v.detach().float()
         if dtype == torch.int8 and v.dim() == 2:
-            scale = v.abs().amax(dim=1) / 127.0
-            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-            tensors[k] = torch.round(v / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
-            tensors[k + INT8_SCALE] = scale.contiguous()
+            w8 = ops.Int8Weight.from_float(v)
+            tensors[k], tensors[k + INT8_SCALE] = w8.q, w8.scale
         else:
             tensors[k] = v.to(torch.float32 if dtype == torch.int8 else dtype).contiguous()
     save_file(tensors, str(out / "model.safetensors"))
@@ -384,7 +380,7 @@ def load_state(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise SpecserveError(f"{directory} is not a drafter directory (needs config.json and model.safetensors)")
     cfg = json.loads(cfg_path.read_text())
     raw = load_file(str(directory / "model.safetensors"))
-    state = {k: v.float() * raw[k + INT8_SCALE][:, None] if k + INT8_SCALE in raw else v.float()
+    state = {k: ops.Int8Weight(v, raw[k + INT8_SCALE]).dequantize() if k + INT8_SCALE in raw else v.float()
              for k, v in raw.items() if not k.endswith(INT8_SCALE)}
     return cfg, state
 
@@ -561,14 +557,14 @@ class DFlashDrafter(Drafter):
             t0 = time.perf_counter()
             k = min(k, self.cfg.block_size - 1)
             h = self.block_hidden(seq)[1:1 + k]
+            st = self._state(seq)
             if self.vocab is None:
                 logits = self.head.logits(h)  # [k, V]
             else:
-                st = self._state(seq)
                 self.vocab.add(seq.token_ids[st.vocab_seen:])  # the prompt, then tokens since the last draft
                 st.vocab_seen = seq.num_tokens
                 logits = self.vocab.logits(h.to(self.head.model.dtype).contiguous())  # [k, V], -inf outside
-            out.append(pick_tokens(seq, logits, self._state(seq).generator))
+            out.append(pick_tokens(seq, logits, st.generator))
             dt = time.perf_counter() - t0
             self.step_time = dt if not self.step_time else 0.8 * self.step_time + 0.2 * dt
         return out

@@ -437,7 +437,12 @@ def build_answers(target, prompts: list[tuple[str, str]], *, max_new_tokens: int
                          progress, on_done=done, indices=[i for i, _, _ in missing])
         if path is not None:
             save_answers(have, path, meta or {})
-    return [have[i] for i, _, _ in todo if len(have[i].ids) - have[i].prompt_len >= 2]
+    return trainable({i: have[i] for i, _, _ in todo})
+
+
+def trainable(answers: dict[int, Answer]) -> list[Answer]:
+    """The answers in prompt order, without those too short to train on (< 2 answer tokens)."""
+    return [answers[i] for i in sorted(answers) if len(answers[i].ids) - answers[i].prompt_len >= 2]
 
 
 def save_answers(answers: dict[int, Answer], path: Path, meta: dict) -> None:

@@ -371,11 +371,6 @@ def make_model(method: str, target, *, layers: int = 1, block_size: int = 8, num
     raise SpecserveError(f"unknown drafter method {method!r}")
 
 
-def _float_weight(linear) -> torch.Tensor:
-    w = linear.weight
-    return (w if isinstance(w, torch.Tensor) else w.dequantize()).float().cpu()
-
-
 def copy_target_layers(model: DFlashModel, target) -> None:
     """Start the drafter's layers as copies of the target's last layers (a warm start)."""
     tcfg, layers = target.config, target.model.layers
@@ -385,16 +380,16 @@ def copy_target_layers(model: DFlashModel, target) -> None:
     first = len(layers) - len(model.layers)
     for mine, src in zip(model.layers, layers[first:]):
         if src.qkv is not None:
-            q, k, v = _float_weight(src.qkv).split(src.split_qkv)
+            q, k, v = src.qkv.float_weight().cpu().split(src.split_qkv)
         else:
-            q, k, v = (_float_weight(x) for x in (src.q, src.k, src.v))
+            q, k, v = (x.float_weight().cpu() for x in (src.q, src.k, src.v))
         if src.gate_up is not None:
-            gate, up = _float_weight(src.gate_up).chunk(2)
+            gate, up = src.gate_up.float_weight().cpu().chunk(2)
         else:
-            gate, up = _float_weight(src.gate), _float_weight(src.up)
+            gate, up = src.gate.float_weight().cpu(), src.up.float_weight().cpu()
         with torch.no_grad():
-            for lin, w in ((mine.q, q), (mine.k, k), (mine.v, v), (mine.o, _float_weight(src.o)),
-                           (mine.gate, gate), (mine.up, up), (mine.down, _float_weight(src.down))):
+            for lin, w in ((mine.q, q), (mine.k, k), (mine.v, v), (mine.o, src.o.float_weight().cpu()),
+                           (mine.gate, gate), (mine.up, up), (mine.down, src.down.float_weight().cpu())):
                 lin.weight.copy_(w)
             mine.attn_norm.copy_(src.attn_norm.float().cpu())
             mine.ffn_norm.copy_(src.ffn_norm.float().cpu())
