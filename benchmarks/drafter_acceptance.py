@@ -14,6 +14,11 @@ length, as `train-drafter` logs it for its validation set). Two sets:
   10% validation split train-drafter holds out, grouped by prompt source.
 
 A gap between the two says how far the validation number over-states acceptance on new prompts.
+
+For the bench set the script also decodes each prompt with the drafter in the engine (greedy,
+fixed k = block size - 1, float32 drafter, full vocabulary, prefix caching on, each prompt
+twice so the second run starts from cached blocks) and checks that every proposal equals the
+teacher-forced block at the same anchor: decoding loses nothing against this measurement.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ from specserve.engine.types import SamplingParams  # noqa: E402
 from specserve.models.catalog import CATALOG, entry_path  # noqa: E402
 from specserve.models.chat_template import ChatTemplate  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
+from specserve.spec.config import SpecConfig  # noqa: E402
 from specserve.spec.dflash import DFlashDrafter  # noqa: E402
+from specserve.spec.prefix_store import PrefixStore  # noqa: E402
 from specserve.spec.train import data as tdata  # noqa: E402
 from specserve.spec.train.trainer import FrozenTarget, HParams, Trainer, split  # noqa: E402
 
@@ -52,6 +59,57 @@ def bench_answers(target, tokens: int, per_suite: int) -> list[tdata.Answer]:
             for o in eng.generate(ids, SamplingParams(max_tokens=tokens, ignore_eos=True), request_id=p.id):
                 got += o.new_token_ids
             out.append(tdata.Answer(ids + got, len(ids), suite))
+    return out
+
+
+@torch.inference_mode()
+def teacher_forced_blocks(drafter: DFlashDrafter, target, ids: list[int], anchors: list[int]) -> list[list[int]]:
+    """The drafter's greedy block at each anchor from the target's hidden states of ids (full head)."""
+    h = tdata.capture_hidden(target, [ids], tuple(drafter.cfg.target_layer_ids))[0]  # [T, k*H]
+    a = torch.tensor(anchors)
+    emb = drafter.head.embed(torch.tensor(ids)[a])
+    out = drafter.model.train_forward(h[None], emb[None], a[None])[0, :, 1:]  # [m, B-1, H]
+    return drafter.head.logits(out.reshape(-1, out.shape[-1])).argmax(-1).view(len(anchors), -1).tolist()
+
+
+def decode_check(where: str, target, answers: list[tdata.Answer]) -> dict:
+    """Decode every bench answer's prompt twice with the drafter in the engine; compare each
+    proposal with the teacher-forced block at its anchor; mean acceptance length in decoding."""
+    ecfg = EngineConfig(max_num_seqs=1, max_model_len=2048)
+    drafter = DFlashDrafter.load(where, target, weights="float32",
+                                 store=PrefixStore(1024, ecfg.block_size))
+    k = drafter.cfg.block_size - 1
+    eng = LLMEngine(target, ecfg, SpecConfig("dflash", num_speculative_tokens=k, model=where, adaptive=False),
+                    drafter)
+    log: list[tuple[int, list[int]]] = []
+    propose = drafter.propose
+
+    def logged(seqs, ks):
+        props = propose(seqs, ks)
+        log.extend((s.num_tokens - 1, p.token_ids) for s, p in zip(seqs, props))
+        return props
+
+    drafter.propose = logged
+    out: dict[str, dict] = {}
+    for run in (1, 2):
+        for i, a in enumerate(answers):
+            log.clear()
+            prompt = a.ids[:a.prompt_len]
+            params = SamplingParams(max_tokens=len(a.ids) - a.prompt_len, ignore_eos=True)
+            got = [t for o in eng.generate(prompt, params, request_id=f"check-{run}-{i}")
+                   for t in o.new_token_ids]
+            assert got == a.ids[a.prompt_len:], "decoding with the drafter must equal plain greedy"
+            tf = teacher_forced_blocks(drafter, target, a.ids, [p for p, _ in log])
+            r = out.setdefault(a.source, {"steps": 0, "accepted": 0, "equal_to_teacher_forced": 0})
+            for (p, d), t in zip(log, tf):
+                lead = 0
+                while lead < len(d) and p + 1 + lead < len(a.ids) and d[lead] == a.ids[p + 1 + lead]:
+                    lead += 1
+                r["steps"] += 1
+                r["accepted"] += lead
+                r["equal_to_teacher_forced"] += t[:len(d)] == d
+    for r in out.values():
+        r["mean_acceptance_length"] = round(1 + r["accepted"] / max(r["steps"], 1), 3)
     return out
 
 
@@ -94,12 +152,16 @@ def main() -> int:
     cfg = json.loads((Path(where) / "config.json").read_text())
     target = load_model(cfg["target"]["name"])
     drafter = DFlashDrafter.load(where, target, weights="float32")  # the weights as trained
-    report = {"drafter": a.drafter, "bench": acceptance(drafter, target, bench_answers(target, a.tokens,
-                                                                                        a.prompts_per_suite))}
+    bench = bench_answers(target, a.tokens, a.prompts_per_suite)
+    report = {"drafter": a.drafter, "bench": acceptance(drafter, target, bench),
+              "bench_decoding": decode_check(where, target, bench)}
     if a.answers:
         report["held-out"] = acceptance(drafter, target, held_out(Path(a.answers), a.per_source))
+    for source, r in report["bench_decoding"].items():
+        print(f"decoding  {source:9s} mean acceptance length {r['mean_acceptance_length']:.2f}  proposals equal "
+              f"to teacher-forced {r['equal_to_teacher_forced']}/{r['steps']}")
     for group, rows in report.items():
-        if isinstance(rows, dict):
+        if group in ("bench", "held-out"):
             for source, r in rows.items():
                 print(f"{group:9s} {source:9s} mean acceptance length {r['mean_acceptance_length']:.2f}  "
                       f"first drafts accepted {r['accept_rate_per_pos'][0]:.0%}  ({r['sequences']} sequences)")

@@ -175,7 +175,7 @@ def test_queued_context_is_bounded_and_gives_the_eager_block(tiny):
         rows = {k: v[t:t + 1] for k, v in hid.items()}
         lazy.observe(seq_l, rows, [t])
         eager.observe(seq_e, rows, [t])
-        eager._flush(eager._state(seq_e))
+        eager._flush(seq_e, eager._state(seq_e))
         st = lazy._state(seq_l)
         assert sum(len(p) for _, p in st.pending) <= cfg.context_window + 64  # bounded queue
     torch.testing.assert_close(lazy.block_hidden(seq_l), eager.block_hidden(seq_e), rtol=1e-4, atol=1e-4)
@@ -224,6 +224,58 @@ def test_tiny_greedy_lossless_and_seeded_sampling_reproduces(tiny, tmp_path):
     a = _run(_engine(tiny, DFlashDrafter.load(tmp_path / "d", tiny)), prompts, samp)
     b = _run(_engine(tiny, DFlashDrafter.load(tmp_path / "d", tiny)), prompts, samp)
     assert a == b
+
+
+def _logged_engine(target, drafter, method: str, prefix_caching: bool):
+    """An engine whose drafter records every proposal as (anchor position, drafts)."""
+    eng = LLMEngine(target, EngineConfig(max_num_seqs=1, max_model_len=256, block_size=8,
+                                         enable_prefix_caching=prefix_caching),
+                    SpecConfig(method, num_speculative_tokens=3, model="x", adaptive=False), drafter)
+    eng.log = []
+    propose = drafter.propose
+
+    def logged(seqs, ks):
+        props = propose(seqs, ks)
+        eng.log += [(s.num_tokens - 1, p.token_ids) for s, p in zip(seqs, props)]
+        return props
+
+    drafter.propose = logged
+    return eng
+
+
+def check_prefix_hits_keep_context(target, load, method: str) -> None:
+    """A request that starts from cached blocks (a repeated prompt, then a second chat turn that
+    extends the first one's prompt and answer) drafts exactly as without prefix caching; without
+    the drafter's prefix store it drafts differently (blind to the cached blocks).
+    load(store) -> a fresh drafter using that PrefixStore (or None)."""
+    from specserve.spec.prefix_store import PrefixStore
+
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 256, (37,), generator=g).tolist()
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    cold = _logged_engine(target, load(None), method, prefix_caching=False)
+    want = _run(cold, [prompt], params)[0]
+    turn2 = prompt + want + torch.randint(0, 256, (9,), generator=g).tolist()
+    want2 = _run(cold, [turn2], params)[0]
+    for store in (PrefixStore(64, 8), None):
+        eng = _logged_engine(target, load(store), method, prefix_caching=True)
+        assert _run(eng, [prompt], params)[0] == want  # fills the prefix cache (and the store)
+        eng.log.clear()
+        assert _run(eng, [prompt], params)[0] == want  # 32 of 37 prompt tokens cached
+        assert _run(eng, [turn2], params)[0] == want2  # the first turn's prompt + answer cached
+        assert eng.blocks.num_free == eng.blocks.num_blocks
+        if store is None:
+            assert eng.log != cold.log
+        else:
+            assert eng.log == cold.log
+            assert len(store) == (len(turn2) + 20 - 1) // 8  # every full block of verified tokens
+
+
+def test_prefix_cache_hit_keeps_the_drafters_context(tiny, tmp_path):
+    m = random_drafter(tiny, block_size=4)
+    save_drafter(m, m.cfg.to_json(), tmp_path / "d")
+    check_prefix_hits_keep_context(tiny, lambda store: DFlashDrafter.load(tmp_path / "d", tiny, store=store),
+                                   "dflash")
 
 
 def test_spec_config_builds_dflash_through_the_registry(tiny, tmp_path):

@@ -15,7 +15,7 @@ from specserve.models.loader import load_model
 from specserve.spec.config import SpecConfig
 from specserve.spec.dflash import save_drafter
 from specserve.spec.mtp import MTPConfig, MTPDrafter, MTPModel, read_checkpoint_mtp
-from test_dflash import FP32, TINY_VOCAB, _seq, make_tiny_target
+from test_dflash import FP32, TINY_VOCAB, _seq, check_prefix_hits_keep_context, make_tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +147,12 @@ def test_cached_rows_equal_a_full_forward_and_chain(tiny, tmp_path):
 def _engine(target, drafter=None, k: int = 3) -> LLMEngine:
     spec = SpecConfig("mtp", num_speculative_tokens=k, adaptive=False) if drafter else None
     return LLMEngine(target, EngineConfig(max_num_seqs=4, max_model_len=256), spec, drafter)
+
+
+def test_prefix_cache_hit_keeps_the_heads_context(tiny, tmp_path):
+    head = random_head(tiny, seed=4)
+    save_drafter(head, head.cfg.to_json(), tmp_path / "h")
+    check_prefix_hits_keep_context(tiny, lambda store: MTPDrafter.load(str(tmp_path / "h"), tiny, store), "mtp")
 
 
 def test_tiny_greedy_lossless_and_sampling_probs(tiny, tmp_path):

@@ -237,9 +237,9 @@ class LLMEngine:
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's KV and put it back at the head of the queue; it resumes later."""
         log.info("preempting %s (KV pool full)", seq.request_id)
-        self._free(seq)
-        if self.drafter:
+        if self.drafter:  # before the KV is freed: the drafter may keep state of the cached blocks
             self.drafter.on_finished(seq)
+        self._free(seq)
         seq.num_computed = 0
         seq.status = Status.WAITING
         self.running.remove(seq)
@@ -370,9 +370,9 @@ class LLMEngine:
         seq.status, seq.finish_reason, seq.finished_at = Status.FINISHED, reason, time.perf_counter()
         if seq in self.running:
             self.running.remove(seq)
-        self._free(seq)
-        if self.drafter:
+        if self.drafter:  # before the KV is freed: the drafter may keep state of the cached blocks
             self.drafter.on_finished(seq)
+        self._free(seq)
         self.by_id.pop(seq.request_id, None)
         return self._delta(seq, final=True)
 

@@ -24,6 +24,11 @@ Layout (after DFlash, "block diffusion for flash speculative decoding"):
   positions (default 1024, trimmed in chunks of 64, so a block sees between
   ``context_window`` and ``context_window + 64`` context positions); training uses the same
   window.
+* **Prefix caching**: the target never recomputes a cached prefix, so its hidden states are
+  never observed. The context K/V of every full block the target registers in its prefix cache
+  are kept in a ``PrefixStore`` under the same chained hash; a sequence that starts from cached
+  blocks gets its context back from there (up to ``context_window`` positions), and drafts as if
+  it had computed the prefix itself.
 
 Sampling: at temperature 0 the drafts are the argmax of the (penalized) draft logits. At
 temperature > 0 each draft is sampled from the draft logits warped exactly like the target's
@@ -58,6 +63,7 @@ from specserve.models.catalog import cache_root
 from specserve.models.loader import LoadedModel
 from specserve.spec.draft_vocab import DraftVocab, frequent_ids
 from specserve.spec.drafter import Drafter, Proposal
+from specserve.spec.prefix_store import PREFIX_STORE_TOKENS, PrefixStore
 
 CONTEXT_TRIM = 64  # the per-sequence context cache is trimmed in chunks of this many positions
 
@@ -417,6 +423,7 @@ class _Ctx:
     pending: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)  # observed, not yet ingested
     pending_rows: int = 0
     vocab_seen: int = 0  # tokens of the sequence already added to the draft vocabulary
+    stored: int = 0  # leading full blocks whose context K/V are in the prefix store
     generator: torch.Generator | None = None
 
     @property
@@ -428,23 +435,26 @@ class DFlashDrafter(Drafter):
     name = "dflash"
     has_cost = True
 
-    def __init__(self, model: DFlashModel, target: LoadedModel, vocab: DraftVocab | None = None):
+    def __init__(self, model: DFlashModel, target: LoadedModel, vocab: DraftVocab | None = None,
+                 store: PrefixStore | None = None):
         self.model = model.eval().requires_grad_(False).to(target.model.device)
         self.cfg = model.cfg
         self.head = TargetHead(target)
         self.vocab = vocab  # None: drafts come from the target's full LM head
+        self.store = store  # None: prefix-cache hits start with no context
         self.hidden_layers = tuple(self.cfg.target_layer_ids)
         self.step_time = 0.0
 
     @classmethod
     def load(cls, directory: str | Path, target: LoadedModel, draft_vocab_size: int | None = None,
-             weights: str = "float32") -> "DFlashDrafter":
+             weights: str = "float32", store: PrefixStore | None = None) -> "DFlashDrafter":
         """A trained drafter. Its drafts come from the target's LM head cut to ``draft_vocab_size``
         tokens (default: the drafter's config; None there: the full head), ranked by the token
         counts of its training answers (``token_counts.safetensors``) or, without that file, of
         the standard-library corpus; tokens requests use join as they appear (``DraftVocab``).
         weights="int8" runs the drafter's linears in the CPU kernels' int8 format (CPU only; the
-        speculative config's default there: a quarter of the bytes, same acceptance in our runs)."""
+        speculative config's default there: a quarter of the bytes, same acceptance in our runs).
+        store: where the context of prefix-cached blocks is kept (see the module doc)."""
         directory = Path(directory).expanduser()
         raw, state = load_state(directory)
         if raw.get("drafter") != "dflash":
@@ -466,11 +476,18 @@ class DFlashDrafter(Drafter):
         if size and size < target.model.lm_head.out_features:
             vocab = DraftVocab(target.model, frequent_ids(target.tokenizer, size, cache_root(),
                                                           load_token_counts(directory)))
-        return cls(model, target, vocab)
+        return cls(model, target, vocab, store)
 
     def weight_bytes(self) -> int:
         packed = sum(m.weight_q.nbytes for m in self.model.modules() if isinstance(m, KernelLinear))
         return self.module_bytes(self.model) + packed
+
+    def kv_bytes(self) -> int:
+        """The prefix store at capacity: per token, every layer's context k and v (float32)."""
+        if self.store is None:
+            return 0
+        c = self.cfg
+        return self.store.capacity * self.store.block_size * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
 
     # ---- context cache ----------------------------------------------------------------------
     def _state(self, seq: Sequence) -> _Ctx:
@@ -486,10 +503,10 @@ class DFlashDrafter(Drafter):
         st.pending.append((h, list(positions)))  # merged at flush: no per-step copy of the queue
         st.pending_rows += len(positions)
         if st.pending_rows > self.cfg.context_window + CONTEXT_TRIM:
-            self._flush(st)
+            self._flush(seq, st)
 
     @torch.inference_mode()
-    def _flush(self, st: _Ctx) -> None:
+    def _flush(self, seq: Sequence, st: _Ctx) -> None:
         runs: list[tuple[list[torch.Tensor], list[int]]] = []  # contiguous segments, merged
         for h, positions in st.pending:
             if runs and positions[0] == runs[-1][1][-1] + 1:
@@ -498,10 +515,10 @@ class DFlashDrafter(Drafter):
             else:
                 runs.append(([h], list(positions)))
         for hs, positions in runs:
-            self._ingest(st, torch.cat(hs) if len(hs) > 1 else hs[0], positions)
+            self._ingest(seq, st, torch.cat(hs) if len(hs) > 1 else hs[0], positions)
         st.pending, st.pending_rows = [], 0
 
-    def _ingest(self, st: _Ctx, h: torch.Tensor, positions: list[int]) -> None:
+    def _ingest(self, seq: Sequence, st: _Ctx, h: torch.Tensor, positions: list[int]) -> None:
         """Append the context K/V of hidden rows h [n, k*H] at positions to the cache."""
         first = positions[0]
         if st.k and first < st.end:  # recompute after preemption: drop what follows
@@ -512,6 +529,7 @@ class DFlashDrafter(Drafter):
                 st.k, st.v = [], []
         if not st.k or first > st.end:  # first rows, or a gap (prefix-cached prompt): start here
             st.k, st.v, st.start = [], [], first
+            self._restore(seq, st, first)
         pos = torch.tensor(positions, device=h.device)
         kv = self.model.context_kv(self.model.context(h), pos)
         if not st.k:
@@ -519,6 +537,7 @@ class DFlashDrafter(Drafter):
         else:
             st.k = [torch.cat([a, k]) for a, (k, _) in zip(st.k, kv)]
             st.v = [torch.cat([a, v]) for a, (_, v) in zip(st.v, kv)]
+        self._store_blocks(seq, st)
         W = self.cfg.context_window
         n = st.k[0].shape[0]
         if n > W + CONTEXT_TRIM:
@@ -527,7 +546,37 @@ class DFlashDrafter(Drafter):
             st.v = [v[drop:].clone() for v in st.v]
             st.start += drop
 
+    def _restore(self, seq: Sequence, st: _Ctx, first: int) -> None:
+        """A sequence whose first computed position is ``first`` (> 0: a prefix-cache hit) takes
+        the context K/V of the cached blocks before it from the store (up to the window)."""
+        if self.store is None or first == 0 or first % self.store.block_size:
+            return
+        bs = self.store.block_size
+        want = -(-self.cfg.context_window // bs)
+        lo, rows = self.store.chain(seq.table.hashes, seq.token_ids, first // bs, want)
+        if rows:
+            n = len(self.model.layers)
+            st.k = [torch.cat([r[i] for r in rows]) for i in range(n)]
+            st.v = [torch.cat([r[n + i] for r in rows]) for i in range(n)]
+            st.start = lo * bs
+        st.stored = first // bs
+
+    def _store_blocks(self, seq: Sequence, st: _Ctx) -> None:
+        """Keep the context K/V of full blocks the target registered in its prefix cache."""
+        if self.store is None:
+            return
+        bs = self.store.block_size
+        last = min(len(seq.table.hashes), st.end // bs)
+        for i in range(max(st.stored, -(-st.start // bs)), last):
+            r = i * bs - st.start
+            self.store.put(seq.table.hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]),
+                           [k[r:r + bs].clone() for k in st.k] + [v[r:r + bs].clone() for v in st.v])
+        st.stored = max(st.stored, last)
+
     def on_finished(self, seq: Sequence) -> None:
+        st = seq.drafter_state.get(self.name)
+        if self.store is not None and st is not None and st.pending:
+            self._flush(seq, st)  # the last blocks, so a follow-up turn finds its whole prefix
         seq.drafter_state.pop(self.name, None)
 
     # ---- proposing --------------------------------------------------------------------------
@@ -535,7 +584,7 @@ class DFlashDrafter(Drafter):
     def block_hidden(self, seq: Sequence) -> torch.Tensor:
         """Final-normed drafter outputs [B, H] for the block anchored at the last token."""
         st = self._state(seq)
-        self._flush(st)
+        self._flush(seq, st)
         p = seq.num_tokens - 1
         dev = self.head.model.device
         anchor = self.head.embed(torch.tensor([seq.token_ids[-1]], device=dev))[0]
@@ -606,5 +655,7 @@ def build(spec, target: LoadedModel, options, ecfg, max_model_len: int) -> DFlas
     if spec.quantization not in (None, "none", "int8"):
         raise SpecserveError(f'speculative config: a dflash drafter runs in "int8" (the CPU default) or '
                              f'"none" (float32), not {spec.quantization!r}')
+    store = (PrefixStore(PREFIX_STORE_TOKENS // ecfg.block_size, ecfg.block_size)
+             if ecfg.enable_prefix_caching else None)
     return DFlashDrafter.load(where, target, spec.draft_vocab_size,
-                              "float32" if spec.quantization == "none" else "int8")
+                              "float32" if spec.quantization == "none" else "int8", store)

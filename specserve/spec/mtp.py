@@ -18,6 +18,9 @@ hidden state ``h_{i-1}``::
   lazily at the next proposal, and its K/V kept in a per-sequence tensor (the last
   ``context_window`` rows, trimmed in chunks). Rows of draft positions (the chain) are never
   cached, so nothing needs rolling back after verification.
+* Prefix caching: the rows of every full block the target registers in its prefix cache (and
+  ``h`` of the block's last position) are kept in a ``PrefixStore`` under the block's chained
+  hash, so a request that starts from cached blocks drafts as if it had computed them.
 
 Weights come from (first match):
 
@@ -50,6 +53,7 @@ from specserve.models.loader import LoadedModel
 from specserve.spec.dflash import (CONTEXT_TRIM, DecoderLayer, TargetHead, check_target, load_state,
                                    pick_tokens, rms, target_identity)
 from specserve.spec.drafter import Drafter, Proposal
+from specserve.spec.prefix_store import PREFIX_STORE_TOKENS, PrefixStore
 
 
 @dataclass
@@ -293,6 +297,8 @@ class _State:
     k: torch.Tensor | None = None  # [r, kvh, D] cached rows
     v: torch.Tensor | None = None
     generator: torch.Generator | None = None
+    stored: int = 0  # leading full blocks whose rows are in the prefix store
+    last_h: dict[int, torch.Tensor] = field(default_factory=dict)  # block -> hidden of its last position
 
     @property
     def h_end(self) -> int:
@@ -307,7 +313,8 @@ class MTPDrafter(Drafter):
     name = "mtp"
     has_cost = True
 
-    def __init__(self, model: MTPModel, target: LoadedModel):
+    def __init__(self, model: MTPModel, target: LoadedModel, store: PrefixStore | None = None):
+        self.store = store  # None: prefix-cache hits start with no context
         self.model = model.eval().requires_grad_(False).to(target.model.device)
         self.cfg = model.cfg
         self.head = TargetHead(target)
@@ -317,7 +324,7 @@ class MTPDrafter(Drafter):
         self.step_time = 0.0
 
     @classmethod
-    def load(cls, where: str | Path | None, target: LoadedModel) -> "MTPDrafter":
+    def load(cls, where: str | Path | None, target: LoadedModel, store: PrefixStore | None = None) -> "MTPDrafter":
         if where:
             p = Path(where).expanduser()
             if p.is_dir() and (p / "config.json").is_file() and \
@@ -325,7 +332,7 @@ class MTPDrafter(Drafter):
                 raw, state = load_state(p)
                 cfg = MTPConfig.from_json(raw)
                 check_target(cfg.target, target, str(p))
-                return cls._from_state(cfg, state, target, str(p))
+                return cls._from_state(cfg, state, target, str(p), store)
             state, source = read_checkpoint_mtp(p)
             if not state:
                 raise SpecserveError(f"{p} has no MTP head (no mtp.* / nextn tensors) and is not a drafter "
@@ -336,10 +343,11 @@ class MTPDrafter(Drafter):
                 raise SpecserveError(f"{target.name} ships no MTP head; train one with `specserve train-drafter "
                                      f"--model {target.name} --method mtp --out DIR` and pass "
                                      '\'{"method": "mtp", "model": DIR}\'')
-        return cls._from_state(config_from_state(state, target, source), state, target, source)
+        return cls._from_state(config_from_state(state, target, source), state, target, source, store)
 
     @classmethod
-    def _from_state(cls, cfg: MTPConfig, state: dict, target: LoadedModel, where: str) -> "MTPDrafter":
+    def _from_state(cls, cfg: MTPConfig, state: dict, target: LoadedModel, where: str,
+                    store: PrefixStore | None = None) -> "MTPDrafter":
         model = MTPModel(cfg)
         if "norm" not in state:  # no shared-head norm of its own: the target's final norm
             state = {**state, "norm": target.model.final_norm.float().cpu()}
@@ -347,10 +355,18 @@ class MTPDrafter(Drafter):
         if missing or unexpected:
             raise SpecserveError(f"MTP weights in {where} do not match the head's layout "
                                  f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
-        return cls(model, target)
+        return cls(model, target, store)
 
     def weight_bytes(self) -> int:
         return self.module_bytes(self.model)
+
+    def kv_bytes(self) -> int:
+        """The prefix store at capacity: per token a k and v row, per block one hidden row (float32)."""
+        if self.store is None:
+            return 0
+        c = self.cfg
+        per_block = self.store.block_size * 2 * c.num_kv_heads * c.head_dim * 4 + c.hidden_size * 4
+        return self.store.capacity * per_block
 
     def _state(self, seq: Sequence) -> _State:
         return self.seq_state(seq, _State)
@@ -362,6 +378,10 @@ class MTPDrafter(Drafter):
         st = self._state(seq)
         first = positions[0]
         h = rms(hidden[self.hidden_layers[0]], self.final_norm, self.eps)
+        if self.store is not None:  # h of each block's last position: what a restore starts from
+            bs = self.store.block_size
+            for j in range((-first - 1) % bs, len(positions), bs):
+                st.last_h[(first + j + 1) // bs - 1] = h[j].clone()
         if st.hidden is not None and first < st.h_end:  # recompute (preemption): drop what follows
             st.hidden = st.hidden[:max(first - st.h_start, 0)]
             if st.k is not None and st.k_end > first:
@@ -369,10 +389,43 @@ class MTPDrafter(Drafter):
                 st.k, st.v = st.k[:keep], st.v[:keep]
         if st.hidden is None or st.hidden.shape[0] == 0 or first > st.h_end:  # start, or a gap
             st.hidden, st.h_start, st.k, st.v = h, first, None, None
+            self._restore(seq, st, first)
             return
         st.hidden = torch.cat([st.hidden, h])
 
+    def _restore(self, seq: Sequence, st: _State, first: int) -> None:
+        """A sequence whose first computed position is ``first`` (> 0: a prefix-cache hit) takes
+        the rows of the cached blocks before it, and h of position first - 1, from the store."""
+        if self.store is None or first == 0 or first % self.store.block_size:
+            return
+        bs = self.store.block_size
+        lo, rows = self.store.chain(seq.table.hashes, seq.token_ids, first // bs, -(-self.cfg.context_window // bs))
+        st.stored = first // bs
+        if rows:
+            st.k, st.v = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+            st.k_start = max(lo * bs, 1)  # position 0 has no row (no h before it)
+            st.hidden, st.h_start = torch.cat([rows[-1][2][None], st.hidden]), first - 1
+
+    def _store_blocks(self, seq: Sequence, st: _State) -> None:
+        """Keep the rows of full blocks the target registered in its prefix cache."""
+        if self.store is None or st.k is None:
+            return
+        bs = self.store.block_size
+        last = min(len(seq.table.hashes), st.k_end // bs)
+        for i in range(st.stored, last):
+            lo = max(i * bs, 1)
+            if st.k_start > lo or i not in st.last_h:  # rows missing (a gap start): cannot keep it
+                continue
+            r = slice(lo - st.k_start, (i + 1) * bs - st.k_start)
+            self.store.put(seq.table.hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]),
+                           [st.k[r].clone(), st.v[r].clone(), st.last_h[i]])
+        for i in [i for i in st.last_h if i < last]:
+            del st.last_h[i]
+        st.stored = max(st.stored, last)
+
     def on_finished(self, seq: Sequence) -> None:
+        if self.store is not None and self.name in seq.drafter_state:
+            self._catch_up(seq)  # the last rows, so a follow-up turn finds its whole prefix
         seq.drafter_state.pop(self.name, None)
 
     @torch.inference_mode()
@@ -402,6 +455,7 @@ class MTPDrafter(Drafter):
         else:
             g, (k, v) = self.model(emb, prev, pos, None, None, causal[None])
             st.k, st.v, st.k_start = k[0], v[0], lo
+        self._store_blocks(seq, st)
         W = self.cfg.context_window
         if st.k.shape[0] > W + CONTEXT_TRIM:
             drop = st.k.shape[0] - W
@@ -468,4 +522,6 @@ def build(spec, target: LoadedModel, options, ecfg, max_model_len: int) -> MTPDr
 
         if where in CATALOG and CATALOG[where].kind == "drafter":
             where = str(entry_path(CATALOG[where]))
-    return MTPDrafter.load(where, target)
+    store = (PrefixStore(PREFIX_STORE_TOKENS // ecfg.block_size, ecfg.block_size)
+             if ecfg.enable_prefix_caching else None)
+    return MTPDrafter.load(where, target, store)
