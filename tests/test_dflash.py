@@ -278,6 +278,38 @@ def test_prefix_cache_hit_keeps_the_drafters_context(tiny, tmp_path):
                                    "dflash")
 
 
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_preemption_with_prefix_cache_keeps_outputs(tiny, tmp_path, with_drafter):
+    """A pool too small for four sequences preempts some; each resumes from its cached blocks
+    (and the drafter from its prefix store) and the outputs stay plain greedy's. A waiting
+    sequence must not pin the cached blocks it matched: the running one then preempted itself
+    forever."""
+    from specserve.spec.prefix_store import PrefixStore
+
+    m = random_drafter(tiny, block_size=4)
+    save_drafter(m, m.cfg.to_json(), tmp_path / "d")
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (30, 41, 25, 36)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = _run(_engine(tiny), prompts, params)
+    per_token = _engine(tiny).plan.kv_bytes_per_token
+    spec = SpecConfig("dflash", num_speculative_tokens=3, model="x", adaptive=False) if with_drafter else None
+    drafter = DFlashDrafter.load(tmp_path / "d", tiny, store=PrefixStore(256, 8)) if with_drafter else None
+    eng = LLMEngine(tiny, EngineConfig(max_num_seqs=4, max_model_len=96, block_size=8,
+                                       kv_cache_memory=per_token * 8 * 24), spec, drafter)
+    preempted = []
+    real = eng._preempt
+
+    def preempt(seq):
+        preempted.append(seq.request_id)
+        assert len(preempted) < 100, "preemption loop"
+        real(seq)
+
+    eng._preempt = preempt
+    assert _run(eng, prompts, params) == want
+    assert preempted and eng.blocks.num_free == eng.blocks.num_blocks
+
+
 def test_spec_config_builds_dflash_through_the_registry(tiny, tmp_path):
     from specserve.spec.registry import build_drafter
 

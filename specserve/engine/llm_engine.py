@@ -163,7 +163,11 @@ class LLMEngine:
                 seq.num_cached = seq.num_computed = self.blocks.match_prefix(seq.table, seq.token_ids)
             remaining = seq.num_tokens + 1 - len(seq.table.blocks) * self.ecfg.block_size
             if not self.blocks.can_allocate(self.blocks.blocks_needed(max(remaining, 0)) + 1) and self.running:
-                break  # wait until running sequences free memory
+                # wait until running sequences free memory, without pinning the cached blocks it
+                # matched: a running sequence may need them (it would preempt itself forever)
+                self._free(seq)
+                seq.num_cached = seq.num_computed = 0
+                break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
