@@ -1,5 +1,6 @@
 """Random traffic on a tiny model: shared prefixes (prefix-cache hits), a tight KV pool
-(preemption), chunked prefill, aborts, with and without a dflash drafter and its prefix store.
+(preemption), chunked prefill, aborts; without speculation and with each drafter that keeps
+state per sequence (dflash and MTP with their prefix stores, a draft model with its own KV).
 Every request that is not aborted gets plain greedy's tokens; no block leaks."""
 
 from __future__ import annotations
@@ -7,24 +8,28 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from specserve.engine.config import EngineConfig
 from specserve.engine.llm_engine import LLMEngine
 from specserve.engine.types import SamplingParams
 from specserve.spec.config import SpecConfig
 from specserve.spec.dflash import DFlashDrafter, save_drafter
+from specserve.spec.draft_model import DraftModelDrafter
+from specserve.spec.mtp import MTPDrafter
 from specserve.spec.prefix_store import PrefixStore
 from test_dflash import _engine, make_tiny_target, random_drafter
+from test_mtp import random_head
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tiny = make_tiny_target(tmp_path_factory.mktemp("tiny_fuzz"))
-    m = random_drafter(tiny, block_size=4)
-    d = tmp_path_factory.mktemp("drafter")
-    save_drafter(m, m.cfg.to_json(), d)
-    return tiny, d, _engine(tiny)
+    m, head = random_drafter(tiny, block_size=4), random_head(tiny, seed=4)
+    dirs = {"dflash": tmp_path_factory.mktemp("dflash"), "mtp": tmp_path_factory.mktemp("mtp")}
+    save_drafter(m, m.cfg.to_json(), dirs["dflash"])
+    save_drafter(head, head.cfg.to_json(), dirs["mtp"])
+    draft = make_tiny_target(tmp_path_factory.mktemp("tiny_draft"), seed=1, layers=1)
+    return tiny, dirs, draft, _engine(tiny)
 
 
 def _plain(ref: LLMEngine, ids: list[int], n: int, rid: str) -> list[int]:
@@ -32,22 +37,31 @@ def _plain(ref: LLMEngine, ids: list[int], n: int, rid: str) -> list[int]:
             for t in o.new_token_ids]
 
 
-def _random_engine(tiny, drafter_dir, rnd: random.Random, per_token: int) -> LLMEngine:
+def _random_engine(setup, method: str, rnd: random.Random) -> LLMEngine:
+    tiny, dirs, draft, ref = setup
+    per_token = ref.plan.kv_bytes_per_token
     spec, drafter = None, None
-    if rnd.random() < 0.6:
-        spec = SpecConfig("dflash", num_speculative_tokens=rnd.choice([1, 3]), model="x", adaptive=rnd.random() < 0.5)
-        drafter = DFlashDrafter.load(drafter_dir, tiny, store=PrefixStore(rnd.choice([4, 64]), 8))
+    store = PrefixStore(rnd.choice([4, 64]), 8)
+    if method != "none":
+        spec = SpecConfig(method, num_speculative_tokens=rnd.choice([1, 3]), model="x", adaptive=rnd.random() < 0.5)
+    if method == "dflash":
+        drafter = DFlashDrafter.load(dirs["dflash"], tiny, store=store)
+    elif method == "mtp":
+        drafter = MTPDrafter.load(str(dirs["mtp"]), tiny, store)
+    elif method == "draft_model":
+        drafter = DraftModelDrafter(draft, 60, 8, 96)
     ecfg = EngineConfig(max_num_seqs=rnd.choice([2, 4, 6]), max_model_len=96, block_size=8,
                         max_num_batched_tokens=rnd.choice([16, 64, 2048]),
                         kv_cache_memory=per_token * 8 * rnd.choice([13, 20, 40]))
     return LLMEngine(tiny, ecfg, spec, drafter)
 
 
-@pytest.mark.parametrize("trial", range(12))
-def test_random_traffic_keeps_outputs_and_blocks(setup, trial):
-    tiny, drafter_dir, ref = setup
+@pytest.mark.parametrize("method", ["none", "dflash", "mtp", "draft_model"])
+@pytest.mark.parametrize("trial", range(4))
+def test_random_traffic_keeps_outputs_and_blocks(setup, method, trial):
+    ref = setup[-1]
     rnd = random.Random(trial)
-    eng = _random_engine(tiny, drafter_dir, rnd, ref.plan.kv_bytes_per_token)
+    eng = _random_engine(setup, method, rnd)
     bases = [[rnd.randrange(256) for _ in range(rnd.randrange(5, 40))] for _ in range(3)]
     reqs: dict[str, tuple[list[int], int]] = {}
     got: dict[str, list[int]] = {}
@@ -74,6 +88,6 @@ def test_random_traffic_keeps_outputs_and_blocks(setup, trial):
         assert steps < 5000, "the engine stopped making progress"
     for rid, (ids, n) in reqs.items():
         if rid not in aborted:
-            assert got[rid] == _plain(ref, ids, n, f"ref-{trial}-{rid}"), rid
+            assert got[rid] == _plain(ref, ids, n, f"ref-{method}-{trial}-{rid}"), rid
     eng.blocks.check_invariants()
     assert eng.blocks.num_free == eng.blocks.num_blocks
