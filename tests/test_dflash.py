@@ -308,6 +308,7 @@ def test_preemption_with_prefix_cache_keeps_outputs(tiny, tmp_path, with_drafter
     eng._preempt = preempt
     assert _run(eng, prompts, params) == want
     assert preempted and eng.blocks.num_free == eng.blocks.num_blocks
+    assert eng.stats().num_preemptions == len(preempted)  # what /metrics exports
 
 
 def test_spec_config_builds_dflash_through_the_registry(tiny, tmp_path):

@@ -462,6 +462,16 @@ def test_metrics_spec_counters_match_usage():
         s.close()
 
 
+def test_metrics_export_the_engines_preemption_count():
+    from specserve.engine.types import EngineStats
+    from specserve.server.metrics import ServerMetrics
+
+    stats = EngineStats(num_running=1, num_waiting=2, kv_blocks_total=10, kv_blocks_free=4, num_preemptions=3)
+    text = ServerMetrics("m", lambda: stats).render().decode()
+    assert 'vllm:num_preemptions_total{model_name="m"} 3.0' in text
+    assert 'vllm:num_requests_waiting{model_name="m"} 2.0' in text
+
+
 def test_two_apps_in_one_process_have_separate_metrics():
     a, b = FakeEngine(), FakeEngine(spec=False)
     app_a, app_b = create_app(a, ServerConfig()), create_app(b, ServerConfig())

@@ -70,6 +70,7 @@ class LLMEngine:
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}
         self.totals = SpecStats()
+        self.num_preemptions = 0
         self.cost = CostModel()
         k_max = spec.num_speculative_tokens if spec else 0
         self.policy = DraftPolicy(k_max, bool(spec and spec.adaptive), self.cost,
@@ -140,7 +141,8 @@ class LLMEngine:
         return bool(self.waiting or self.running)
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.running), len(self.waiting), self.blocks.num_blocks, self.blocks.num_free)
+        return EngineStats(len(self.running), len(self.waiting), self.blocks.num_blocks, self.blocks.num_free,
+                           self.num_preemptions)
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -241,6 +243,7 @@ class LLMEngine:
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's KV and put it back at the head of the queue; it resumes later."""
         log.info("preempting %s (KV pool full)", seq.request_id)
+        self.num_preemptions += 1
         if self.drafter:  # before the KV is freed: the drafter may keep state of the cached blocks
             self.drafter.on_finished(seq)
         self._free(seq)

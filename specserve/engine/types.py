@@ -149,6 +149,7 @@ class EngineStats:
     num_waiting: int
     kv_blocks_total: int
     kv_blocks_free: int
+    num_preemptions: int = 0  # since start: sequences sent back to wait because the KV pool was full
 
     @property
     def kv_usage(self) -> float:

@@ -2,8 +2,8 @@
 
 Counters are exported with the ``_total`` suffix (prometheus_client adds it),
 e.g. ``vllm:spec_decode_num_draft_tokens_total{model_name="..."}``. Engine
-gauges (running, waiting, KV usage) are read from ``engine.stats()`` at scrape
-time. The speculative counters move by exactly the per-request SpecStats of
+gauges (running, waiting, KV usage) and the preemption counter are read from
+``engine.stats()`` at scrape time. The speculative counters move by exactly the per-request SpecStats of
 finished requests.
 """
 
@@ -14,7 +14,7 @@ import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from specserve.engine.types import EngineStats, RequestOutput, SpecStats
@@ -32,7 +32,8 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 
 class _EngineGauges(Collector):
-    """vllm:num_requests_running / waiting and vllm:kv_cache_usage_perc, read at scrape time."""
+    """vllm:num_requests_running / waiting, vllm:kv_cache_usage_perc and vllm:num_preemptions
+    (a counter), read at scrape time."""
 
     def __init__(self, stats: Callable[[], EngineStats], model_name: str):
         self._stats = stats
@@ -52,6 +53,10 @@ class _EngineGauges(Collector):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self._model], float(value))
             yield g
+        c = CounterMetricFamily("vllm:num_preemptions", "Sequences preempted because the KV pool was full.",
+                                labels=["model_name"])
+        c.add_metric([self._model], float(s.num_preemptions))
+        yield c
 
 
 class ServerMetrics:
