@@ -63,7 +63,7 @@ from specserve.models.catalog import cache_root
 from specserve.models.loader import LoadedModel
 from specserve.spec.draft_vocab import DraftVocab, frequent_ids
 from specserve.spec.drafter import Drafter, Proposal
-from specserve.spec.prefix_store import PREFIX_STORE_TOKENS, PrefixStore
+from specserve.spec.prefix_store import PrefixStore
 
 CONTEXT_TRIM = 64  # the per-sequence context cache is trimmed in chunks of this many positions
 
@@ -627,6 +627,8 @@ def pick_tokens(seq: Sequence, logits: torch.Tensor, generator: torch.Generator 
     """Draft tokens from draft logits [k, V] (row j = distribution of draft j), warped exactly like
     the target's rows: penalties count the sequence's tokens plus the earlier drafts."""
     p = seq.params
+    if p.greedy and not p.has_penalties:  # every row at once: the same argmax per row
+        return Proposal(logits.argmax(dim=-1).tolist())
     drafts: list[int] = []
     probs: list[torch.Tensor] = []
     for j in range(logits.shape[0]):
@@ -655,7 +657,5 @@ def build(spec, target: LoadedModel, options, ecfg, max_model_len: int) -> DFlas
     if spec.quantization not in (None, "none", "int8"):
         raise SpecserveError(f'speculative config: a dflash drafter runs in "int8" (the CPU default) or '
                              f'"none" (float32), not {spec.quantization!r}')
-    store = (PrefixStore(PREFIX_STORE_TOKENS // ecfg.block_size, ecfg.block_size)
-             if ecfg.enable_prefix_caching else None)
-    return DFlashDrafter.load(where, target, spec.draft_vocab_size,
-                              "float32" if spec.quantization == "none" else "int8", store)
+    weights = "float32" if spec.quantization == "none" else "int8"
+    return DFlashDrafter.load(where, target, spec.draft_vocab_size, weights, PrefixStore.for_engine(ecfg))

@@ -53,7 +53,7 @@ from specserve.models.loader import LoadedModel
 from specserve.spec.dflash import (CONTEXT_TRIM, DecoderLayer, TargetHead, check_target, load_state,
                                    pick_tokens, rms, target_identity)
 from specserve.spec.drafter import Drafter, Proposal
-from specserve.spec.prefix_store import PREFIX_STORE_TOKENS, PrefixStore
+from specserve.spec.prefix_store import PrefixStore
 
 
 @dataclass
@@ -522,6 +522,4 @@ def build(spec, target: LoadedModel, options, ecfg, max_model_len: int) -> MTPDr
 
         if where in CATALOG and CATALOG[where].kind == "drafter":
             where = str(entry_path(CATALOG[where]))
-    store = (PrefixStore(PREFIX_STORE_TOKENS // ecfg.block_size, ecfg.block_size)
-             if ecfg.enable_prefix_caching else None)
-    return MTPDrafter.load(where, target, store)
+    return MTPDrafter.load(where, target, PrefixStore.for_engine(ecfg))

@@ -27,6 +27,13 @@ class PrefixStore:
         self.block_size = block_size
         self._rows: OrderedDict[int, tuple[tuple[int, ...], list[torch.Tensor]]] = OrderedDict()
 
+    @classmethod
+    def for_engine(cls, ecfg) -> "PrefixStore | None":
+        """The store a drafter gets in an engine (EngineConfig): none without prefix caching."""
+        if not ecfg.enable_prefix_caching:
+            return None
+        return cls(PREFIX_STORE_TOKENS // ecfg.block_size, ecfg.block_size)
+
     def __len__(self) -> int:
         return len(self._rows)
 
