@@ -215,6 +215,20 @@ def test_use_saved_answers_without_answers_is_a_clear_error(tiny, tmp_path, caps
     assert "error: --use-saved-answers" in err and "answers.pt holds no answers" in err
 
 
+def test_max_answers_is_a_seeded_subset(tiny, tmp_path, capsys):
+    from specserve.cli import main
+
+    answers = {i: tdata.Answer([1, 2, 3, i], 2, "math") for i in range(10)}
+    assert tdata.sample_answers(answers, None, 0) is answers and tdata.sample_answers(answers, 10, 0) is answers
+    a, b = tdata.sample_answers(answers, 4, 0), tdata.sample_answers(answers, 4, 0)
+    assert a == b and len(a) == 4 and set(a) <= set(answers)
+    assert any(set(tdata.sample_answers(answers, 4, s)) != set(a) for s in range(1, 5))  # the seed matters
+    argv = ["train-drafter", "--model", str(tiny.resolved.path), "--method", "mtp", "--out", str(tmp_path),
+            "--max-answers", "5", "--quantization", "none"]
+    assert main(argv) == 1
+    assert "--max-answers N (N >= 1) goes with --use-saved-answers" in capsys.readouterr().err
+
+
 def test_write_this_function_prompts_come_from_signature_and_docstring():
     code = ('def area(width: float, height=2.0) -> float:\n'
             '    """Return the area of a rectangle.\n\n    More text."""\n    return width * height\n')

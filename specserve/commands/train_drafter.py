@@ -60,6 +60,9 @@ def add_parser(sub) -> None:
     p.add_argument("--use-saved-answers", action="store_true",
                    help="train on the answers already in OUT/data/answers.pt (made with the same data options), "
                         "without reading the prompt sources or generating more (e.g. on a machine with no network)")
+    p.add_argument("--max-answers", type=int, default=None,
+                   help="with --use-saved-answers: train on a random N of them (the same N for a --seed), e.g. "
+                        "to fit a CPU's time")
     p.add_argument("--no-data-cache", action="store_true",
                    help="do not save the hidden-state dataset (OUT/data/dataset.pt; several GB for large --data)")
     p.add_argument("--val-fraction", type=float, default=0.1)
@@ -156,11 +159,16 @@ def _answers(args, target, out: Path, meta: dict, say):
     from specserve.spec.train import data as tdata
 
     path = out / "data" / "answers.pt"
+    if args.max_answers is not None and (args.max_answers < 1 or not args.use_saved_answers):
+        raise SpecserveError("--max-answers N (N >= 1) goes with --use-saved-answers")
     if args.use_saved_answers:
         saved = tdata.load_answers(path, meta) if path.is_file() else {}
         if not saved:
             raise SpecserveError(f"--use-saved-answers: {path} holds no answers made with these data options")
         say(f"{len(saved)} saved answers in {path}")
+        if args.max_answers is not None:
+            saved = tdata.sample_answers(saved, args.max_answers, args.seed)
+            say(f"training on a random {len(saved)} of them (--max-answers)")
         return tdata.trainable(saved)
     prompts = tdata.load_prompts(args.data, args.seed)
     say(f"{len(prompts)} prompts; generating the target's answers")
@@ -178,6 +186,8 @@ def _examples(args, target, out: Path, answers_meta: dict, layers, final_norm: b
 
     data_path = out / "data" / "dataset.pt"
     meta = {**answers_meta, "method": args.method, "layers": list(layers), "final_norm": final_norm}
+    if args.max_answers is not None:  # a subset is another dataset
+        meta["max_answers"] = [args.max_answers, args.seed]
     if data_path.is_file():
         cached, cmeta = tdata.load_dataset(data_path)
         if cmeta == meta:

@@ -445,6 +445,15 @@ def trainable(answers: dict[int, Answer]) -> list[Answer]:
     return [answers[i] for i in sorted(answers) if len(answers[i].ids) - answers[i].prompt_len >= 2]
 
 
+def sample_answers(answers: dict[int, Answer], n: int | None, seed: int) -> dict[int, Answer]:
+    """A random n of the answers (all of them when n is None or not smaller), the same for a seed."""
+    if n is None or n >= len(answers):
+        return answers
+    keys = sorted(answers)
+    random.Random(seed).shuffle(keys)
+    return {k: answers[k] for k in keys[:n]}
+
+
 def save_answers(answers: dict[int, Answer], path: Path, meta: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     recs = {i: (torch.tensor(a.ids, dtype=torch.int32), a.prompt_len, a.source) for i, a in answers.items()}
