@@ -3,8 +3,8 @@
 Counters are exported with the ``_total`` suffix (prometheus_client adds it),
 e.g. ``vllm:spec_decode_num_draft_tokens_total{model_name="..."}``. Engine
 gauges (running, waiting, KV usage) and the preemption counter are read from
-``engine.stats()`` at scrape time. The speculative counters move by exactly the per-request SpecStats of
-finished requests.
+``engine.stats()`` at scrape time. The speculative counters move by exactly the
+per-request SpecStats of finished requests.
 """
 
 from __future__ import annotations

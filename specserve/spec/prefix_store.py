@@ -3,8 +3,7 @@
 Drafters that read the target's hidden states (dflash, MTP) see only the tokens the target
 computes. When a request starts from the prefix cache, the target skips the cached blocks and
 the drafter would start with no context at all: a shared system prompt, the second turn of a
-chat or a repeated prompt leave it drafting blind (on smollm2 the dflash drafter's first-draft
-acceptance halves). The store keeps, per full block, the rows a drafter derived from those
+chat or a repeated prompt would leave it drafting blind to the cached part. The store keeps, per full block, the rows a drafter derived from those
 tokens (its context K/V), keyed by the target's chained block hash: the hash covers every token
 before the block too, so equal hashes mean equal rows at equal positions.
 
