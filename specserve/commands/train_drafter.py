@@ -83,6 +83,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.max_answers is not None and (args.max_answers < 1 or not args.use_saved_answers):
+        raise SpecserveError("--max-answers N (N >= 1) goes with --use-saved-answers")
     import torch
 
     from specserve.engine.builder import set_threads
@@ -159,8 +161,6 @@ def _answers(args, target, out: Path, meta: dict, say):
     from specserve.spec.train import data as tdata
 
     path = out / "data" / "answers.pt"
-    if args.max_answers is not None and (args.max_answers < 1 or not args.use_saved_answers):
-        raise SpecserveError("--max-answers N (N >= 1) goes with --use-saved-answers")
     if args.use_saved_answers:
         saved = tdata.load_answers(path, meta) if path.is_file() else {}
         if not saved:
