@@ -269,6 +269,9 @@ def check_prefix_hits_keep_context(target, load, method: str) -> None:
         else:
             assert eng.log == cold.log
             assert len(store) == (len(turn2) + 20 - 1) // 8  # every full block of verified tokens
+            per_block = max(sum(t.nbytes for t in rows) for _, rows in store._rows.values())
+            assert eng.drafter.kv_bytes() == store.capacity * per_block  # what plan counts: the store when full
+            assert eng.plan.drafter_kv_bytes == eng.drafter.kv_bytes()
 
 
 def test_prefix_cache_hit_keeps_the_drafters_context(tiny, tmp_path):
@@ -318,6 +321,10 @@ def test_spec_config_builds_dflash_through_the_registry(tiny, tmp_path):
     save_drafter(m, m.cfg.to_json(), tmp_path / "d")
     d = build_drafter(SpecConfig("dflash", model=str(tmp_path / "d")), tiny, FP32, EngineConfig(), 256)
     assert isinstance(d, DFlashDrafter) and d.hidden_layers == m.cfg.target_layer_ids
+    assert d.store is not None and d.kv_bytes() > 0  # the prefix store, counted by the memory plan
+    off = build_drafter(SpecConfig("dflash", model=str(tmp_path / "d")), tiny, FP32,
+                        EngineConfig(enable_prefix_caching=False), 256)
+    assert off.store is None and off.kv_bytes() == 0
     bad = m.cfg.to_json()
     bad["target"] = {**bad["target"], "hidden_size": 128}
     save_drafter(m, bad, tmp_path / "bad")
