@@ -37,7 +37,7 @@ from specserve.bench.suites import load_suites  # noqa: E402
 from specserve.engine.config import EngineConfig  # noqa: E402
 from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 from specserve.engine.types import SamplingParams  # noqa: E402
-from specserve.models.catalog import CATALOG, entry_path  # noqa: E402
+from specserve.models.catalog import drafter_location  # noqa: E402
 from specserve.models.chat_template import ChatTemplate  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
 from specserve.spec.config import SpecConfig  # noqa: E402
@@ -146,9 +146,7 @@ def main() -> int:
     ap.add_argument("--per-source", type=int, default=40, help="held-out sequences per source")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    where = a.drafter
-    if where in CATALOG and CATALOG[where].kind == "drafter":
-        where = str(entry_path(CATALOG[where]))
+    where = drafter_location(a.drafter)
     cfg = json.loads((Path(where) / "config.json").read_text())
     target = load_model(cfg["target"]["name"])
     drafter = DFlashDrafter.load(where, target, weights="float32")  # the weights as trained

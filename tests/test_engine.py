@@ -94,3 +94,16 @@ def test_requests_that_cannot_fit_are_refused(engine):
         engine.add_request("empty", [], GREEDY)
     with pytest.raises(RequestError):
         SamplingParams(temperature=-1)
+
+
+def test_logit_bias_steers_and_bans_tokens(engine, prompts):
+    """OpenAI's logit_bias: -100 bans a token, +100 forces it; ids outside the vocabulary and
+    values outside [-100, 100] are refused."""
+    plain = run_one(engine, prompts[0], SamplingParams(max_tokens=4))[0]
+    banned = run_one(engine, prompts[0], SamplingParams(max_tokens=4, logit_bias=((plain[0], -100.0),)))[0]
+    assert banned[0] != plain[0] and plain[0] not in banned
+    assert run_one(engine, prompts[0], SamplingParams(max_tokens=3, logit_bias=((1234, 100.0),)))[0] == [1234] * 3
+    with pytest.raises(RequestError, match="logit_bias has token ids outside the vocabulary"):
+        engine.add_request("lb", prompts[0], SamplingParams(max_tokens=2, logit_bias=((10**6, 1.0),)))
+    with pytest.raises(RequestError, match=r"logit_bias values must be in \[-100, 100\]"):
+        SamplingParams(logit_bias=((5, 101.0),))

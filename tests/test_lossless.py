@@ -79,3 +79,23 @@ def test_draft_model_cache_reused_with_the_prefix_cache(prompts_and_plain):
     assert seen["warm"] == (full, full)  # target and draft both skip every full cached block
     assert engine.drafter.blocks.num_free == engine.drafter.blocks.num_blocks  # nothing leaked
     assert engine.drafter.blocks.cached  # finished sequences' blocks stay cached for reuse
+
+
+@pytest.mark.parametrize("spec", [
+    '{"method": "ngram", "num_speculative_tokens": 8, "adaptive": false}',
+    '{"method": "dflash", "model": "smollm2-135m-dflash", "num_speculative_tokens": 7, "adaptive": false}',
+])
+def test_logit_bias_with_speculation_equals_plain(prompts_and_plain, spec):
+    """logit_bias changes the target's distribution; drafts and verification both see it, so
+    greedy output with speculation still equals plain greedy output with the same bias."""
+    from collections import Counter
+
+    prompts, plain = prompts_and_plain
+    prompts = prompts[:4]
+    top = Counter(t for out in plain[:4] for t in out).most_common(2)  # ban the commonest, favour the next
+    params = SamplingParams(max_tokens=64, logit_bias=((top[0][0], -100.0), (top[1][0], 2.5)))
+    want = run_all(make_engine("--model", "smollm2-135m", "--max-num-seqs", "4"), prompts, params)
+    assert all(top[0][0] not in out for out in want) and want != [p[:64] for p in plain[:4]]
+    engine = make_engine("--model", "smollm2-135m", "--max-num-seqs", "4", "--speculative-config", spec)
+    assert run_all(engine, prompts, params) == want
+    assert engine.totals.accepted_tokens > 0

@@ -144,11 +144,17 @@ def test_sampling_params_reach_engine(srv, engine):
         model="fake-model", messages=MSGS, temperature=0.7, top_p=0.9, seed=11, stop="zzz",
         presence_penalty=0.5, frequency_penalty=0.25, user="u1",
         extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True, "max_tokens": 9,
-                    "some_future_field": {"x": 1}})
+                    "some_future_field": {"x": 1}}, response_format={"type": "text"})
     _, p = engine.requests[-1]
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (0.7, 0.9, 20, 0.05, 11)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, 0.25, 1.1)
-    assert p.stop == ("zzz",) and p.ignore_eos and p.max_tokens == 9
+    assert p.stop == ("zzz",) and p.ignore_eos and p.max_tokens == 9 and p.logit_bias == ()
+
+
+def test_logit_bias_reaches_engine(srv, engine):
+    srv.client().completions.create(model="fake-model", prompt="hi", max_tokens=2,
+                                    logit_bias={"70": 5, "12": -100})
+    assert engine.requests[-1][1].logit_bias == ((12, -100.0), (70, 5.0))
 
 
 def test_completions_prompt_forms(srv, engine):
@@ -286,8 +292,18 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": MSGS, "n": 9, "stream": True}, 400, "n", None),
     ("/v1/chat/completions", {"messages": MSGS, "top_logprobs": 2}, 400, "top_logprobs", None),
     ("/v1/chat/completions", {"messages": MSGS, "stop": 5}, 400, "stop", None),
+    ("/v1/chat/completions", {"messages": MSGS, "logit_bias": {"a": 1}}, 400, "logit_bias", None),
+    ("/v1/chat/completions", {"messages": MSGS, "logit_bias": {"5": 1, "05": 2}}, 400, "logit_bias", None),
+    ("/v1/chat/completions", {"messages": MSGS, "logit_bias": {"5": 101}}, 400, "logit_bias", None),
+    ("/v1/chat/completions", {"messages": MSGS, "logit_bias": {"5": "big"}}, 400, "logit_bias", None),
     ("/v1/chat/completions", {"messages": MSGS, "chat_template_kwargs": {"messages": []}}, 400,
      "chat_template_kwargs.messages", None),
+    ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_object"}}, 400,
+     "response_format.type", None),
+    ("/v1/chat/completions", {"messages": MSGS, "response_format": {"json_schema": {}}}, 400,
+     "response_format.type", None),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
+     "response_format.type", None),
     ("/v1/completions", {"prompt": []}, 400, "prompt", None),
     ("/v1/completions", {"prompt": [-1, 5]}, 400, "prompt", None),
     ("/v1/completions", {"prompt": "x" * 600}, 400, "prompt", "context_length_exceeded"),
@@ -315,6 +331,25 @@ def test_error_cases(srv, engine, path, body, status, param, code):
 def test_invalid_json_bodies(srv, raw):
     r = srv.http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path,raw,param", [
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "\ud800 hi"}]}', "messages[0].content"),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "\uDC00"]}',
+     "stop[1]"),
+    ("/v1/completions", rb'{"prompt": "x \udfff"}', "prompt"),
+    ("/tokenize", rb'{"prompt": "\ud83d"}', "prompt"),
+])
+def test_lone_surrogate_escapes_are_a_400(srv, engine, path, raw, param):
+    """JSON can carry half a UTF-16 pair ("\ud800"), which is no text: a clear 400 (it reached the
+    tokenizer as a 500); an escaped pair (an emoji) is fine."""
+    r = srv.http.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "lone UTF-16 surrogate" in err["message"]
+    ok = srv.http.post("/v1/chat/completions", content=rb'{"messages": [{"role": "user", "content": '
+                       rb'"\ud83d\ude00 hi"}], "max_tokens": 2}', headers={"content-type": "application/json"})
+    assert ok.status_code == 200, ok.text
 
 
 def test_openai_client_sees_openai_errors(srv):

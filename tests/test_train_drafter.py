@@ -57,14 +57,19 @@ def test_html_paragraphs():
 
 def test_dataset_from_the_engine_and_hidden_capture(tiny):
     prompts = [("math", "What is 2 + 3?"), ("math", "Compute 7 * 6.")]
-    ex = tdata.build_dataset(tiny, prompts, layers=(0, 2), final_norm=False, max_new_tokens=12, max_len=128)
+    answers = tdata.build_answers(tiny, prompts, max_new_tokens=12, max_len=128)
+    ex = tdata.examples_from_answers(tiny, answers, layers=(0, 2), final_norm=False)
     assert len(ex) == 2
     for e in ex:
         assert e.hidden.shape == (len(e.ids), 2 * 64) and e.prompt_len < len(e.ids)
     # the captured hidden states do not depend on what else was in the forward
     alone = tdata.capture_hidden(tiny, [ex[1].ids.tolist()], (0, 2))[0]
-    both = tdata.capture_hidden(tiny, [ex[0].ids.tolist(), ex[1].ids.tolist()], (0, 2))[1]
+    lines: list[str] = []
+    both = tdata.capture_hidden(tiny, [ex[0].ids.tolist(), ex[1].ids.tolist()], (0, 2), max_batch_tokens=1,
+                                progress=lines.append)[1]
     assert torch.equal(alone, both)
+    n = len(ex[0].ids) + len(ex[1].ids)
+    assert lines[-1] == f"hidden states: 2/2 sequences, {n}/{n} tokens" and len(lines) == 2
 
 
 # ---- training --------------------------------------------------------------------------------
@@ -260,3 +265,44 @@ def test_init_from_target_copies_the_last_layers(tiny):
         assert torch.equal(mine.ffn_norm.detach(), hf[pre + "post_attention_layernorm.weight"].float())
     with pytest.raises(SpecserveError, match="MLP width"):
         make_model("dflash", tiny, layers=1, intermediate_size=c.intermediate_size * 2, init_from_target=True)
+
+
+def test_init_from_fine_tunes_a_trained_drafter(tiny, tmp_path, capsys):
+    """--init-from starts from a trained drafter's weights (exactly), keeps its shape and draft
+    vocabulary size, records where it started, and counts both runs' answer tokens; options
+    that would change the shape, --resume, or another method's drafter are clear errors."""
+    import shutil
+
+    from specserve.cli import main
+    from specserve.spec.dflash import load_state, load_token_counts
+    from specserve.spec.train.trainer import model_from_drafter
+
+    def argv(out, *extra):
+        return ["train-drafter", "--model", str(tiny.resolved.path), "--method", "dflash", "--out", str(out),
+                "--data", "math:8", "--seq-len", "256", "--max-new-tokens", "16", "--quantization", "none",
+                "--threads", "1", "--batch", "2", "--eval-every", "0", "--warmup", "1", *extra]
+
+    src, tuned = tmp_path / "src", tmp_path / "tuned"
+    assert main(argv(src, "--answers-only")) == 0
+    assert main(argv(src, "--use-saved-answers", "--steps", "4", "--block-size", "4", "--layers", "2",
+                     "--draft-vocab-size", "200")) == 0
+    _, src_state = load_state(src)
+    start = model_from_drafter("dflash", str(src), tiny)
+    assert all(torch.equal(v, src_state[k]) for k, v in start.state_dict().items())
+    (tuned / "data").mkdir(parents=True)
+    shutil.copy(src / "data" / "answers.pt", tuned / "data" / "answers.pt")
+    assert main(argv(tuned, "--use-saved-answers", "--steps", "3", "--init-from", str(src))) == 0
+    cfg = json.loads((tuned / "config.json").read_text())
+    assert (cfg["block_size"], cfg["num_layers"], cfg["draft_vocab_size"]) == (4, 2, 200)
+    assert cfg["training"]["step"] == 3 and cfg["training"]["init_from"]["drafter"] == str(src.resolve())
+    assert cfg["training"]["init_from"]["training"]["step"] == 4
+    _, tuned_state = load_state(tuned)
+    assert any(not torch.equal(v, src_state[k]) for k, v in tuned_state.items())  # it trained
+    assert torch.equal(load_token_counts(tuned), 2 * load_token_counts(src))  # the same answers, twice
+
+    capsys.readouterr()
+    for extra, msg in ((["--layers", "1"], "--init-from keeps the drafter's shape; drop --layers"),
+                       (["--resume"], "--init-from starts a new run; --resume continues"),
+                       (["--method", "mtp"], "holds a 'dflash' drafter, not 'mtp'")):
+        assert main(argv(tmp_path / "bad", "--use-saved-answers", "--init-from", str(src), *extra)) == 1
+        assert msg in capsys.readouterr().err

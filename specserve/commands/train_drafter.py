@@ -32,9 +32,13 @@ def add_parser(sub) -> None:
     p.add_argument("--time-budget", type=float, default=None,
                    help="train for this many minutes, the learning-rate schedule following the time spent "
                         "(ends on time on any device; not bit-reproducible on --resume)")
-    p.add_argument("--block-size", type=int, default=8, help="dflash block size B (B-1 drafts per forward)")
-    p.add_argument("--layers", type=int, default=1, help="dflash drafter layers (1-5)")
-    p.add_argument("--target-layers", type=int, default=3, help="dflash: target layers to read")
+    p.add_argument("--init-from", default=None, metavar="DRAFTER",
+                   help="fine-tune a trained drafter (a train-drafter output directory or a catalog drafter "
+                        "such as smollm2-135m-dflash) instead of starting a fresh one; its shape is kept")
+    p.add_argument("--block-size", type=int, default=None, help="dflash block size B (B-1 drafts per forward; "
+                   "default 8)")
+    p.add_argument("--layers", type=int, default=None, help="dflash drafter layers (1-5; default 1)")
+    p.add_argument("--target-layers", type=int, default=None, help="dflash: target layers to read (default 3)")
     p.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: the target's)")
     p.add_argument("--init-from-target", action="store_true",
                    help="dflash: start the drafter's layers as copies of the target's last layers "
@@ -43,7 +47,7 @@ def add_parser(sub) -> None:
                    help="dflash: the drafter's default draft vocabulary (the target's LM head cut to this many "
                         "tokens, ranked by the training answers' token counts); the speculative config's "
                         "draft_vocab_size overrides it")
-    p.add_argument("--depth", type=int, default=3, help="mtp: chained steps trained")
+    p.add_argument("--depth", type=int, default=None, help="mtp: chained steps trained (default 3)")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -82,16 +86,31 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+SHAPE_OPTIONS = ("block_size", "layers", "target_layers", "intermediate_size", "depth", "init_from_target")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Option clashes, before the target loads."""
     if args.max_answers is not None and (args.max_answers < 1 or not args.use_saved_answers):
         raise SpecserveError("--max-answers N (N >= 1) goes with --use-saved-answers")
+    if args.init_from is not None:
+        if args.resume:
+            raise SpecserveError("--init-from starts a new run; --resume continues OUT/checkpoint (pick one)")
+        given = [o for o in SHAPE_OPTIONS if getattr(args, o) not in (None, False)]
+        if given:
+            raise SpecserveError(f"--init-from keeps the drafter's shape; drop --{given[0].replace('_', '-')}")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
     import torch
 
     from specserve.engine.builder import set_threads
     from specserve.models.loader import LoadOptions, load_model
-    from specserve.spec.dflash import save_token_counts, target_identity
+    from specserve.models.catalog import drafter_location
+    from specserve.spec.dflash import load_token_counts, save_token_counts, target_identity
     from specserve.spec.train.trainer import (FrozenTarget, HParams, Trainer, make_model, model_from_checkpoint,
-                                              split)
+                                              model_from_drafter, split)
 
     def say(msg: str) -> None:
         print(f"[train-drafter {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -108,10 +127,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.resume:
         model = model_from_checkpoint(args.method, out)
+    elif args.init_from is not None:
+        model = model_from_drafter(args.method, args.init_from, target)
+        say(f"fine-tuning {args.init_from}")
     else:
-        model = make_model(args.method, target, layers=args.layers, block_size=args.block_size,
-                           num_target_layers=args.target_layers, intermediate_size=args.intermediate_size,
-                           depth=args.depth, seed=args.seed, init_from_target=args.init_from_target)
+        model = make_model(args.method, target, layers=args.layers or 1, block_size=args.block_size or 8,
+                           num_target_layers=args.target_layers or 3, intermediate_size=args.intermediate_size,
+                           depth=args.depth or 3, seed=args.seed, init_from_target=args.init_from_target)
     if args.method == "dflash":
         layers, final_norm = tuple(model.cfg.target_layer_ids), False
     else:
@@ -147,10 +169,14 @@ def run(args: argparse.Namespace) -> int:
         say(f"final validation mean acceptance length {ev['mean_acceptance_length']:.3f} "
             f"(per position {', '.join(f'{x:.2f}' for x in ev['accept_rate_per_pos'])})")
     if args.method == "dflash":
-        model.cfg.draft_vocab_size = args.draft_vocab_size
+        if args.draft_vocab_size is not None:  # else a fine-tuned drafter's own default stays
+            model.cfg.draft_vocab_size = args.draft_vocab_size
         V = target.config.vocab_size
         answer_ids = torch.cat([e.ids[e.prompt_len:] for e in examples]).clamp(max=V - 1)
-        save_token_counts(torch.bincount(answer_ids, minlength=V), out)  # one op: cheap on any machine
+        counts = torch.bincount(answer_ids, minlength=V)  # one op: cheap on any machine
+        start = (model.cfg.training.get("init_from") or {}).get("drafter")  # also after --resume
+        before = None if start is None else load_token_counts(Path(drafter_location(start)))
+        save_token_counts(counts if before is None else counts + before[:V], out)  # all it was trained on
     trainer.export(getattr(torch, args.export_dtype))
     say(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}; use --speculative-config "
         + json.dumps(json.dumps({"method": args.method, "model": str(out)})))

@@ -108,6 +108,8 @@ class LLMEngine:
             raise RequestError("the prompt is empty", param="prompt")
         if any(not 0 <= t < self.target.config.vocab_size for t in prompt_ids):
             raise RequestError("the prompt has token ids outside the vocabulary", param="prompt")
+        if any(not 0 <= t < self.target.config.vocab_size for t, _ in params.logit_bias):
+            raise RequestError("logit_bias has token ids outside the vocabulary", param="logit_bias")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "

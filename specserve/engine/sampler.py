@@ -1,4 +1,4 @@
-"""Logit processing (penalties, temperature, top-k/top-p/min-p) and sampling.
+"""Logit processing (logit_bias, penalties, temperature, top-k/top-p/min-p) and sampling.
 
 All functions work on the rows of one sequence. Row j of a verification block is the
 distribution after the sequence's tokens plus the first j draft tokens, so penalties
@@ -14,11 +14,17 @@ from specserve.engine.types import SamplingParams, TokenLogprob
 
 def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
              drafts: list[int] = ()) -> torch.Tensor:
-    """logits: [R, V] for R consecutive positions -> penalized copy (R-1 <= len(drafts))."""
+    """logits: [R, V] for R consecutive positions -> copy with logit_bias added, then penalized
+    (R-1 <= len(drafts)); vLLM's order."""
     if not params.has_penalties:
         return logits
     out = logits.clone()
     vocab = logits.shape[-1]
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias)
+        out[:, list(ids)] += torch.tensor(bias, dtype=out.dtype)
+        if not (params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0):
+            return out
     counts = torch.bincount(torch.tensor(output_ids, dtype=torch.int64), minlength=vocab)[:vocab].float()
     seen = torch.zeros(vocab, dtype=torch.bool)
     if prompt_ids or output_ids:

@@ -31,6 +31,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives per token; None = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), as OpenAI's
 
     def __post_init__(self) -> None:
         checks = [
@@ -47,6 +48,10 @@ class SamplingParams:
         for ok, name, why in checks:
             if not ok:
                 raise RequestError(f"{name} {why}, got {getattr(self, name)!r}", param=name)
+        for tok, bias in self.logit_bias:
+            if not -100 <= bias <= 100:  # also NaN
+                raise RequestError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}",
+                                   param="logit_bias")
 
     @property
     def greedy(self) -> bool:
@@ -54,7 +59,9 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        """Whether logits are changed before sampling (logit_bias, penalties): see sampler.penalize."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 @dataclass

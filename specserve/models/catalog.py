@@ -139,6 +139,13 @@ def entry_path(entry: CatalogEntry, cache_dir: Path | None = None) -> Path:
     return (cache_dir or cache_root()) / "models" / entry.name / entry.filename
 
 
+def drafter_location(where: str) -> str:
+    """A speculative config's or train-drafter's drafter ``model``: a catalog drafter's shipped
+    directory for its name, anything else unchanged (a path)."""
+    entry = CATALOG.get(where)
+    return str(entry_path(entry)) if entry is not None and entry.kind == "drafter" else where
+
+
 def cached_status(entry: CatalogEntry, cache_dir: Path | None = None) -> str:
     """Cheap status (no hashing): 'bundled', 'missing', 'cached', 'verified', 'not cached' or 'corrupt: ...'."""
     path = entry_path(entry, cache_dir)

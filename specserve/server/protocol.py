@@ -9,6 +9,7 @@ serving modules; this module only fixes their error shape.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -82,6 +83,28 @@ def validation_error(errors: list[dict]) -> RequestError:
     return RequestError(f"invalid value for '{param}': {msg}" if param else msg, param=param)
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(obj: Any, path: str) -> str | None:
+    """The path (OpenAI param style) of the first string that cannot be UTF-8 encoded, or None."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        if isinstance(key, str) and _lone_surrogate(key, path) is not None:
+            return path or "body"
+        sub = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+        found = _lone_surrogate(value, sub)
+        if found is not None:
+            return found
+    return None
+
+
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """JSON bytes -> validated request model, or RequestError."""
     try:
@@ -90,6 +113,11 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         raise RequestError(f"invalid JSON body: {exc}", code="invalid_json") from exc
     if not isinstance(obj, dict):
         raise RequestError("request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):  # "\ud83d\ude00" pairs are fine; a lone half is not text
+        bad = _lone_surrogate(obj, "")
+        if bad is not None:
+            raise RequestError(f"invalid string in '{bad}': a lone UTF-16 surrogate escape (not valid Unicode)",
+                               param=bad, code="invalid_json")
     try:
         return model.model_validate(obj)
     except ValidationError as exc:
@@ -118,6 +146,10 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
+class ResponseFormat(_Lenient):
+    type: str
+
+
 class SamplingFields(_Lenient):
     """Fields shared by chat and completions requests."""
 
@@ -133,6 +165,8 @@ class SamplingFields(_Lenient):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -100,6 +100,14 @@ def check_n(ctx: ServingContext, n: int) -> None:
         raise RequestError(f"n must be between 1 and {ctx.cfg.max_n} (--max-n), got {n}", param="n")
 
 
+def check_response_format(req: SamplingFields) -> None:
+    """Plain text only: a JSON mode the server cannot enforce is refused, not silently ignored."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        raise RequestError(f"response_format type {fmt.type!r} is not supported (no guided decoding; "
+                           "only 'text')", param="response_format.type")
+
+
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
     """SamplingParams of choice ``choice``; with a seed, choice i uses seed + i. Raises RequestError."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -118,11 +126,27 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, 
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        logit_bias=logit_bias(req.logit_bias),
     )
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if not math.isfinite(values[name]):
             raise RequestError(f"{name} must be a finite number", param=name)
     return SamplingParams(**values)
+
+
+def logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} -> ((id, bias), ...) sorted by id; the values' range is
+    SamplingParams' check, the ids' range the engine's."""
+    out: dict[int, float] = {}
+    for key, bias in (raw or {}).items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise RequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if tok in out:
+            raise RequestError(f"logit_bias names token {tok} twice", param="logit_bias")
+        out[tok] = bias
+    return tuple(sorted(out.items()))
 
 
 def make_choices(prompts: list[list[int]], req: SamplingFields, max_tokens: list[int], logprobs: int | None,

@@ -13,7 +13,7 @@ from specserve.errors import RequestError
 from specserve.server.chat import prompt_opens_think
 from specserve.server.protocol import ChatCompletionRequest, error_body, parse_body
 from specserve.server.reasoning import ReasoningParser, make_parser, split_all
-from specserve.server.serving import (ServingContext, check_n, clean_logprob, make_choices, new_id, now,
+from specserve.server.serving import (ServingContext, check_n, check_response_format, clean_logprob, make_choices, new_id, now,
                                       resolve_max_tokens, timings, usage)
 from specserve.server.streaming import SSE_DONE, Choice, Fanout, SSEResponse, sse, start_fanout
 
@@ -34,6 +34,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     req = parse_body(await request.body(), ChatCompletionRequest)
     ctx.check_model(req.model)
     check_n(ctx, req.n)
+    check_response_format(req)
     top = requested_top_logprobs(req)
     prompt = ctx.renderer.render(req.messages, req.chat_template_kwargs, req.add_generation_prompt, req.tools)
     ids = ctx.engine.tokenizer.encode(prompt, add_special_tokens=False)

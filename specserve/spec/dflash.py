@@ -649,11 +649,9 @@ def build(spec, target: LoadedModel, options, ecfg, max_model_len: int) -> DFlas
     if not spec.model:
         raise SpecserveError('speculative config: method "dflash" needs "model" (a drafter directory '
                              "written by `specserve train-drafter --method dflash`)")
-    from specserve.models.catalog import CATALOG, entry_path
+    from specserve.models.catalog import drafter_location
 
-    where = spec.model
-    if where in CATALOG and CATALOG[where].kind == "drafter":
-        where = str(entry_path(CATALOG[where]))
+    where = drafter_location(spec.model)
     if spec.quantization not in (None, "none", "int8"):
         raise SpecserveError(f'speculative config: a dflash drafter runs in "int8" (the CPU default) or '
                              f'"none" (float32), not {spec.quantization!r}')

@@ -516,10 +516,7 @@ class _Shifted:
 
 
 def build(spec, target: LoadedModel, options, ecfg, max_model_len: int) -> MTPDrafter:
-    where = spec.model
-    if where:
-        from specserve.models.catalog import CATALOG, entry_path
+    from specserve.models.catalog import drafter_location
 
-        if where in CATALOG and CATALOG[where].kind == "drafter":
-            where = str(entry_path(CATALOG[where]))
+    where = drafter_location(spec.model) if spec.model else spec.model
     return MTPDrafter.load(where, target, PrefixStore.for_engine(ecfg))

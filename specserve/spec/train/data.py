@@ -214,7 +214,7 @@ def math_prompts(n: int, rng: random.Random) -> list[str]:
                        f"{c + 2 * (a % 9 + 1)}, ... Explain the formula you use.")
         else:
             claims = ["the sum of two odd numbers is even", "the product of two consecutive integers is even",
-                      f"n^2 + n is divisible by 2 for every integer n", "the square of an odd number is odd",
+                      "n^2 + n is divisible by 2 for every integer n", "the square of an odd number is odd",
                       "there is no largest even number", f"{c}n + {c} is divisible by {c} for every integer n"]
             out.append(f"Prove that {claims[(i // 12) % len(claims)]}.")
     return out
@@ -337,10 +337,10 @@ def generate_answers(target, prompts: list[list[int]], max_new_tokens: int, temp
 @torch.inference_mode()
 def capture_hidden(target, seqs: list[list[int]], layers: tuple[int, ...], final_norm: bool = False,
                    max_batch_tokens: int = 2048, dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu") -> list[torch.Tensor]:
+                   device: str | torch.device = "cpu", progress=None) -> list[torch.Tensor]:
     """Target hidden states of ``layers`` (concatenated, [T, len(layers)*H], float32 unless
     ``dtype``, on ``device``) for every token of each sequence; with final_norm, the target's
-    final norm is applied (one layer)."""
+    final norm is applied (one layer). progress: called with a line at every tenth of the tokens."""
     from specserve.models.layers import rms_norm
     from specserve.models.transformer import ForwardBatch, KVCache
 
@@ -349,7 +349,7 @@ def capture_hidden(target, seqs: list[list[int]], layers: tuple[int, ...], final
     bs = 16
     out: list[torch.Tensor] = [None] * len(seqs)  # type: ignore[list-item]
     order = list(range(len(seqs)))
-    i = 0
+    i, done, total_tokens, reported = 0, 0, sum(len(s) for s in seqs), 0
     while i < len(order):
         group, total = [], 0
         while i < len(order) and (not group or total + len(seqs[order[i]]) <= max_batch_tokens):
@@ -382,6 +382,10 @@ def capture_hidden(target, seqs: list[list[int]], layers: tuple[int, ...], final
             n = len(seqs[g])
             out[g] = feats[start:start + n].to(device=device, dtype=dtype)
             start += n
+        done += total
+        if progress and done * 10 // total_tokens > reported:
+            reported = done * 10 // total_tokens
+            progress(f"hidden states: {i}/{len(seqs)} sequences, {done}/{total_tokens} tokens")
     return out
 
 
@@ -476,18 +480,9 @@ def examples_from_answers(target, answers: list[Answer], *, layers: tuple[int, .
     if progress:
         progress(f"capturing hidden states of {len(answers)} sequences")
     hidden = capture_hidden(target, [a.ids for a in answers], layers, final_norm, max_batch_tokens,
-                            torch.bfloat16, device)
+                            torch.bfloat16, device, progress)
     return [Example(torch.tensor(a.ids, dtype=torch.int64), a.prompt_len, h, a.source)
             for a, h in zip(answers, hidden)]
-
-
-def build_dataset(target, prompts: list[tuple[str, str]], *, layers: tuple[int, ...], final_norm: bool,
-                  max_new_tokens: int, max_len: int, temperature: float = 0.0, seed: int = 0,
-                  max_num_seqs: int = 8, progress=None) -> list[Example]:
-    """Prompts -> the target's answers -> examples with captured hidden states."""
-    answers = build_answers(target, prompts, max_new_tokens=max_new_tokens, max_len=max_len,
-                            temperature=temperature, seed=seed, max_num_seqs=max_num_seqs, progress=progress)
-    return examples_from_answers(target, answers, layers=layers, final_norm=final_norm, progress=progress)
 
 
 def save_dataset(examples: list[Example], path: Path, meta: dict) -> None:

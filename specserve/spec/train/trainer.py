@@ -319,7 +319,8 @@ class Trainer:
     # ---- checkpoints ------------------------------------------------------------------------
     def cfg_json(self) -> dict:
         cfg = self.model.cfg.to_json()
-        cfg["training"] = {"hparams": self.hp.to_json(), "step": self.state.step}
+        start = {k: v for k, v in (cfg.get("training") or {}).items() if k == "init_from"}
+        cfg["training"] = {"hparams": self.hp.to_json(), "step": self.state.step, **start}
         return cfg
 
     def save_checkpoint(self) -> None:
@@ -400,6 +401,29 @@ def model_from_checkpoint(method: str, out: Path) -> torch.nn.Module:
     if cfg.get("drafter") != method:
         raise SpecserveError(f"--resume: {out} holds a {cfg.get('drafter')!r} drafter, not {method!r}")
     return DFlashModel(DFlashConfig.from_json(cfg)) if method == "dflash" else MTPModel(MTPConfig.from_json(cfg))
+
+
+def model_from_drafter(method: str, where: str, target) -> torch.nn.Module:
+    """A drafter to fine-tune: the weights and config of a trained one (a directory written by
+    train-drafter, or a catalog drafter's name), float32 (int8 exports are dequantized), checked
+    against ``target``. Its config records where it started (``training.init_from``)."""
+    from specserve.models.catalog import drafter_location
+    from specserve.spec.dflash import check_target, load_state
+
+    directory = Path(drafter_location(where)).expanduser()
+    raw, state = load_state(directory)
+    if raw.get("drafter") != method:
+        raise SpecserveError(f"--init-from: {where} holds a {raw.get('drafter')!r} drafter, not {method!r}")
+    check_target(raw.get("target", {}), target, str(directory))
+    cfg = DFlashConfig.from_json(raw) if method == "dflash" else MTPConfig.from_json(raw)
+    name = where if drafter_location(where) != where else str(directory.resolve())  # a path: absolute
+    cfg.training = {"init_from": {"drafter": name, "training": raw.get("training", {})}}
+    model = DFlashModel(cfg) if method == "dflash" else MTPModel(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise SpecserveError(f"--init-from: {directory}/model.safetensors does not match its config "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return model
 
 
 def split(examples: list[Example], val_fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
