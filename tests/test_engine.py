@@ -103,7 +103,9 @@ def test_logit_bias_steers_and_bans_tokens(engine, prompts):
     banned = run_one(engine, prompts[0], SamplingParams(max_tokens=4, logit_bias=((plain[0], -100.0),)))[0]
     assert banned[0] != plain[0] and plain[0] not in banned
     assert run_one(engine, prompts[0], SamplingParams(max_tokens=3, logit_bias=((1234, 100.0),)))[0] == [1234] * 3
-    with pytest.raises(RequestError, match="logit_bias has token ids outside the vocabulary"):
+    with pytest.raises(RequestError, match=r"logit_bias: token id 1000000 is outside the vocabulary \[0, 49152\)"):
         engine.add_request("lb", prompts[0], SamplingParams(max_tokens=2, logit_bias=((10**6, 1.0),)))
+    with pytest.raises(RequestError, match="stop_token_ids: token id -5 is outside"):
+        engine.add_request("st", prompts[0], SamplingParams(max_tokens=2, stop_token_ids=(2, -5)))
     with pytest.raises(RequestError, match=r"logit_bias values must be in \[-100, 100\]"):
         SamplingParams(logit_bias=((5, 101.0),))

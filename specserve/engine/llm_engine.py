@@ -106,10 +106,14 @@ class LLMEngine:
         """Raise RequestError for a request this engine can never serve."""
         if not prompt_ids:
             raise RequestError("the prompt is empty", param="prompt")
-        if any(not 0 <= t < self.target.config.vocab_size for t in prompt_ids):
+        vocab = self.target.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError("the prompt has token ids outside the vocabulary", param="prompt")
-        if any(not 0 <= t < self.target.config.vocab_size for t, _ in params.logit_bias):
-            raise RequestError("logit_bias has token ids outside the vocabulary", param="logit_bias")
+        named = (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids))
+        for name, ids in named:
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})", param=name)
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "

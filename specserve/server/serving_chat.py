@@ -13,8 +13,8 @@ from specserve.errors import RequestError
 from specserve.server.chat import prompt_opens_think
 from specserve.server.protocol import ChatCompletionRequest, error_body, parse_body
 from specserve.server.reasoning import ReasoningParser, make_parser, split_all
-from specserve.server.serving import (ServingContext, check_n, check_response_format, clean_logprob, make_choices, new_id, now,
-                                      resolve_max_tokens, timings, usage)
+from specserve.server.serving import (ServingContext, check_n, check_response_format, clean_logprob, make_choices,
+                                      new_id, now, resolve_max_tokens, timings, usage)
 from specserve.server.streaming import SSE_DONE, Choice, Fanout, SSEResponse, sse, start_fanout
 
 logger = logging.getLogger("specserve.server")

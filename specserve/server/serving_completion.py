@@ -11,8 +11,8 @@ from starlette.responses import JSONResponse, Response
 from specserve.engine.types import TokenLogprob
 from specserve.errors import RequestError
 from specserve.server.protocol import CompletionRequest, error_body, parse_body
-from specserve.server.serving import (ServingContext, check_n, check_response_format, clean_logprob, make_choices, new_id, now,
-                                      resolve_max_tokens, timings, usage)
+from specserve.server.serving import (ServingContext, check_n, check_response_format, clean_logprob, make_choices,
+                                      new_id, now, resolve_max_tokens, timings, usage)
 from specserve.server.streaming import SSE_DONE, Choice, Fanout, SSEResponse, sse, start_fanout
 
 logger = logging.getLogger("specserve.server")
