@@ -468,3 +468,16 @@ def test_int8_export_rebuilds_the_int8_inference_weights(tiny, tmp_path):
         assert state[name].shape == w.shape and ((state[name] - w).abs() <= step / 2 + 1e-7).all(), name
     d8 = DFlashDrafter.load(tmp_path / "q", tiny, weights="int8")
     assert torch.equal(d8.model.layers[0].gate.weight_q.q, ops.Int8Weight.from_float(m.layers[0].gate.weight).q)
+
+
+def test_sure_prefix_stops_at_the_first_unsure_draft():
+    from specserve.spec.dflash import sure_prefix
+    from specserve.spec.drafter import Proposal
+
+    logits = torch.tensor([[5.0, 0.0, 0.0], [0.0, 0.2, 0.0], [9.0, 0.0, 0.0]])  # row 1 is unsure
+    prop = Proposal([0, 1, 0])
+    assert sure_prefix(prop, logits, 0.5).token_ids == [0]
+    assert sure_prefix(prop, logits, 0.3).token_ids == [0, 1, 0]  # row 1's top is 0.36
+    probs = torch.tensor([[0.9, 0.1, 0.0], [0.8, 0.2, 0.0], [0.4, 0.3, 0.3]])  # sampling: the returned rows
+    cut = sure_prefix(Proposal([0, 0, 2], probs), logits, 0.5)
+    assert cut.token_ids == [0, 0] and torch.equal(cut.probs, probs[:2])

@@ -55,10 +55,15 @@ def test_draft_vocab_and_quantization_keys_are_validated():
     from specserve.spec.config import parse_spec_config
 
     ok = parse_spec_config('{"method": "draft_model", "model": "m", "quantization": "q4_0", "draft_vocab_size": 32768}')
-    assert ok.quantization == "q4_0" and ok.draft_vocab_size == 32768
+    assert ok.quantization == "q4_0" and ok.draft_vocab_size == 32768 and ok.draft_p_min == 0.0
+    assert parse_spec_config('{"method": "dflash", "model": "m", "draft_p_min": 0.75}').draft_p_min == 0.75
     for bad, says in (('{"method": "ngram", "draft_vocab_size": 1000}', "draft_model"),
                       ('{"method": "draft_model", "model": "m", "draft_vocab_size": 10}', ">= 256"),
                       ('{"method": "draft_model", "model": "m", "draft_vocab_size": "big"}', "draft_vocab_size"),
-                      ('{"method": "draft_model", "model": "m", "quantization": "q3"}', "q3")):
+                      ('{"method": "draft_model", "model": "m", "quantization": "q3"}', "q3"),
+                      ('{"method": "ngram", "draft_p_min": 0.5}', "draft_p_min applies to"),
+                      ('{"method": "dflash", "model": "m", "draft_p_min": 1}', r"draft_p_min must be in \[0, 1\)"),
+                      ('{"method": "dflash", "model": "m", "draft_p_min": true}', "must be a number"),
+                      ('{"method": "ngram", "adaptive": 1}', "must be bool")):
         with pytest.raises(SpecserveError, match=says):
             parse_spec_config(bad)

@@ -1,5 +1,7 @@
 """Greedy output with speculation is token-for-token the greedy output without it."""
 
+import json
+
 import pytest
 
 from engine_utils import bench_prompts, chat_ids, make_engine, run_all
@@ -99,3 +101,25 @@ def test_logit_bias_with_speculation_equals_plain(prompts_and_plain, spec):
     engine = make_engine("--model", "smollm2-135m", "--max-num-seqs", "4", "--speculative-config", spec)
     assert run_all(engine, prompts, params) == want
     assert engine.totals.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("spec,k", [
+    ({"method": "draft_model", "model": "smollm2-135m", "quantization": "q4_0"}, 4),
+    ({"method": "dflash", "model": "smollm2-135m-dflash"}, 7),
+])
+def test_draft_p_min_cuts_unsure_drafts_and_stays_lossless(prompts_and_plain, spec, k):
+    """draft_p_min (llama.cpp's --draft-p-min): a draft stops at a token the draft gives less
+    than p_min; fewer drafts are verified, more of them are accepted, the output is unchanged."""
+    prompts, plain = prompts_and_plain
+    prompts, plain = prompts[:6], plain[:6]
+    params = SamplingParams(max_tokens=128)
+    rates = {}
+    for p_min in (0.0, 0.8):
+        cfg = dict(spec, num_speculative_tokens=k, adaptive=False, draft_p_min=p_min)
+        engine = make_engine("--model", "smollm2-135m", "--max-num-seqs", "6", "--speculative-config",
+                             json.dumps(cfg))
+        assert run_all(engine, prompts, params) == plain
+        t = engine.totals
+        rates[p_min] = (t.draft_tokens / t.steps, t.accepted_tokens / max(t.draft_tokens, 1))
+    assert rates[0.0][0] > 0.9 * k and rates[0.8][0] < 0.75 * k, rates  # drafts cut (fewer near max_tokens)
+    assert rates[0.8][1] > rates[0.0][1], rates  # and the ones kept are accepted more often

@@ -23,6 +23,7 @@ class SpecConfig:
     adaptive: bool = True  # adapt the draft length to acceptance and verification cost
     quantization: str | None = None  # draft model weight format (default: the target's)
     draft_vocab_size: int | None = None  # draft_model / dflash: cut the draft's LM head to this many tokens
+    draft_p_min: float = 0.0  # draft_model / dflash: stop the draft at a token the draft gives less (llama.cpp)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -42,12 +43,19 @@ class SpecConfig:
                                      "\"dflash\" only")
             if self.draft_vocab_size < 256:
                 raise SpecserveError(f"speculative config: draft_vocab_size must be >= 256, got {self.draft_vocab_size}")
+        if self.draft_p_min:
+            if self.method not in ("draft_model", "dflash"):
+                raise SpecserveError("speculative config: draft_p_min applies to methods \"draft_model\" and "
+                                     "\"dflash\" only")
+            if not 0 <= self.draft_p_min < 1:
+                raise SpecserveError(f"speculative config: draft_p_min must be in [0, 1), got {self.draft_p_min}")
         if self.method in ("draft_model", "dflash") and not self.model:
             raise SpecserveError(f"speculative config: method {self.method!r} needs \"model\"")
 
 
 _TYPES = {"method": str, "num_speculative_tokens": int, "prompt_lookup_min": int, "prompt_lookup_max": int,
-          "model": str, "adaptive": bool, "quantization": str, "draft_vocab_size": int}
+          "model": str, "adaptive": bool, "quantization": str, "draft_vocab_size": int,
+          "draft_p_min": (int, float)}
 
 
 def parse_spec_config(text: str | dict | None) -> SpecConfig | None:
@@ -68,8 +76,9 @@ def parse_spec_config(text: str | dict | None) -> SpecConfig | None:
         if key not in known:
             raise SpecserveError(f"speculative config: unknown key {key!r} (known: {', '.join(sorted(known))})")
         want = _TYPES[key]
-        if value is not None and (not isinstance(value, want) or (want is int and isinstance(value, bool))):
-            raise SpecserveError(f"speculative config: {key!r} must be {want.__name__}, got {value!r}")
+        if value is not None and (not isinstance(value, want) or (want is not bool and isinstance(value, bool))):
+            kind = "a number" if isinstance(want, tuple) else want.__name__
+            raise SpecserveError(f"speculative config: {key!r} must be {kind}, got {value!r}")
     if "method" not in data:
         raise SpecserveError("speculative config: missing key 'method'")
     return SpecConfig(**data)

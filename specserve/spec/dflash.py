@@ -436,8 +436,9 @@ class DFlashDrafter(Drafter):
     has_cost = True
 
     def __init__(self, model: DFlashModel, target: LoadedModel, vocab: DraftVocab | None = None,
-                 store: PrefixStore | None = None):
+                 store: PrefixStore | None = None, p_min: float = 0.0):
         self.model = model.eval().requires_grad_(False).to(target.model.device)
+        self.p_min = p_min  # proposals stop at the first draft under it (see sure_prefix)
         self.cfg = model.cfg
         self.head = TargetHead(target)
         self.vocab = vocab  # None: drafts come from the target's full LM head
@@ -447,7 +448,7 @@ class DFlashDrafter(Drafter):
 
     @classmethod
     def load(cls, directory: str | Path, target: LoadedModel, draft_vocab_size: int | None = None,
-             weights: str = "float32", store: PrefixStore | None = None) -> "DFlashDrafter":
+             weights: str = "float32", store: PrefixStore | None = None, p_min: float = 0.0) -> "DFlashDrafter":
         """A trained drafter. Its drafts come from the target's LM head cut to ``draft_vocab_size``
         tokens (default: the drafter's config; None there: the full head), ranked by the token
         counts of its training answers (``token_counts.safetensors``) or, without that file, of
@@ -476,7 +477,7 @@ class DFlashDrafter(Drafter):
         if size and size < target.model.lm_head.out_features:
             vocab = DraftVocab(target.model, frequent_ids(target.tokenizer, size, cache_root(),
                                                           load_token_counts(directory)))
-        return cls(model, target, vocab, store)
+        return cls(model, target, vocab, store, p_min)
 
     def weight_bytes(self) -> int:
         packed = sum(m.weight_q.nbytes for m in self.model.modules() if isinstance(m, KernelLinear))
@@ -613,7 +614,8 @@ class DFlashDrafter(Drafter):
                 self.vocab.add(seq.token_ids[st.vocab_seen:])  # the prompt, then tokens since the last draft
                 st.vocab_seen = seq.num_tokens
                 logits = self.vocab.logits(h.to(self.head.model.dtype).contiguous())  # [k, V], -inf outside
-            out.append(pick_tokens(seq, logits, st.generator))
+            prop = pick_tokens(seq, logits, st.generator)
+            out.append(prop if not self.p_min else sure_prefix(prop, logits, self.p_min))
             dt = time.perf_counter() - t0
             self.step_time = dt if not self.step_time else 0.8 * self.step_time + 0.2 * dt
         return out
@@ -621,6 +623,17 @@ class DFlashDrafter(Drafter):
     def draft_cost(self, k: int) -> float:
         # one forward yields the whole block: any k costs one forward
         return self.step_time if k > 0 else 0.0
+
+
+def sure_prefix(prop: Proposal, logits: torch.Tensor, p_min: float) -> Proposal:
+    """The drafts before the first one whose row gives its top token less than p_min (the
+    returned distribution when sampling, the softmax of the draft logits [k, V] when greedy)."""
+    rows = prop.probs if prop.probs is not None else torch.softmax(logits.float(), -1)
+    unsure = (rows.amax(-1) < p_min).nonzero()
+    if not len(unsure):
+        return prop
+    n = int(unsure[0])
+    return Proposal(prop.token_ids[:n], None if prop.probs is None else prop.probs[:n])
 
 
 def pick_tokens(seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None) -> Proposal:
@@ -656,4 +669,5 @@ def build(spec, target: LoadedModel, options, ecfg, max_model_len: int) -> DFlas
         raise SpecserveError(f'speculative config: a dflash drafter runs in "int8" (the CPU default) or '
                              f'"none" (float32), not {spec.quantization!r}')
     weights = "float32" if spec.quantization == "none" else "int8"
-    return DFlashDrafter.load(where, target, spec.draft_vocab_size, weights, PrefixStore.for_engine(ecfg))
+    return DFlashDrafter.load(where, target, spec.draft_vocab_size, weights, PrefixStore.for_engine(ecfg),
+                              spec.draft_p_min)

@@ -46,8 +46,9 @@ class DraftModelDrafter(Drafter):
     has_cost = True
 
     def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int, max_model_len: int,
-                 prefix_caching: bool = True, vocab: DraftVocab | None = None):
+                 prefix_caching: bool = True, vocab: DraftVocab | None = None, p_min: float = 0.0):
         self.draft = draft
+        self.p_min = p_min  # stop a sequence's draft at a token the draft gives less probability
         self.model = draft.model
         self.vocab = vocab  # None: the full LM head
         self.kv = KVCache.allocate(draft.config, num_blocks, block_size, self.model.dtype, self.model.device)
@@ -69,7 +70,8 @@ class DraftModelDrafter(Drafter):
         vocab = None
         if spec.draft_vocab_size and spec.draft_vocab_size < draft.model.lm_head.out_features:
             vocab = DraftVocab(draft.model, frequent_ids(draft.tokenizer, spec.draft_vocab_size, cache_root()))
-        return cls(draft, int(num_blocks), ecfg.block_size, max_model_len, ecfg.enable_prefix_caching, vocab)
+        return cls(draft, int(num_blocks), ecfg.block_size, max_model_len, ecfg.enable_prefix_caching, vocab,
+                   spec.draft_p_min)
 
     def weight_bytes(self) -> int:
         return self.model.weight_bytes()
@@ -97,23 +99,30 @@ class DraftModelDrafter(Drafter):
         while active:
             rows = [(s, (s.token_ids + drafts[id(s)])[self._state(s).num_computed:]) for s, _ in active]
             logits = self._forward(rows)
-            for (s, _), lg in zip(active, logits):
-                self._pick(s, lg, drafts[id(s)], probs[id(s)])
-            active = [(s, k) for s, k in active if len(drafts[id(s)]) < k]
+            sure = [self._pick(s, lg, drafts[id(s)], probs[id(s)]) for (s, _), lg in zip(active, logits)]
+            active = [(s, k) for (s, k), ok in zip(active, sure) if ok and len(drafts[id(s)]) < k]
         for s, _ in active_all:
             self._state(s).drafts = drafts[id(s)]
         return [Proposal(drafts.get(id(s), []), torch.stack(probs[id(s)]) if probs.get(id(s)) else None)
                 for s in seqs]
 
-    def _pick(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], probs: list[torch.Tensor]) -> None:
-        """logits: [1, V] -> append the next draft token (and its distribution when sampling)."""
+    def _pick(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], probs: list[torch.Tensor]) -> bool:
+        """logits: [1, V] -> append the next draft token (and its distribution when sampling);
+        False, appending nothing, when the draft's top probability is under p_min (llama.cpp's
+        --draft-p-min: drafting stops where the draft is unsure; a rule on the draft alone, so
+        verification stays exact)."""
         lg = sampler.penalize(logits, seq.params, seq.prompt_ids, seq.output_ids + drafts)
         if seq.params.greedy:
+            if self.p_min and float(torch.softmax(lg[0].float(), -1).max()) < self.p_min:
+                return False
             drafts.append(int(lg[0].argmax()))
-            return
+            return True
         q = sampler.probs_from_logits(lg, seq.params)[0]
+        if self.p_min and float(q.max()) < self.p_min:
+            return False
         drafts.append(sampler.sample_from(q, self._state(seq).generator))
         probs.append(q)
+        return True
 
     def _forward(self, rows: list[tuple[Sequence, list[int]]]) -> list[torch.Tensor]:
         """Run the draft model over each sequence's pending tokens; logits of each last row."""
