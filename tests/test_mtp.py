@@ -198,3 +198,35 @@ def test_lossless_greedy_smollm2_mtp(tmp_path):
     eng = make_engine("--model", "smollm2-135m", "--max-num-seqs", "4", "--speculative-config", spec)
     assert run_all(eng, prompts, params) == want
     assert eng.totals.draft_tokens > 0 and eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_draft_p_min_stops_the_chain(tiny, tmp_path):
+    """draft_p_min: the chain stops at the first draft whose row's top probability is under it
+    (no further chain steps); greedy output stays equal to plain greedy."""
+    from engine_utils import run_all
+
+    head = random_head(tiny, seed=4)
+    save_drafter(head, head.cfg.to_json(), tmp_path / "h")
+    samp = SamplingParams(max_tokens=30, temperature=0.7, seed=5, ignore_eos=True)
+
+    def propose(p_min: float):
+        d = MTPDrafter.load(str(tmp_path / "h"), tiny, p_min=p_min)
+        seq = _seq(list(range(60, 75)), 10, samp)
+        d.observe(seq, {tiny.config.num_layers - 1: torch.randn(14, 64, generator=torch.Generator().manual_seed(1))},
+                  list(range(14)))
+        return d.propose([seq], [3])[0]
+
+    full = propose(0.0)
+    tops = full.probs.amax(-1)
+    assert propose(float(tops.min()) * 0.999).token_ids == full.token_ids
+    assert propose(float(tops[0]) * 1.001).token_ids == []
+
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 21, 40)]
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = run_all(_engine(tiny), prompts, greedy)
+    counts = []
+    for p_min in (0.0, 0.3):
+        eng = _engine(tiny, MTPDrafter.load(str(tmp_path / "h"), tiny, p_min=p_min))
+        assert run_all(eng, prompts, greedy) == plain
+        counts.append(eng.totals.draft_tokens)
+    assert counts[1] < counts[0]

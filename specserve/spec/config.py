@@ -23,7 +23,7 @@ class SpecConfig:
     adaptive: bool = True  # adapt the draft length to acceptance and verification cost
     quantization: str | None = None  # draft model weight format (default: the target's)
     draft_vocab_size: int | None = None  # draft_model / dflash: cut the draft's LM head to this many tokens
-    draft_p_min: float = 0.0  # draft_model / dflash: stop the draft at a token the draft gives less (llama.cpp)
+    draft_p_min: float = 0.0  # draft_model / dflash / mtp: stop the draft at a token the draft gives less
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -44,9 +44,9 @@ class SpecConfig:
             if self.draft_vocab_size < 256:
                 raise SpecserveError(f"speculative config: draft_vocab_size must be >= 256, got {self.draft_vocab_size}")
         if self.draft_p_min:
-            if self.method not in ("draft_model", "dflash"):
-                raise SpecserveError("speculative config: draft_p_min applies to methods \"draft_model\" and "
-                                     "\"dflash\" only")
+            if self.method == "ngram":
+                raise SpecserveError("speculative config: draft_p_min applies to methods \"draft_model\", "
+                                     "\"dflash\" and \"mtp\" (ngram drafts have no probabilities)")
             if not 0 <= self.draft_p_min < 1:
                 raise SpecserveError(f"speculative config: draft_p_min must be in [0, 1), got {self.draft_p_min}")
         if self.method in ("draft_model", "dflash") and not self.model:

@@ -51,7 +51,7 @@ from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
 from specserve.models.loader import LoadedModel
 from specserve.spec.dflash import (CONTEXT_TRIM, DecoderLayer, TargetHead, check_target, load_state,
-                                   pick_tokens, rms, target_identity)
+                                   pick_tokens, rms, sure_prefix, target_identity)
 from specserve.spec.drafter import Drafter, Proposal
 from specserve.spec.prefix_store import PrefixStore
 
@@ -313,8 +313,10 @@ class MTPDrafter(Drafter):
     name = "mtp"
     has_cost = True
 
-    def __init__(self, model: MTPModel, target: LoadedModel, store: PrefixStore | None = None):
+    def __init__(self, model: MTPModel, target: LoadedModel, store: PrefixStore | None = None,
+                 p_min: float = 0.0):
         self.store = store  # None: prefix-cache hits start with no context
+        self.p_min = p_min  # the chain stops at a draft whose top probability is under it
         self.model = model.eval().requires_grad_(False).to(target.model.device)
         self.cfg = model.cfg
         self.head = TargetHead(target)
@@ -324,7 +326,8 @@ class MTPDrafter(Drafter):
         self.step_time = 0.0
 
     @classmethod
-    def load(cls, where: str | Path | None, target: LoadedModel, store: PrefixStore | None = None) -> "MTPDrafter":
+    def load(cls, where: str | Path | None, target: LoadedModel, store: PrefixStore | None = None,
+             p_min: float = 0.0) -> "MTPDrafter":
         if where:
             p = Path(where).expanduser()
             if p.is_dir() and (p / "config.json").is_file() and \
@@ -332,7 +335,7 @@ class MTPDrafter(Drafter):
                 raw, state = load_state(p)
                 cfg = MTPConfig.from_json(raw)
                 check_target(cfg.target, target, str(p))
-                return cls._from_state(cfg, state, target, str(p), store)
+                return cls._from_state(cfg, state, target, str(p), store, p_min)
             state, source = read_checkpoint_mtp(p)
             if not state:
                 raise SpecserveError(f"{p} has no MTP head (no mtp.* / nextn tensors) and is not a drafter "
@@ -343,11 +346,11 @@ class MTPDrafter(Drafter):
                 raise SpecserveError(f"{target.name} ships no MTP head; train one with `specserve train-drafter "
                                      f"--model {target.name} --method mtp --out DIR` and pass "
                                      '\'{"method": "mtp", "model": DIR}\'')
-        return cls._from_state(config_from_state(state, target, source), state, target, source, store)
+        return cls._from_state(config_from_state(state, target, source), state, target, source, store, p_min)
 
     @classmethod
     def _from_state(cls, cfg: MTPConfig, state: dict, target: LoadedModel, where: str,
-                    store: PrefixStore | None = None) -> "MTPDrafter":
+                    store: PrefixStore | None = None, p_min: float = 0.0) -> "MTPDrafter":
         model = MTPModel(cfg)
         if "norm" not in state:  # no shared-head norm of its own: the target's final norm
             state = {**state, "norm": target.model.final_norm.float().cpu()}
@@ -355,7 +358,7 @@ class MTPDrafter(Drafter):
         if missing or unexpected:
             raise SpecserveError(f"MTP weights in {where} do not match the head's layout "
                                  f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
-        return cls(model, target, store)
+        return cls(model, target, store, p_min)
 
     def weight_bytes(self) -> int:
         return self.module_bytes(self.model)
@@ -476,6 +479,10 @@ class MTPDrafter(Drafter):
         for s in range(k):
             logits = self.head.logits(self.model.out_norm(g)[None])
             prop = pick_tokens(_Shifted(seq, drafts), logits, generator)
+            if self.p_min:
+                prop = sure_prefix(prop, logits, self.p_min)
+                if not prop.token_ids:
+                    break  # unsure: no further chain steps
             drafts += prop.token_ids
             if prop.probs is not None:
                 probs.append(prop.probs[0])
@@ -519,4 +526,4 @@ def build(spec, target: LoadedModel, options, ecfg, max_model_len: int) -> MTPDr
     from specserve.models.catalog import drafter_location
 
     where = drafter_location(spec.model) if spec.model else spec.model
-    return MTPDrafter.load(where, target, PrefixStore.for_engine(ecfg))
+    return MTPDrafter.load(where, target, PrefixStore.for_engine(ecfg), spec.draft_p_min)
