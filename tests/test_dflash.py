@@ -470,14 +470,24 @@ def test_int8_export_rebuilds_the_int8_inference_weights(tiny, tmp_path):
     assert torch.equal(d8.model.layers[0].gate.weight_q.q, ops.Int8Weight.from_float(m.layers[0].gate.weight).q)
 
 
-def test_sure_prefix_stops_at_the_first_unsure_draft():
-    from specserve.spec.dflash import sure_prefix
-    from specserve.spec.drafter import Proposal
+def test_pick_tokens_p_min_stops_at_the_first_unsure_draft():
+    """p_min cuts the drafts at the first row whose top probability is under it: the softmax of
+    the (processed) logits when greedy, the returned warped rows when sampling; the same rule
+    with logit_bias (the per-row path) and after earlier drafts (a chain)."""
+    from specserve.spec.drafter import pick_tokens
 
     logits = torch.tensor([[5.0, 0.0, 0.0], [0.0, 0.2, 0.0], [9.0, 0.0, 0.0]])  # row 1 is unsure
-    prop = Proposal([0, 1, 0])
-    assert sure_prefix(prop, logits, 0.5).token_ids == [0]
-    assert sure_prefix(prop, logits, 0.3).token_ids == [0, 1, 0]  # row 1's top is 0.36
-    probs = torch.tensor([[0.9, 0.1, 0.0], [0.8, 0.2, 0.0], [0.4, 0.3, 0.3]])  # sampling: the returned rows
-    cut = sure_prefix(Proposal([0, 0, 2], probs), logits, 0.5)
-    assert cut.token_ids == [0, 0] and torch.equal(cut.probs, probs[:2])
+    greedy = _seq([0, 1], 2)
+    assert pick_tokens(greedy, logits, None).token_ids == [0, 1, 0]
+    assert pick_tokens(greedy, logits, None, p_min=0.5).token_ids == [0]
+    assert pick_tokens(greedy, logits, None, p_min=0.3).token_ids == [0, 1, 0]  # row 1's top is 0.36
+    biased = _seq([0, 1], 2, SamplingParams(logit_bias=((1, 3.0),)))  # row 1 becomes sure of token 1
+    assert pick_tokens(biased, logits, None, p_min=0.5).token_ids == [0, 1, 0]
+    pen = _seq([0, 1], 2, SamplingParams(frequency_penalty=2.0, presence_penalty=2.0))
+    assert pick_tokens(pen, logits, None, p_min=0.45).token_ids == [0, 1, 0]
+    assert pick_tokens(pen, logits, None, earlier=[0, 0], p_min=0.45).token_ids == []  # earlier drafts count
+    samp = _seq([0, 1], 2, SamplingParams(temperature=1.0, seed=0))
+    full = pick_tokens(samp, logits, torch.Generator().manual_seed(0))
+    cut = pick_tokens(samp, logits, torch.Generator().manual_seed(0), p_min=0.5)
+    assert len(full.token_ids) == 3 and cut.token_ids == full.token_ids[:1]
+    assert torch.equal(cut.probs, full.probs[:1]) and float(full.probs[1].max()) < 0.5 <= float(full.probs[0].max())

@@ -16,15 +16,15 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int]
              drafts: list[int] = ()) -> torch.Tensor:
     """logits: [R, V] for R consecutive positions -> copy with logit_bias added, then penalized
     (R-1 <= len(drafts)); vLLM's order."""
-    if not params.has_penalties:
+    if not params.modifies_logits:
         return logits
     out = logits.clone()
     vocab = logits.shape[-1]
     if params.logit_bias:
         ids, bias = zip(*params.logit_bias)
         out[:, list(ids)] += torch.tensor(bias, dtype=out.dtype)
-        if not (params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0):
-            return out
+    if not params.has_penalties:
+        return out
     counts = torch.bincount(torch.tensor(output_ids, dtype=torch.int64), minlength=vocab)[:vocab].float()
     seen = torch.zeros(vocab, dtype=torch.bool)
     if prompt_ids or output_ids:

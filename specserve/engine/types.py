@@ -59,9 +59,12 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Whether logits are changed before sampling (logit_bias, penalties): see sampler.penalize."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def modifies_logits(self) -> bool:
+        """Whether logits change before sampling (logit_bias, penalties): see sampler.penalize."""
+        return self.has_penalties or bool(self.logit_bias)
 
 
 @dataclass

@@ -55,14 +55,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.engine import sampler
 from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
 from specserve.kernels import ops
 from specserve.models.catalog import cache_root
 from specserve.models.loader import LoadedModel
 from specserve.spec.draft_vocab import DraftVocab, frequent_ids
-from specserve.spec.drafter import Drafter, Proposal
+from specserve.spec.drafter import Drafter, Proposal, pick_tokens
 from specserve.spec.prefix_store import PrefixStore
 
 CONTEXT_TRIM = 64  # the per-sequence context cache is trimmed in chunks of this many positions
@@ -391,6 +390,25 @@ def load_state(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return cfg, state
 
 
+def load_dflash_model(directory: Path, target: LoadedModel) -> DFlashModel:
+    """The float32 DFlashModel a drafter directory holds (int8 exports dequantized), checked
+    against ``target`` (vocabulary, hidden size, layers it reads)."""
+    raw, state = load_state(directory)
+    if raw.get("drafter") != "dflash":
+        raise SpecserveError(f"{directory} holds a {raw.get('drafter')!r} drafter, not 'dflash'")
+    cfg = DFlashConfig.from_json(raw)
+    check_target(cfg.target, target, str(directory))
+    if max(cfg.target_layer_ids) >= target.config.num_layers:
+        raise SpecserveError(f"drafter {directory} reads target layer {max(cfg.target_layer_ids)}, but "
+                             f"{target.name} has {target.config.num_layers} layers")
+    model = DFlashModel(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise SpecserveError(f"{directory}/model.safetensors does not match its config "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return model
+
+
 # ---- the drafter ------------------------------------------------------------------------------
 class KernelLinear(nn.Module):
     """Inference stand-in for an nn.Linear: the CPU kernels' int8 weight format (a quarter of the
@@ -438,7 +456,7 @@ class DFlashDrafter(Drafter):
     def __init__(self, model: DFlashModel, target: LoadedModel, vocab: DraftVocab | None = None,
                  store: PrefixStore | None = None, p_min: float = 0.0):
         self.model = model.eval().requires_grad_(False).to(target.model.device)
-        self.p_min = p_min  # proposals stop at the first draft under it (see sure_prefix)
+        self.p_min = p_min  # proposals stop at the first unsure draft (see pick_tokens)
         self.cfg = model.cfg
         self.head = TargetHead(target)
         self.vocab = vocab  # None: drafts come from the target's full LM head
@@ -457,19 +475,8 @@ class DFlashDrafter(Drafter):
         speculative config's default there: a quarter of the bytes, same acceptance in our runs).
         store: where the context of prefix-cached blocks is kept (see the module doc)."""
         directory = Path(directory).expanduser()
-        raw, state = load_state(directory)
-        if raw.get("drafter") != "dflash":
-            raise SpecserveError(f"{directory} holds a {raw.get('drafter')!r} drafter, not a dflash one")
-        cfg = DFlashConfig.from_json(raw)
-        check_target(cfg.target, target, str(directory))
-        if max(cfg.target_layer_ids) >= target.config.num_layers:
-            raise SpecserveError(f"drafter {directory} reads target layer {max(cfg.target_layer_ids)}, but "
-                                 f"{target.name} has {target.config.num_layers} layers")
-        model = DFlashModel(cfg)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise SpecserveError(f"{directory}/model.safetensors does not match its config "
-                                 f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        model = load_dflash_model(directory, target)
+        cfg = model.cfg
         if target.model.device.type == "cpu" and weights == "int8":
             int8_linears(model)
         size = draft_vocab_size or cfg.draft_vocab_size
@@ -614,8 +621,7 @@ class DFlashDrafter(Drafter):
                 self.vocab.add(seq.token_ids[st.vocab_seen:])  # the prompt, then tokens since the last draft
                 st.vocab_seen = seq.num_tokens
                 logits = self.vocab.logits(h.to(self.head.model.dtype).contiguous())  # [k, V], -inf outside
-            prop = pick_tokens(seq, logits, st.generator)
-            out.append(prop if not self.p_min else sure_prefix(prop, logits, self.p_min))
+            out.append(pick_tokens(seq, logits, st.generator, p_min=self.p_min))
             dt = time.perf_counter() - t0
             self.step_time = dt if not self.step_time else 0.8 * self.step_time + 0.2 * dt
         return out
@@ -623,39 +629,6 @@ class DFlashDrafter(Drafter):
     def draft_cost(self, k: int) -> float:
         # one forward yields the whole block: any k costs one forward
         return self.step_time if k > 0 else 0.0
-
-
-def sure_prefix(prop: Proposal, logits: torch.Tensor, p_min: float) -> Proposal:
-    """The drafts before the first one whose row gives its top token less than p_min (the
-    returned distribution when sampling, the softmax of the draft logits [k, V] when greedy)."""
-    rows = prop.probs if prop.probs is not None else torch.softmax(logits.float(), -1)
-    unsure = (rows.amax(-1) < p_min).nonzero()
-    if not len(unsure):
-        return prop
-    n = int(unsure[0])
-    return Proposal(prop.token_ids[:n], None if prop.probs is None else prop.probs[:n])
-
-
-def pick_tokens(seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None) -> Proposal:
-    """Draft tokens from draft logits [k, V] (row j = distribution of draft j), warped exactly like
-    the target's rows: penalties count the sequence's tokens plus the earlier drafts."""
-    p = seq.params
-    if p.greedy and not p.has_penalties:  # every row at once: the same argmax per row
-        return Proposal(logits.argmax(dim=-1).tolist())
-    drafts: list[int] = []
-    probs: list[torch.Tensor] = []
-    for j in range(logits.shape[0]):
-        if p.has_penalties:
-            row = sampler.penalize(logits[:j + 1], p, seq.prompt_ids, seq.output_ids, drafts)[j:j + 1]
-        else:
-            row = logits[j:j + 1]
-        if p.greedy:
-            drafts.append(int(row[0].argmax()))
-            continue
-        q = sampler.probs_from_logits(row, p)[0]
-        drafts.append(sampler.sample_from(q, generator))
-        probs.append(q)
-    return Proposal(drafts, torch.stack(probs) if probs else None)
 
 
 def build(spec, target: LoadedModel, options, ecfg, max_model_len: int) -> DFlashDrafter:

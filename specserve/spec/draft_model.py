@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.engine import sampler
 from specserve.engine.block_manager import BlockManager, BlockTable
 from specserve.engine.config import EngineConfig, kv_bytes_per_token
 from specserve.engine.sequence import Sequence
@@ -26,7 +25,7 @@ from specserve.models.transformer import ForwardBatch, KVCache
 from specserve.spec.adaptive import CostModel
 from specserve.spec.config import SpecConfig
 from specserve.spec.draft_vocab import DraftVocab, frequent_ids
-from specserve.spec.drafter import Drafter, Proposal
+from specserve.spec.drafter import Drafter, Proposal, pick_tokens
 
 DRAFT_POOL_CAP = 1 << 30
 
@@ -108,21 +107,12 @@ class DraftModelDrafter(Drafter):
 
     def _pick(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], probs: list[torch.Tensor]) -> bool:
         """logits: [1, V] -> append the next draft token (and its distribution when sampling);
-        False, appending nothing, when the draft's top probability is under p_min (llama.cpp's
-        --draft-p-min: drafting stops where the draft is unsure; a rule on the draft alone, so
-        verification stays exact)."""
-        lg = sampler.penalize(logits, seq.params, seq.prompt_ids, seq.output_ids + drafts)
-        if seq.params.greedy:
-            if self.p_min and float(torch.softmax(lg[0].float(), -1).max()) < self.p_min:
-                return False
-            drafts.append(int(lg[0].argmax()))
-            return True
-        q = sampler.probs_from_logits(lg, seq.params)[0]
-        if self.p_min and float(q.max()) < self.p_min:
-            return False
-        drafts.append(sampler.sample_from(q, self._state(seq).generator))
-        probs.append(q)
-        return True
+        False, appending nothing, when the draft is unsure (p_min, see pick_tokens)."""
+        prop = pick_tokens(seq, logits, self._state(seq).generator, earlier=drafts, p_min=self.p_min)
+        drafts += prop.token_ids
+        if prop.probs is not None:
+            probs.append(prop.probs[0])
+        return bool(prop.token_ids)
 
     def _forward(self, rows: list[tuple[Sequence, list[int]]]) -> list[torch.Tensor]:
         """Run the draft model over each sequence's pending tokens; logits of each last row."""

@@ -78,3 +78,36 @@ class Drafter(ABC):
     def draft_cost(self, k: int) -> float:
         """Seconds to propose k tokens for one sequence (0 for model-free drafters)."""
         return 0.0
+
+
+def pick_tokens(seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None,
+                earlier: list[int] = (), p_min: float = 0.0) -> Proposal:
+    """Draft tokens from draft logits [k, V] (row j = distribution of draft j, after ``earlier``
+    drafts), warped exactly like the target's rows: logit_bias and penalties count the
+    sequence's tokens plus the earlier drafts. With p_min (llama.cpp's --draft-p-min) the drafts
+    stop at the first row whose top probability, in the distribution the draft is picked from
+    (softmax of the processed logits when greedy), is under it: a rule on the draft alone, so
+    verification stays exact."""
+    p = seq.params
+    if p.greedy and not p.modifies_logits:  # every row at once: the same argmax per row
+        drafts = logits.argmax(dim=-1).tolist()
+        if p_min:
+            sure = (torch.softmax(logits.float(), -1).amax(-1) >= p_min).long().cumprod(0)
+            drafts = drafts[:int(sure.sum())]
+        return Proposal(drafts)
+    output = seq.output_ids + list(earlier)
+    drafts: list[int] = []
+    probs: list[torch.Tensor] = []
+    for j in range(logits.shape[0]):
+        row = sampler.penalize(logits[:j + 1], p, seq.prompt_ids, output, drafts)[j:j + 1]
+        if p.greedy:
+            if p_min and float(torch.softmax(row[0].float(), -1).max()) < p_min:
+                break
+            drafts.append(int(row[0].argmax()))
+            continue
+        q = sampler.probs_from_logits(row, p)[0]
+        if p_min and float(q.max()) < p_min:
+            break
+        drafts.append(sampler.sample_from(q, generator))
+        probs.append(q)
+    return Proposal(drafts, torch.stack(probs) if probs else None)

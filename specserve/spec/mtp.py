@@ -50,9 +50,8 @@ from torch import nn
 from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
 from specserve.models.loader import LoadedModel
-from specserve.spec.dflash import (CONTEXT_TRIM, DecoderLayer, TargetHead, check_target, load_state,
-                                   pick_tokens, rms, sure_prefix, target_identity)
-from specserve.spec.drafter import Drafter, Proposal
+from specserve.spec.dflash import CONTEXT_TRIM, DecoderLayer, TargetHead, check_target, load_state, rms, target_identity
+from specserve.spec.drafter import Drafter, Proposal, pick_tokens
 from specserve.spec.prefix_store import PrefixStore
 
 
@@ -309,6 +308,28 @@ class _State:
         return self.k_start + (0 if self.k is None else self.k.shape[0])
 
 
+def mtp_model(cfg: MTPConfig, state: dict, target: LoadedModel, where: str) -> MTPModel:
+    """An MTPModel with ``state`` loaded (a checkpoint's head or a train-drafter export)."""
+    model = MTPModel(cfg)
+    if "norm" not in state:  # no shared-head norm of its own: the target's final norm
+        state = {**state, "norm": target.model.final_norm.float().cpu()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise SpecserveError(f"MTP weights in {where} do not match the head's layout "
+                             f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
+    return model
+
+
+def load_mtp_model(directory: Path, target: LoadedModel) -> MTPModel:
+    """The float32 MTP head a train-drafter directory holds, checked against ``target``."""
+    raw, state = load_state(directory)
+    if raw.get("drafter") != "mtp":
+        raise SpecserveError(f"{directory} holds a {raw.get('drafter')!r} drafter, not 'mtp'")
+    cfg = MTPConfig.from_json(raw)
+    check_target(cfg.target, target, str(directory))
+    return mtp_model(cfg, state, target, str(directory))
+
+
 class MTPDrafter(Drafter):
     name = "mtp"
     has_cost = True
@@ -332,10 +353,7 @@ class MTPDrafter(Drafter):
             p = Path(where).expanduser()
             if p.is_dir() and (p / "config.json").is_file() and \
                     json.loads((p / "config.json").read_text()).get("drafter") == "mtp":
-                raw, state = load_state(p)
-                cfg = MTPConfig.from_json(raw)
-                check_target(cfg.target, target, str(p))
-                return cls._from_state(cfg, state, target, str(p), store, p_min)
+                return cls(load_mtp_model(p, target), target, store, p_min)
             state, source = read_checkpoint_mtp(p)
             if not state:
                 raise SpecserveError(f"{p} has no MTP head (no mtp.* / nextn tensors) and is not a drafter "
@@ -346,19 +364,8 @@ class MTPDrafter(Drafter):
                 raise SpecserveError(f"{target.name} ships no MTP head; train one with `specserve train-drafter "
                                      f"--model {target.name} --method mtp --out DIR` and pass "
                                      '\'{"method": "mtp", "model": DIR}\'')
-        return cls._from_state(config_from_state(state, target, source), state, target, source, store, p_min)
-
-    @classmethod
-    def _from_state(cls, cfg: MTPConfig, state: dict, target: LoadedModel, where: str,
-                    store: PrefixStore | None = None, p_min: float = 0.0) -> "MTPDrafter":
-        model = MTPModel(cfg)
-        if "norm" not in state:  # no shared-head norm of its own: the target's final norm
-            state = {**state, "norm": target.model.final_norm.float().cpu()}
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise SpecserveError(f"MTP weights in {where} do not match the head's layout "
-                                 f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
-        return cls(model, target, store, p_min)
+        return cls(mtp_model(config_from_state(state, target, source), state, target, source), target, store,
+                   p_min)
 
     def weight_bytes(self) -> int:
         return self.module_bytes(self.model)
@@ -478,11 +485,9 @@ class MTPDrafter(Drafter):
         ks, vs = [], []
         for s in range(k):
             logits = self.head.logits(self.model.out_norm(g)[None])
-            prop = pick_tokens(_Shifted(seq, drafts), logits, generator)
-            if self.p_min:
-                prop = sure_prefix(prop, logits, self.p_min)
-                if not prop.token_ids:
-                    break  # unsure: no further chain steps
+            prop = pick_tokens(seq, logits, generator, earlier=drafts, p_min=self.p_min)
+            if not prop.token_ids:
+                break  # unsure (p_min): no further chain steps
             drafts += prop.token_ids
             if prop.probs is not None:
                 probs.append(prop.probs[0])
@@ -513,13 +518,6 @@ class MTPDrafter(Drafter):
 
     def draft_cost(self, k: int) -> float:
         return self.step_time * k
-
-
-class _Shifted:
-    """A view of a sequence with the drafts so far appended (for penalties of later drafts)."""
-
-    def __init__(self, seq: Sequence, drafts: list[int]):
-        self.params, self.prompt_ids, self.output_ids = seq.params, seq.prompt_ids, seq.output_ids + drafts
 
 
 def build(spec, target: LoadedModel, options, ecfg, max_model_len: int) -> MTPDrafter:

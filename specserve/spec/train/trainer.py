@@ -404,25 +404,17 @@ def model_from_checkpoint(method: str, out: Path) -> torch.nn.Module:
 
 
 def model_from_drafter(method: str, where: str, target) -> torch.nn.Module:
-    """A drafter to fine-tune: the weights and config of a trained one (a directory written by
-    train-drafter, or a catalog drafter's name), float32 (int8 exports are dequantized), checked
-    against ``target``. Its config records where it started (``training.init_from``)."""
+    """A drafter to fine-tune: a trained one (a directory written by train-drafter, or a catalog
+    drafter's name) in float32 (int8 exports are dequantized), checked against ``target``. Its
+    config records where it started (``training.init_from``)."""
     from specserve.models.catalog import drafter_location
-    from specserve.spec.dflash import check_target, load_state
+    from specserve.spec.dflash import load_dflash_model
+    from specserve.spec.mtp import load_mtp_model
 
     directory = Path(drafter_location(where)).expanduser()
-    raw, state = load_state(directory)
-    if raw.get("drafter") != method:
-        raise SpecserveError(f"--init-from: {where} holds a {raw.get('drafter')!r} drafter, not {method!r}")
-    check_target(raw.get("target", {}), target, str(directory))
-    cfg = DFlashConfig.from_json(raw) if method == "dflash" else MTPConfig.from_json(raw)
+    model = load_dflash_model(directory, target) if method == "dflash" else load_mtp_model(directory, target)
     name = where if drafter_location(where) != where else str(directory.resolve())  # a path: absolute
-    cfg.training = {"init_from": {"drafter": name, "training": raw.get("training", {})}}
-    model = DFlashModel(cfg) if method == "dflash" else MTPModel(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise SpecserveError(f"--init-from: {directory}/model.safetensors does not match its config "
-                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    model.cfg.training = {"init_from": {"drafter": name, "training": model.cfg.training}}
     return model
 
 
