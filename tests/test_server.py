@@ -6,6 +6,7 @@ error statuses and bodies, limits and disconnects.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import random
@@ -295,7 +296,24 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": MSGS, "logit_bias": {"a": 1}}, 400, "logit_bias", None),
     ("/v1/chat/completions", {"messages": MSGS, "logit_bias": {"5": 1, "05": 2}}, 400, "logit_bias", None),
     ("/v1/chat/completions", {"messages": MSGS, "logit_bias": {"5": 101}}, 400, "logit_bias", None),
-    ("/v1/chat/completions", {"messages": MSGS, "logit_bias": {"5": "big"}}, 400, "logit_bias", None),
+    ("/v1/chat/completions", {"messages": MSGS, "logit_bias": {"5": "big"}}, 400, "logit_bias.5", None),
+    ("/v1/chat/completions", {"messages": MSGS, "logit_bias": {"+5": 1}}, 400, "logit_bias", None),
+    ("/v1/chat/completions", {"messages": MSGS, "logit_bias": {"\u0665": 1}}, 400, "logit_bias", None),
+    # strict types: true is not 1, "2" is not 2
+    ("/v1/chat/completions", {"messages": MSGS, "temperature": True}, 400, "temperature", None),
+    ("/v1/chat/completions", {"messages": MSGS, "n": True}, 400, "n", None),
+    ("/v1/chat/completions", {"messages": MSGS, "max_tokens": "5"}, 400, "max_tokens", None),
+    ("/v1/chat/completions", {"messages": MSGS, "stream": True, "stream_options": {"include_usage": "yes"}},
+     400, "stream_options.include_usage", None),
+    ("/v1/chat/completions", {"messages": MSGS, "model": 5}, 400, "model", None),
+    ("/v1/completions", {"prompt": "x", "model": ["fake-model"]}, 400, "model", None),
+    # the deepest failing member of a union names the field
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400,
+     "messages[0].content[0].text", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     "messages[0].content[0].text", None),
+    ("/v1/chat/completions", {"messages": MSGS, "seed": 2 ** 64, "temperature": 1}, 400, "seed", None),
+    ("/v1/chat/completions", {"messages": MSGS, "seed": -(2 ** 63) - 1}, 400, "seed", None),
     ("/v1/chat/completions", {"messages": MSGS, "chat_template_kwargs": {"messages": []}}, 400,
      "chat_template_kwargs.messages", None),
     ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_object"}}, 400,
@@ -312,6 +330,7 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": {"a": 1}}, 400, "prompt", None),
     ("/tokenize", {}, 400, "prompt", None),
     ("/detokenize", {"tokens": ["a"]}, 400, "tokens[0]", None),
+    ("/detokenize", {}, 400, "tokens", None),
 ]
 
 
@@ -327,10 +346,42 @@ def test_error_cases(srv, engine, path, body, status, param, code):
         assert err["code"] == code
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", b"\xff\xfe"])
+@pytest.mark.parametrize("raw", [
+    b"{not json", b"[1, 2]", b"", b"\xff\xfe",
+    b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}',  # a surrogate encoded in UTF-8: not UTF-8
+    b'{"messages": [{"role": "user", "content": "hi"}], "model": "\xed\xa0\x80"}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"9" * 5000 + b"}",
+], ids=["syntax", "array", "empty", "utf16-bom", "utf8-surrogate", "surrogate-model", "deep", "long-int"])
 def test_invalid_json_bodies(srv, raw):
+    """Each a 400 in OpenAI's shape (they were 500s: surrogates reached the tokenizer or the 404's
+    message, deep nesting raised RecursionError); the server keeps serving."""
     r = srv.http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert "set_int_max_str_digits" not in r.text
+    ok = srv.http.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_compressed_body_is_a_415(srv):
+    r = srv.http.post("/v1/chat/completions", content=gzip.compress(json.dumps({"messages": MSGS}).encode()),
+                      headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert r.status_code == 415 and "Content-Encoding" in r.json()["error"]["message"]
+
+
+def test_seed_of_each_choice_wraps_in_64_bits(srv, engine):
+    top = 2 ** 63 - 1
+    r = srv.http.post("/v1/chat/completions", json={"messages": MSGS, "n": 2, "seed": top, "temperature": 1,
+                                                    "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert [p.seed for _, p in engine.requests[-2:]] == [top, -(2 ** 63)]
+
+
+def test_max_completion_tokens_named_in_its_error(srv):
+    r = srv.http.post("/v1/chat/completions", json={"messages": MSGS, "max_completion_tokens": 0})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "max_completion_tokens"
+    assert err["message"].startswith("max_completion_tokens must be >= 1")
 
 
 @pytest.mark.parametrize("path,raw,param", [
@@ -732,3 +783,92 @@ def serve_cmd_args(argv):
     from specserve.commands.args import build_serve_parser
 
     return build_serve_parser().parse_args(argv)
+
+
+# ---------------------------------------------------------------- tool calls
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+# renders tools and a history's calls the way Qwen2.5's template does (arguments | tojson)
+TOOL_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}\n{% endfor %}assistant:"
+)
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tool_srv():
+    s = make_server(chat_template=TOOL_TEMPLATE)  # auto: the template writes <tool_call>, so hermes
+    yield s
+    s.close()
+
+
+def _stream_tools(client, **kw) -> tuple[str, dict, str | None]:
+    content, calls, finish = "", {}, None
+    for ch in client.chat.completions.create(model="fake-model", messages=MSGS, stream=True, **kw):
+        d = ch.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            entry = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+            entry["name"] += tc.function.name or ""
+            entry["arguments"] += tc.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
+def test_tool_calls_parsed_from_output(tool_srv):
+    tool_srv.engine.responder = lambda prompt, params: "Checking.\n" + CALL + "\n" + CALL.replace("Paris", "Oslo")
+    c = tool_srv.client()
+    r = c.chat.completions.create(model="fake-model", messages=MSGS, tools=TOOLS)
+    assert tool_srv.engine.prompts[-1].startswith('<tools>{"type": "function", "function": {"name": "get_weather"')
+    msg, choice = r.choices[0].message, r.choices[0]
+    assert choice.finish_reason == "tool_calls" and msg.content == "Checking."
+    assert [(t.type, t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls] == [
+        ("function", "get_weather", {"city": "Paris"}), ("function", "get_weather", {"city": "Oslo"})]
+    content, calls, finish = _stream_tools(c, tools=TOOLS)
+    assert finish == "tool_calls" and content.strip() == "Checking."
+    assert [(v["name"], json.loads(v["arguments"])) for _, v in sorted(calls.items())] == [
+        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
+    assert all(v["id"].startswith("call_") for v in calls.values())
+
+
+def test_tool_call_history_round_trip(tool_srv):
+    """An assistant turn with content null and tool_calls (arguments as a JSON string), then the tool's
+    answer: the template sees the arguments as an object (it was a 400 for content null)."""
+    tool_srv.engine.responder = lambda prompt, params: "It is sunny in Paris."
+    history = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'}]
+    r = tool_srv.http.post("/v1/chat/completions", json={"messages": history, "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "It is sunny in Paris."}
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    assert ('assistant: <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+            'tool: {"sky": "sunny"}') in tool_srv.engine.prompts[-1]
+
+
+def test_tool_choice_none_and_no_parser(tool_srv, srv, engine):
+    tool_srv.engine.responder = lambda prompt, params: CALL
+    r = tool_srv.client().chat.completions.create(model="fake-model", messages=MSGS, tools=TOOLS,
+                                                  tool_choice="none")
+    assert r.choices[0].message.content == CALL and r.choices[0].message.tool_calls is None
+    assert not tool_srv.engine.prompts[-1].startswith("<tools>")  # not offered to the model
+    engine.responder = lambda prompt, params: CALL  # FAKE_TEMPLATE has no <tool_call>: auto is off
+    r = srv.client().chat.completions.create(model="fake-model", messages=MSGS, tools=TOOLS)
+    assert r.choices[0].message.content == CALL and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": "get_weather"}, "tools"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+])
+def test_tool_request_errors(tool_srv, body, param):
+    r = tool_srv.http.post("/v1/chat/completions", json={"messages": MSGS, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -43,11 +43,11 @@ def _free_port() -> int:
 
 
 class Subprocess:
-    def __init__(self, *flags: str):
+    def __init__(self, *flags: str, model: str = MODEL):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="specserve-live-", delete=False)
-        cmd = [sys.executable, "-m", "specserve", "serve", "--model", MODEL, "--port", str(self.port), *flags]
+        cmd = [sys.executable, "-m", "specserve", "serve", "--model", model, "--port", str(self.port), *flags]
         env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         self._wait_ready()
@@ -209,3 +209,42 @@ def test_metrics_deltas_equal_usage(live):
         assert after.get(name, 0) - before.get(name, 0) == expected, name
     generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert generated == sum(u.completion_tokens for u in usages)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tool_calls_with_a_real_model():
+    """qwen2.5-coder-0.5b's template offers the tools (auto picks the hermes parser); the model's call
+    comes back as tool_calls, streamed and not, with ngram speculation on; the tool's answer goes back
+    through the template in a second turn."""
+    server = Subprocess("--speculative-config", SPEC, "--max-model-len", "2048", model="qwen2.5-coder-0.5b")
+    try:
+        c = server.client()
+        msgs = [{"role": "user", "content": "What's the weather in Paris right now?"}]
+        kw = dict(model="qwen2.5-coder-0.5b", tools=[WEATHER_TOOL], temperature=0, max_tokens=80)
+        r = c.chat.completions.create(messages=msgs, **kw)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls", msg
+        assert [(t.function.name, json.loads(t.function.arguments)["city"]) for t in msg.tool_calls] == [
+            ("get_weather", "Paris")]
+        streamed, finish = {}, None
+        for ch in c.chat.completions.create(messages=msgs, stream=True, **kw):
+            for tc in ch.choices[0].delta.tool_calls or []:
+                entry = streamed.setdefault(tc.index, [tc.function.name or "", ""])
+                entry[1] += tc.function.arguments or ""
+            finish = ch.choices[0].finish_reason or finish
+        assert finish == "tool_calls"
+        assert [(name, json.loads(args)) for name, args in streamed.values()] == [
+            (t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls]
+        msgs += [msg.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"temp_c": 14}'}]
+        r = c.chat.completions.create(messages=msgs, **kw)
+        assert r.choices[0].finish_reason in ("stop", "tool_calls") and (r.choices[0].message.content
+                                                                         or r.choices[0].message.tool_calls)
+        plain = c.chat.completions.create(messages=msgs[:1], tool_choice="none", **kw).choices[0]
+        assert plain.message.tool_calls is None and plain.message.content
+    finally:
+        server.close()

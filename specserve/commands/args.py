@@ -54,6 +54,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-chat-template-kwargs", default=None,
                    help="JSON object of template variables; a request's chat_template_kwargs override them")
     p.add_argument("--reasoning-parser", default="none", choices=["none", "qwen3", "deepseek_r1"])
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "none"],
+                   help="read tool calls out of chat output (auto: hermes when the chat template writes "
+                        "<tool_call> tags; none: calls stay text)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--max-n", type=int, default=8, help="largest n a request may ask for")

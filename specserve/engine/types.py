@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from specserve.errors import RequestError
 
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -44,6 +46,7 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
             (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed", "must fit in a signed 64-bit integer"),
         ]
         for ok, name, why in checks:
             if not ok:

@@ -28,6 +28,7 @@ from specserve.server.serving import ServingContext, now
 from specserve.server.serving_chat import create_chat_completion
 from specserve.server.serving_completion import create_completion
 from specserve.server.streaming import ClientGone
+from specserve.server.tools import resolve_parser
 
 logger = logging.getLogger("specserve.server")
 
@@ -40,7 +41,10 @@ def create_app(engine, cfg: ServerConfig) -> FastAPI:
     renderer = ChatRenderer(tok.chat_template, cfg.chat_template, tok.bos_token, tok.eos_token,
                             cfg.default_chat_template_kwargs, served)
     metrics = ServerMetrics(served, engine.stats, spec_enabled=bool(getattr(engine, "spec_enabled", False)))
-    ctx = ServingContext(engine=engine, cfg=cfg, metrics=metrics, renderer=renderer, served_model_name=served)
+    source = renderer.template.source if renderer.template is not None else None
+    ctx = ServingContext(engine=engine, cfg=cfg, metrics=metrics, renderer=renderer, served_model_name=served,
+                         tool_parser=resolve_parser(cfg.tool_call_parser, source))
+    logger.info("tool-call parser: %s", ctx.tool_parser)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

@@ -10,6 +10,7 @@ from jinja2 import TemplateError
 from specserve.errors import RequestError, SpecserveError
 from specserve.models.chat_template import ChatTemplate
 from specserve.server.protocol import ChatMessage
+from specserve.server.tools import history_tool_calls
 
 logger = logging.getLogger("specserve.server")
 
@@ -92,6 +93,8 @@ def _normalize(i: int, msg: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = dict(msg.model_extra or {})
     out["role"] = "system" if msg.role == "developer" else msg.role
     out["content"] = _content_text(i, msg)
+    if msg.role == "assistant" and out.get("tool_calls") is not None:
+        out["tool_calls"] = history_tool_calls(i, out["tool_calls"])
     return out
 
 
@@ -99,15 +102,18 @@ def _content_text(i: int, msg: ChatMessage) -> str | None:
     content = msg.content
     if content is None:
         if msg.role == "assistant":
-            return None  # e.g. an assistant turn that only made tool calls
+            return ""  # e.g. a turn that only made tool calls; templates concatenate content
         raise RequestError(f"messages[{i}] ({msg.role}) has no content", param=f"messages[{i}].content")
     if isinstance(content, str):
         return content
     texts = []
     for j, part in enumerate(content):
-        if part.type not in TEXT_PART_TYPES or part.text is None:
+        if part.type not in TEXT_PART_TYPES:
             raise RequestError(f"content part type {part.type!r} is not supported (text only)",
                                param=f"messages[{i}].content[{j}].type")
+        if part.text is None:
+            raise RequestError(f"messages[{i}].content[{j}] ({part.type}) has no 'text'",
+                               param=f"messages[{i}].content[{j}].text")
         texts.append(part.text)
     return "\n".join(texts)
 

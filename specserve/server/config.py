@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from specserve.errors import SpecserveError
+from specserve.server.tools import TOOL_PARSERS
 
 REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")
 
@@ -20,6 +21,7 @@ class ServerConfig:
     chat_template: str | None = None  # template source replacing the model's
     default_chat_template_kwargs: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
     reasoning_parser: str = "none"
+    tool_call_parser: str = "auto"  # auto: hermes when the chat template writes <tool_call>
     api_key: str | None = None
     max_request_bytes: int = 4 * 1024 * 1024
     max_n: int = 8
@@ -28,6 +30,9 @@ class ServerConfig:
         if self.reasoning_parser not in REASONING_PARSERS:
             raise SpecserveError(f"unknown reasoning parser {self.reasoning_parser!r}; "
                                  f"choose one of {', '.join(REASONING_PARSERS)}")
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise SpecserveError(f"unknown tool-call parser {self.tool_call_parser!r}; "
+                                 f"choose one of {', '.join(TOOL_PARSERS)}")
         if self.max_n < 1:
             raise SpecserveError(f"--max-n must be >= 1, got {self.max_n}")
         if self.max_request_bytes < 1:
@@ -43,6 +48,7 @@ class ServerConfig:
             chat_template=read_chat_template(args.chat_template),
             default_chat_template_kwargs=parse_template_kwargs(args.default_chat_template_kwargs),
             reasoning_parser=args.reasoning_parser,
+            tool_call_parser=args.tool_call_parser,
             api_key=args.api_key or None,
             max_request_bytes=args.max_request_bytes,
             max_n=args.max_n,

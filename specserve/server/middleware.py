@@ -1,4 +1,4 @@
-"""ASGI middleware in front of the API: bearer-key check and request-size limit.
+"""ASGI middleware in front of the API: bearer-key check, request-size limit, no compressed bodies.
 
 The body is read here in full (up to the limit) and replayed to the app, so a
 body over the limit is refused with 413 whether or not the client sent a
@@ -37,6 +37,10 @@ class GuardMiddleware:
         if self.api_key and scope.get("path") not in OPEN_PATHS and not self._authorized(headers):
             return await send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                     "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if encoding not in (b"", b"identity"):
+            return await send_error(send, 415, f"unsupported Content-Encoding {encoding.decode('latin-1')!r}: "
+                                               "send the JSON body uncompressed", "unsupported_media_type")
         declared = headers.get(b"content-length")
         if declared is not None:
             try:

@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.responses import JSONResponse
 
 from specserve.errors import RequestError
@@ -55,25 +55,39 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "function-a
 
 
 def loc_to_param(loc: tuple) -> str | None:
-    """('messages', 0, 'role') -> 'messages[0].role'; drops 'body' and union-member tags."""
+    """('messages', 0, 'role') -> 'messages[0].role'; drops 'body' and union-member tags.
+
+    The first part is always a field of the request (even one named 'model');
+    later parts that name a union member ('str', 'list[int]', 'ChatMessage') are dropped.
+    """
     out = ""
     for part in loc:
+        text = str(part)
         if isinstance(part, int):
             out += f"[{part}]"
         elif part == "body" and not out:
             continue
-        elif not str(part).isidentifier() or str(part) in _TYPE_TAGS or str(part)[:1].isupper():
-            continue  # 'list[int]', 'str', 'ChatMessage': which member of a union failed
+        elif out and (text in _TYPE_TAGS or text[:1].isupper() or not (text.isidentifier() or text.isdigit())):
+            continue
         else:
-            out += f".{part}" if out else str(part)
+            out += f".{text}" if out else text
     return out or None
 
 
+def _depth(err: dict) -> int:
+    param = loc_to_param(tuple(err.get("loc", ())))
+    return 0 if param is None else param.count(".") + param.count("[") + 1
+
+
 def validation_error(errors: list[dict]) -> RequestError:
-    """The first pydantic error as a RequestError with the field as param."""
+    """The most specific pydantic error as a RequestError with the field as param.
+
+    A union (``content``: a string or a list of parts) fails once per member;
+    the error that got deepest into the value names the field that is wrong.
+    """
     if not errors:
         return RequestError("invalid request body")
-    err = errors[0]
+    err = max(errors, key=_depth)  # max keeps the first of equals
     if err.get("type") == "json_invalid":
         return RequestError(f"invalid JSON body: {err.get('msg', '')}", code="invalid_json")
     param = loc_to_param(tuple(err.get("loc", ())))
@@ -105,29 +119,46 @@ def _lone_surrogate(obj: Any, path: str) -> str | None:
     return None
 
 
+def _decode_json(raw: bytes) -> Any:
+    """Bytes -> JSON value. Strict UTF-8 (or the UTF-16/32 json.loads detects): encoded surrogates
+    (b"\\xed\\xa0\\x80"), which json.loads(bytes) lets through, are not text."""
+    if not raw:
+        return None
+    try:
+        text = raw.decode(json.detect_encoding(raw))
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"request body is not valid UTF-8: {exc}", code="invalid_json") from exc
+    try:
+        return json.loads(text.removeprefix("\ufeff"))
+    except RecursionError as exc:
+        raise RequestError("invalid JSON body: nested too deeply", code="invalid_json") from exc
+    except ValueError as exc:
+        why = "an integer literal has too many digits" if "int_max_str_digits" in str(exc) else str(exc)
+        raise RequestError(f"invalid JSON body: {why}", code="invalid_json") from exc
+
+
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """JSON bytes -> validated request model, or RequestError."""
-    try:
-        obj = json.loads(raw) if raw else None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"invalid JSON body: {exc}", code="invalid_json") from exc
+    obj = _decode_json(raw)
     if not isinstance(obj, dict):
         raise RequestError("request body must be a JSON object", code="invalid_json")
-    if _SURROGATE_ESCAPE.search(raw):  # "\ud83d\ude00" pairs are fine; a lone half is not text
-        bad = _lone_surrogate(obj, "")
-        if bad is not None:
-            raise RequestError(f"invalid string in '{bad}': a lone UTF-16 surrogate escape (not valid Unicode)",
-                               param=bad, code="invalid_json")
     try:
+        if _SURROGATE_ESCAPE.search(raw):  # "\ud83d\ude00" pairs are fine; a lone half is not text
+            bad = _lone_surrogate(obj, "")
+            if bad is not None:
+                raise RequestError(f"invalid string in '{bad}': a lone UTF-16 surrogate escape (not valid "
+                                   "Unicode)", param=bad, code="invalid_json")
         return model.model_validate(obj)
     except ValidationError as exc:
         raise validation_error(exc.errors(include_url=False)) from exc
+    except RecursionError as exc:
+        raise RequestError("invalid JSON body: nested too deeply", code="invalid_json") from exc
 
 
 # ---------------------------------------------------------------- request models
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # true is not 1, "2" is not 2
 
 
 class StreamOptions(_Lenient):
@@ -135,13 +166,13 @@ class StreamOptions(_Lenient):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, reasoning_content ...
+    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_calls, tool_call_id, reasoning_content ...
     role: str
     content: str | list[ContentPart] | None = None
 
@@ -182,6 +213,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -201,4 +234,4 @@ class TokenizeRequest(_Lenient):
 
 class DetokenizeRequest(_Lenient):
     model: str | None = None
-    tokens: list[int] = Field(default_factory=list)
+    tokens: list[int]

@@ -4,11 +4,12 @@ context-length checks, choices, usage/timings and token strings."""
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
 
-from specserve.engine.types import SamplingParams, SpecStats
+from specserve.engine.types import INT64_MIN, INT64_MAX, SamplingParams, SpecStats
 from specserve.errors import RequestError
 from specserve.server.chat import ChatRenderer
 from specserve.server.config import ServerConfig
@@ -26,6 +27,7 @@ class ServingContext:
     metrics: ServerMetrics
     renderer: ChatRenderer
     served_model_name: str
+    tool_parser: str = "none"  # resolved: "hermes" or "none"
 
     @property
     def model_names(self) -> set[str]:
@@ -74,11 +76,12 @@ def now() -> int:
 
 
 def resolve_max_tokens(ctx: ServingContext, requested: int | None, default: int | None, prompt_len: int,
-                       prompt_param: str) -> int:
-    """The completion budget, checked against the context (OpenAI's context_length_exceeded)."""
+                       prompt_param: str, param: str = "max_tokens") -> int:
+    """The completion budget, checked against the context (OpenAI's context_length_exceeded).
+    ``param``: the request field that set ``requested`` (chat: max_tokens or max_completion_tokens)."""
     limit = ctx.engine.max_model_len
     if requested is not None and requested < 1:
-        raise RequestError(f"max_tokens must be >= 1, got {requested}", param="max_tokens")
+        raise RequestError(f"{param} must be >= 1, got {requested}", param=param)
     if prompt_len >= limit:
         raise RequestError(f"This model's maximum context length is {limit} tokens, but the prompt has "
                            f"{prompt_len} tokens, which leaves no room for a completion. Shorten the prompt.",
@@ -90,7 +93,7 @@ def resolve_max_tokens(ctx: ServingContext, requested: int | None, default: int 
     if prompt_len + max_tokens > limit:
         raise RequestError(f"This model's maximum context length is {limit} tokens. However, you requested "
                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-                           "completion). Reduce the prompt or max_tokens.", param="max_tokens",
+                           f"completion). Reduce the prompt or {param}.", param=param,
                            code="context_length_exceeded")
     return max_tokens
 
@@ -108,6 +111,13 @@ def check_response_format(req: SamplingFields) -> None:
                            "only 'text')", param="response_format.type")
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """seed + choice, wrapped into the signed 64-bit range (a seed outside it is refused by SamplingParams)."""
+    if not INT64_MIN <= seed <= INT64_MAX:
+        return seed
+    return (seed + choice - INT64_MIN) % 2 ** 64 + INT64_MIN
+
+
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
     """SamplingParams of choice ``choice``; with a seed, choice i uses seed + i. Raises RequestError."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -121,7 +131,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, 
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        seed=None if req.seed is None else req.seed + choice,
+        seed=None if req.seed is None else choice_seed(req.seed, choice),
         stop=tuple(s for s in stop if s),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
@@ -134,15 +144,18 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, 
     return SamplingParams(**values)
 
 
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+
 def logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id": bias} -> ((id, bias), ...) sorted by id; the values' range is
     SamplingParams' check, the ids' range the engine's."""
     out: dict[int, float] = {}
     for key, bias in (raw or {}).items():
-        try:
-            tok = int(key)
-        except ValueError:
-            raise RequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not _TOKEN_ID.fullmatch(key):
+            raise RequestError(f"logit_bias keys must be token ids (decimal digits), got {key!r}",
+                               param="logit_bias")
+        tok = int(key)
         if tok in out:
             raise RequestError(f"logit_bias names token {tok} twice", param="logit_bias")
         out[tok] = bias

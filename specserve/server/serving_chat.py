@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -16,6 +17,8 @@ from specserve.server.reasoning import ReasoningParser, make_parser, split_all
 from specserve.server.serving import (ServingContext, check_n, check_response_format, clean_logprob, make_choices,
                                       new_id, now, resolve_max_tokens, timings, usage)
 from specserve.server.streaming import SSE_DONE, Choice, Fanout, SSEResponse, sse, start_fanout
+from specserve.server.tools import ToolCall, ToolCallParser, ToolPlan, plan_tools
+from specserve.server.tools import split_all as split_calls
 
 logger = logging.getLogger("specserve.server")
 
@@ -36,16 +39,15 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     check_n(ctx, req.n)
     check_response_format(req)
     top = requested_top_logprobs(req)
-    prompt = ctx.renderer.render(req.messages, req.chat_template_kwargs, req.add_generation_prompt, req.tools)
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_parser)
+    prompt = ctx.renderer.render(req.messages, req.chat_template_kwargs, req.add_generation_prompt,
+                                 plan.template_tools)
     ids = ctx.engine.tokenizer.encode(prompt, add_special_tokens=False)
     if not ids:
         raise RequestError("the rendered prompt is empty", param="messages")
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    try:
-        max_tokens = resolve_max_tokens(ctx, requested, None, len(ids), "messages")
-    except RequestError as exc:
-        raise RequestError(str(exc), param=param if exc.param == "max_tokens" else exc.param, code=exc.code)
+    max_tokens = resolve_max_tokens(ctx, requested, None, len(ids), "messages", param)
     request_id = new_id("chatcmpl")
     choices = make_choices([ids], req, [max_tokens], top, request_id)
     opened = prompt_opens_think(prompt)
@@ -53,8 +55,26 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     await start_fanout(request.receive, fan, drain=not req.stream)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return SSEResponse(chat_events(ctx, request_id, fan, opened, include_usage), fan.close)
-    return JSONResponse(chat_response(ctx, request_id, choices, opened))
+        return SSEResponse(chat_events(ctx, request_id, fan, Splitter(ctx.cfg.reasoning_parser, opened, plan),
+                                       include_usage), fan.close)
+    return JSONResponse(chat_response(ctx, request_id, choices, Splitter(ctx.cfg.reasoning_parser, opened, plan)))
+
+
+@dataclass(frozen=True)
+class Splitter:
+    """How a choice's text splits into reasoning, content and tool calls."""
+
+    reasoning_parser: str
+    opened: bool  # the prompt opened a <think> block
+    tools: ToolPlan
+
+    def streams(self) -> tuple[ReasoningParser | None, ToolCallParser | None]:
+        return (make_parser(self.reasoning_parser, self.opened),
+                ToolCallParser(self.tools) if self.tools.names else None)
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 # ---------------------------------------------------------------- formatting
@@ -79,30 +99,36 @@ def _logprobs_field(ctx: ServingContext, choice: Choice, lps: list[TokenLogprob]
     return {"content": format_logprobs(ctx, lps or [], k), "refusal": None}
 
 
-def chat_message(ctx: ServingContext, choice: Choice, opened: bool) -> dict:
+def chat_message(ctx: ServingContext, choice: Choice, split: Splitter) -> tuple[dict, list[ToolCall]]:
     kind = ctx.cfg.reasoning_parser
-    reasoning, content = split_all(kind, opened, choice.text)
+    reasoning, content = split_all(kind, split.opened, choice.text)
+    calls: list[ToolCall] = []
+    if split.tools.names:
+        content, calls = split_calls(split.tools, content)
     message: dict = {"role": "assistant", "content": content}
+    if calls:
+        message["content"] = content.strip() or None
+        message["tool_calls"] = [c.as_dict() for c in calls]
     if kind != "none":
         if reasoning is not None and not content:
             message["content"] = None  # all reasoning: never closed, or nothing after </think>
         message["reasoning_content"] = reasoning
         message["reasoning"] = reasoning
-    return message
+    return message, calls
 
 
-def chat_response(ctx: ServingContext, request_id: str, choices: list[Choice], opened: bool) -> dict:
+def chat_response(ctx: ServingContext, request_id: str, choices: list[Choice], split: Splitter) -> dict:
+    out = []
+    for c in choices:
+        message, calls = chat_message(ctx, c, split)
+        out.append({"index": c.index, "message": message, "logprobs": _logprobs_field(ctx, c, c.logprobs),
+                    "finish_reason": finish_reason(c.finish_reason, bool(calls))})
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": now(),
         "model": ctx.served_model_name,
-        "choices": [{
-            "index": c.index,
-            "message": chat_message(ctx, c, opened),
-            "logprobs": _logprobs_field(ctx, c, c.logprobs),
-            "finish_reason": c.finish_reason,
-        } for c in choices],
+        "choices": out,
         "usage": usage(choices),
         "timings": timings(choices),
     }
@@ -110,30 +136,40 @@ def chat_response(ctx: ServingContext, request_id: str, choices: list[Choice], o
 
 # ---------------------------------------------------------------- streaming
 
-def _delta(parser: ReasoningParser | None, out: RequestOutput) -> dict:
-    if parser is None:
+def _delta(parsers: tuple[ReasoningParser | None, ToolCallParser | None], out: RequestOutput) -> dict:
+    reasoner, tooler = parsers
+    if reasoner is None:
         reasoning, content = "", out.new_text
     else:
-        reasoning, content = parser.feed(out.new_text)
+        reasoning, content = reasoner.feed(out.new_text)
         if out.finished:
-            r, c = parser.finish()
+            r, c = reasoner.finish()
             reasoning, content = reasoning + r, content + c
+    calls: list[ToolCall] = []
+    if tooler is not None:
+        first = tooler.calls
+        content, calls = tooler.feed(content)
+        if out.finished:
+            c, k = tooler.finish()
+            content, calls = content + c, calls + k
     delta: dict = {}
     if reasoning:
         delta["reasoning_content"] = reasoning
         delta["reasoning"] = reasoning
     if content:
         delta["content"] = content
+    if calls:
+        delta["tool_calls"] = [call.as_dict(first + i) for i, call in enumerate(calls)]
     return delta
 
 
-async def chat_events(ctx: ServingContext, request_id: str, fan: Fanout, opened: bool,
+async def chat_events(ctx: ServingContext, request_id: str, fan: Fanout, split: Splitter,
                       include_usage: bool) -> AsyncIterator[str]:
     created, model = now(), ctx.served_model_name
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     if include_usage:
         base["usage"] = None
-    parsers = {c.index: make_parser(ctx.cfg.reasoning_parser, opened) for c in fan.choices}
+    parsers = {c.index: split.streams() for c in fan.choices}
     unfinished = len(fan.choices)
     try:
         for c in fan.choices:
@@ -145,8 +181,10 @@ async def chat_events(ctx: ServingContext, request_id: str, fan: Fanout, opened:
             lps = _logprobs_field(ctx, choice, out.new_logprobs) if out.new_logprobs else None
             if not delta and lps is None and not out.finished:
                 continue
+            called = parsers[choice.index][1] is not None and parsers[choice.index][1].calls > 0
+            reason = finish_reason(out.finish_reason, called) if out.finished else None
             chunk = {**base, "choices": [{"index": choice.index, "delta": delta, "logprobs": lps,
-                                          "finish_reason": out.finish_reason if out.finished else None}]}
+                                          "finish_reason": reason}]}
             unfinished -= out.finished
             if unfinished == 0 and not include_usage:
                 chunk["timings"] = timings(fan.choices)
