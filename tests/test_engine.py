@@ -63,6 +63,9 @@ def test_seeded_sampling_reproduces_and_differs_across_seeds(engine, prompts):
     b = run_one(engine, prompts[2], p1)[0]
     c = run_one(engine, prompts[2], SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=7))[0]
     assert a == b and a != c
+    # torch's CPU generator keeps 32 bits of a seed: the high bits must still matter
+    d = run_one(engine, prompts[2], SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=123 + 2 ** 32))[0]
+    assert d != a
 
 
 def test_stop_strings_max_tokens_and_logprobs(engine, prompts):

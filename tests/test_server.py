@@ -377,6 +377,22 @@ def test_seed_of_each_choice_wraps_in_64_bits(srv, engine):
     assert [p.seed for _, p in engine.requests[-2:]] == [top, -(2 ** 63)]
 
 
+def test_nulls_are_defaults_and_integral_floats_are_ints(srv, engine):
+    """What float-only clients (JSON numbers from Go/JS arithmetic) and the openai client's explicit
+    None send: accepted as vLLM does; 16.5 tokens or true stay refused."""
+    body = {"messages": MSGS, "n": None, "stream": None, "ignore_eos": None, "add_generation_prompt": None,
+            "stream_options": {"include_usage": None}, "max_tokens": 5.0, "seed": 7.0, "top_k": 3.0,
+            "temperature": 1}
+    r = srv.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    _, params = engine.requests[-1]
+    assert (params.max_tokens, params.seed, params.top_k, params.temperature) == (5, 7, 3, 1.0)
+    r = srv.http.post("/v1/completions", json={"prompt": "x", "echo": None, "logprobs": 2.0, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    for bad in ({"max_tokens": 5.5}, {"n": 2.5}, {"max_tokens": True}):
+        assert srv.http.post("/v1/chat/completions", json={"messages": MSGS, **bad}).status_code == 400
+
+
 def test_max_completion_tokens_named_in_its_error(srv):
     r = srv.http.post("/v1/chat/completions", json={"messages": MSGS, "max_completion_tokens": 0})
     err = r.json()["error"]

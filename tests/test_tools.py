@@ -63,6 +63,14 @@ CASES = [
     ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', '<tool_call>{"name": "nope", "arguments": {}}'
      '</tool_call>', []),
     ("<tool_call>\n{\"name\": \"get_ti", "<tool_call>\n{\"name\": \"get_ti", []),  # cut off: text
+    # text around calls keeps its spacing; whitespace before the first and between calls does not count
+    ("Sure." + TAGGED + "\nDone.", "Sure.\nDone.", [("get_weather", {"city": "Paris"})]),
+    ("\n\n" + TAGGED + "\n\n", "", [("get_weather", {"city": "Paris"})]),
+    (TAGGED + " <tool", " <tool", [("get_weather", {"city": "Paris"})]),
+    # NaN / Infinity / 1e999 are no JSON for the client: not a call
+    ('{"name": "get_time", "arguments": {"x": NaN}}', '{"name": "get_time", "arguments": {"x": NaN}}', []),
+    ('<tool_call>{"name": "get_time", "arguments": {"x": 1e999}}</tool_call>',
+     '<tool_call>{"name": "get_time", "arguments": {"x": 1e999}}</tool_call>', []),
 ]
 
 
@@ -87,6 +95,15 @@ def test_content_before_a_call_is_streamed_before_it_is_decided():
     assert parser.feed("<tool") == ("", [])  # could be a tag: held back
     content, calls = parser.feed('_call>{"name": "get_time", "arguments": {}}</tool_call>')
     assert content == "" and [c.name for c in calls] == ["get_time"]
+
+
+def test_json_that_is_no_call_streams_as_soon_as_it_is_decided():
+    parser = ToolCallParser(PLAN)
+    assert parser.feed('{"name": "get_') == ("", [])  # could be get_weather or get_time
+    parser = ToolCallParser(PLAN)
+    assert parser.feed('{"name": "Ali') == ('{"name": "Ali', [])  # no tool is called "Ali..."
+    parser = ToolCallParser(PLAN)
+    assert parser.feed('{"age": 3, "name": "get_time"}') == ('{"age": 3, "name": "get_time"}', [])
 
 
 def test_parallel_tool_calls_false_keeps_the_first():
@@ -115,6 +132,9 @@ def test_plan_tools():
     ([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, "tool_choice"),
     ([WEATHER], {"type": "function", "function": {"name": "other"}}, "tool_choice"),
     ([WEATHER], "sometimes", "tool_choice"),
+    ([WEATHER], {"type": "function", "function": "get_weather"}, "tool_choice"),
+    ([WEATHER], {"type": "function", "function": None}, "tool_choice"),
+    ([WEATHER], {"type": "allowed_tools"}, "tool_choice"),
     (None, "auto", "tool_choice"),
 ])
 def test_plan_tools_refuses(tools, choice, param):

@@ -92,3 +92,13 @@ def test_warping_is_applied_identically():
     probs = probs_from_logits(logits, params)
     assert torch.equal(probs[0], probs[1])
     assert (probs[0][3:] == 0).all() and abs(float(probs[0].sum()) - 1) < 1e-6
+
+
+def test_generator_seed_keeps_32_bit_seeds_and_mixes_the_rest():
+    from specserve.engine.sampler import generator_seed
+    assert [generator_seed(s) for s in (0, 5, 2 ** 32 - 1)] == [0, 5, 2 ** 32 - 1]
+    wide = [5 + 2 ** 32, 5 + 2 ** 40, -1, -(2 ** 63), 2 ** 63 - 1]
+    mixed = [generator_seed(s) for s in wide]
+    assert all(0 <= m < 2 ** 32 for m in mixed) and len(set(mixed) | {5}) == len(wide) + 1
+    draws = {tuple(torch.rand(4, generator=make_generator(s, 0)).tolist()) for s in [5, *wide]}
+    assert len(draws) == len(wide) + 1

@@ -83,7 +83,16 @@ def top_logprobs(logits: torch.Tensor, token_ids: list[int], n: int) -> list[Tok
     return out
 
 
+def generator_seed(seed: int) -> int:
+    """The seed torch's CPU generator gets: it keeps only the low 32 bits, so a seed outside
+    [0, 2**32) is mixed down (seeds 5 and 5 + 2**32 must not draw the same numbers)."""
+    if 0 <= seed < 2 ** 32:
+        return seed
+    mixed = ((seed & 0xFFFF_FFFF_FFFF_FFFF) * 0x9E37_79B9_7F4A_7C15) & 0xFFFF_FFFF_FFFF_FFFF
+    return mixed >> 32
+
+
 def make_generator(seed: int | None, fallback_seed: int) -> torch.Generator:
     g = torch.Generator()
-    g.manual_seed(seed if seed is not None else fallback_seed)
+    g.manual_seed(generator_seed(seed if seed is not None else fallback_seed))
     return g

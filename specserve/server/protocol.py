@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from starlette.responses import JSONResponse
 
 from specserve.errors import RequestError
@@ -157,8 +158,34 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
 
 # ---------------------------------------------------------------- request models
 
+def _is_int_field(annotation: Any) -> bool:
+    """int or int | None (not a union with float or str, where a float must stay a float)."""
+    if annotation is int:
+        return True
+    args = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else ()
+    return int in args and all(a in (int, type(None)) for a in args)
+
+
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)  # true is not 1, "2" is not 2
+    """Unknown fields are ignored; types are strict (true is not 1, "2" is not 2), except that a
+    null means the field's default and an integral float (16.0, from float-only clients) is an int."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_and_integral_floats(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        out = {}
+        for key, value in data.items():
+            field = cls.model_fields.get(key)
+            if field is not None and value is None and not field.is_required():
+                continue  # null: the default
+            if field is not None and type(value) is float and value.is_integer() and _is_int_field(field.annotation):
+                value = int(value)
+            out[key] = value
+        return out
 
 
 class StreamOptions(_Lenient):

@@ -98,10 +98,15 @@ def _tool_name(i: int, tool: dict) -> str:
 
 
 def _refuse_forced_choice(choice: Any, names: list[str]) -> None:
-    if choice == "required" or isinstance(choice, dict):
-        named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-        if isinstance(choice, dict) and named not in names:
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        named = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(named, str):
+            raise RequestError('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                               '"function": {"name": ...}}', param="tool_choice")
+        if named not in names:
             raise RequestError(f"tool_choice names {named!r}, which is not among tools", param="tool_choice")
+    if choice == "required" or isinstance(choice, dict):
         raise RequestError("tool_choice 'required' or a named function needs guided decoding, which this server "
                            "does not have; use 'auto' (the model decides) or 'none'", param="tool_choice")
     raise RequestError(f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", ...}}, "
@@ -133,24 +138,32 @@ def history_tool_calls(i: int, calls: Any) -> list[dict]:
 
 # ---------------------------------------------------------------- parsing calls
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # NaN, Infinity: Python's json reads them, clients' parsers do not
+
+
+def _loads(text: str) -> Any:
+    return json.loads(text, parse_constant=_no_constant)
+
+
 def _call(obj: Any, names: frozenset[str]) -> ToolCall | None:
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
+    try:
+        args = _loads(args) if isinstance(args, str) else args
+        text = json.dumps(args, ensure_ascii=False, allow_nan=False)  # 1e999 parses as inf
+    except ValueError:
+        return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}")
+    return ToolCall(obj["name"], text, f"call_{uuid.uuid4().hex[:24]}")
 
 
 def parse_tagged(body: str, names: frozenset[str]) -> ToolCall | None:
     """The JSON between <tool_call> and </tool_call>."""
     try:
-        return _call(json.loads(body), names)
+        return _call(_loads(body), names)
     except ValueError:
         return None
 
@@ -161,7 +174,7 @@ def parse_bare(text: str, names: frozenset[str]) -> list[ToolCall] | None:
     fenced = _FENCE.fullmatch(body)
     if fenced:
         body = fenced.group(1)
-    decoder, pos, calls = json.JSONDecoder(), 0, []
+    decoder, pos, calls = json.JSONDecoder(parse_constant=_no_constant), 0, []
     while pos < len(body):
         try:
             obj, pos = decoder.raw_decode(body, pos)
@@ -177,8 +190,9 @@ def parse_bare(text: str, names: frozenset[str]) -> list[ToolCall] | None:
     return calls or None
 
 
-def _bare_start(text: str) -> str:
-    """'yes' if the (left-stripped) output opens like a bare call, 'no' if it cannot, 'maybe' if undecided."""
+def _bare_start(text: str, names: frozenset[str]) -> str:
+    """'yes' if the (left-stripped) output opens like a bare call of one of ``names`` ({"name": "get_weather",
+    perhaps in a fence or a list), 'no' if it cannot, 'maybe' while undecided."""
     if text.startswith("```"):
         rest = text[3:]
         if "json".startswith(rest):
@@ -188,17 +202,16 @@ def _bare_start(text: str) -> str:
         return "maybe"
     if text.startswith("["):  # a list of calls
         text = text[1:].lstrip()
-    if not text or text == "{":
-        return "maybe"
-    if text[0] != "{":
-        return "no"
-    key = text[1:].lstrip()
-    if '"name"'.startswith(key):
-        return "maybe"
-    if not key.startswith('"name"'):
-        return "no"
-    colon = key[6:].lstrip()
-    return "maybe" if not colon else "yes" if colon[0] == ":" else "no"
+    for token in ("{", '"name"', ":", '"'):
+        if len(text) < len(token) and token.startswith(text):
+            return "maybe"
+        if not text.startswith(token):
+            return "no"
+        text = text[len(token):] if token == '"' else text[len(token):].lstrip()
+    end = text.find('"')
+    if end >= 0:
+        return "yes" if text[:end] in names else "no"
+    return "maybe" if any(n.startswith(text) for n in names) else "no"
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -238,8 +251,8 @@ class ToolCallParser:
             call = parse_tagged(buf.strip(), self.names)
             calls = [call] if call else []
             buf = "" if call else OPEN + buf
-        elif self.state == _AFTER:
-            buf = ""
+        elif self.state == _AFTER and not buf.strip():
+            buf = ""  # whitespace after the last call
         return ("" if calls else buf), self._keep(calls)
 
     def _keep(self, calls: list[ToolCall]) -> list[ToolCall]:
@@ -254,15 +267,16 @@ class ToolCallParser:
         if not buf or self.state == _BARE:
             return False
         if self.state == _START:
-            decided = _bare_start(buf.lstrip())
-            if decided == "maybe":
+            head = buf.lstrip()
+            decided = _bare_start(head, self.names)
+            if decided == "maybe" or (len(head) < len(OPEN) and OPEN.startswith(head)):
                 return False
             self.state = _BARE if decided == "yes" else _TEXT
+            if head.startswith(OPEN):
+                self._buf = head  # no content before a call that opens the output
             return decided == "no"
         if self.state == _AFTER:
-            self._buf = buf.lstrip()
-            self.state = _TEXT if self._buf else _AFTER
-            return bool(self._buf)
+            return self._step_after(buf)
         if self.state == _CALL:
             return self._step_call(buf, content, calls)
         at = buf.find(OPEN)
@@ -275,6 +289,15 @@ class ToolCallParser:
         content.append(buf[:len(buf) - keep])
         self._buf = buf[len(buf) - keep:]
         return False
+
+    def _step_after(self, buf: str) -> bool:
+        """Whitespace between calls, or after the last, is dropped; text after a call keeps its spacing."""
+        head = buf.lstrip()
+        if not head or (len(head) < len(OPEN) and OPEN.startswith(head)):
+            return False  # only whitespace, or a piece of the next tag: wait
+        self._buf = head if head.startswith(OPEN) else buf
+        self.state = _TEXT
+        return True
 
     def _step_call(self, buf: str, content: list[str], calls: list[ToolCall]) -> bool:
         at = buf.find(CLOSE)
