@@ -104,3 +104,56 @@ def test_model_without_chat_template_falls_back_with_a_warning():
     proc = run_cli("generate", "--model", "gemma3-270m", "--max-tokens", "4", "The sky is")
     assert proc.returncode == 0, proc.stderr
     assert "no chat template" in proc.stderr
+
+
+# ---------------------------------------------------------------- flags checked before any work
+
+@pytest.mark.parametrize("argv,words", [
+    (["plan", "--threads=-1"], ["--threads", "[0, 1024]"]),
+    (["plan", "--gpu-memory-utilization=nan"], ["--gpu-memory-utilization", "(0, 1]"]),
+    (["plan", "--memory", "99999999999999999999999"], ["--memory", "1 PiB"]),
+    (["plan", "--kv-cache-memory", "lots"], ["--kv-cache-memory", "not a byte count"]),
+    (["serve", "--port=70000"], ["--port", "[0, 65535]"]),
+    (["train-drafter", "--method", "dflash", "--out", "x", "--layers", "0"], ["--layers", "[1, 5]"]),
+    (["train-drafter", "--method", "dflash", "--out", "x", "--gen-batch", "0"], ["--gen-batch", ">= 1"]),
+    (["train-drafter", "--method", "dflash", "--out", "x", "--temperature", "-1"], ["--temperature", ">= 0"]),
+])
+def test_bad_numbers_are_usage_errors(argv, words, capsys):
+    """argparse refuses them (exit 2) instead of a traceback after the model loaded (they were:
+    set_num_threads, int(nan), bind(), a 0-layer drafter)."""
+    from specserve.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert all(w in err for w in words), err
+
+
+@pytest.mark.parametrize("make_argv,words", [
+    (lambda d: ["lock", "--out", str(d), "--", "--model", "smollm2-135m"], ["--out", "directory"]),
+    (lambda d: ["bench", "--url", "http://127.0.0.1:9", "--limit", "0"], ["--limit"]),
+    (lambda d: ["bench", "--url", "http://127.0.0.1:9", "--chart", str(d / "c.txt")], ["--chart", ".png"]),
+    (lambda d: ["bench", "--url", "http://127.0.0.1:9", "--out", str(d / "no" / "r.json")], ["--out"]),
+    (lambda d: ["bench", "--url", "http://127.0.0.1:9", "--limit", "1"], ["Connection refused"]),
+    (lambda d: ["train-drafter", "--method", "dflash", "--out", str(d), "--resume"], ["--resume", "checkpoint"]),
+    (lambda d: ["train-drafter", "--method", "dflash", "--out", str(d), "--data", "stdlib:-5"], ["stdlib:-5"]),
+])
+def test_bad_paths_and_values_fail_before_any_work(make_argv, words, tmp_path, capsys):
+    from specserve.cli import main
+
+    assert main(make_argv(tmp_path)) == 1
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and all(w in lines[0] for w in words), lines
+    assert list(tmp_path.iterdir()) == []  # nothing was written
+
+
+def test_speculative_config_null_means_default():
+    from specserve.errors import SpecserveError
+    from specserve.spec.config import parse_spec_config
+
+    spec = parse_spec_config('{"method": "ngram", "num_speculative_tokens": null, "prompt_lookup_max": null}')
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_max) == (5, 5)
+    for bad, word in [('{"method": null}', "method"), ('{"method": "ngram", "model": "x"}', "ngram")]:
+        with pytest.raises(SpecserveError, match=word):
+            parse_spec_config(bad)

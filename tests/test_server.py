@@ -771,11 +771,20 @@ def test_serve_command_wiring(monkeypatch):
     fake_mod = types.ModuleType("specserve.engine.async_engine")
     fake_mod.AsyncEngine = FakeEngine
     monkeypatch.setitem(sys.modules, "specserve.engine.async_engine", fake_mod)
-    monkeypatch.setattr(serve_cmd, "run_server",
-                        lambda server, engine: started.update(app=server.config.app, port=server.config.port) or 0)
+    def fake_run_server(server, engine, sock):
+        started.update(app=server.config.app, port=server.config.port, bound=sock.getsockname()[1])
+        sock.close()
+        return 0
+
+    monkeypatch.setattr(serve_cmd, "run_server", fake_run_server)
     monkeypatch.setattr(serve_cmd, "_setup_logging", lambda level: None)  # keep the process's logging as is
     assert main(["serve", "--port", "8123", "--served-model-name", "x", "--reasoning-parser", "qwen3"]) == 0
-    assert started["port"] == 8123 and started["app"].state.ctx.served_model_name == "x"
+    assert started["port"] == started["bound"] == 8123 and started["app"].state.ctx.served_model_name == "x"
+    with socket.socket() as busy:  # a port in use fails before the model loads
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(SpecserveError, match="cannot listen on 127.0.0.1"):
+            serve_cmd.run(serve_cmd_args(["--port", str(busy.getsockname()[1])]))
     assert main(["serve", "--default-chat-template-kwargs", "{oops"]) == 1
     with pytest.raises(SpecserveError, match="not valid JSON"):
         serve_cmd.run(serve_cmd_args(["--default-chat-template-kwargs", "{oops"]))

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from rich.console import Console
@@ -88,9 +90,15 @@ def validate(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         raise SpecserveError("give exactly one of --url (with optional --baseline), --serve ARGS or --ab A B")
     if (args.ab or args.serve) and args.baseline:
         raise SpecserveError("--baseline is for --url; --ab and --serve start their servers themselves")
-    for name in ("runs", "max_tokens", "ab_rounds", "rounds", "requests_per_client"):
-        if getattr(args, name) < 1:
+    for name in ("runs", "max_tokens", "ab_rounds", "rounds", "requests_per_client", "limit", "prefix_tokens",
+                 "startup_timeout", "context_max"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SpecserveError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        raise SpecserveError("--warmup must be >= 0")
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        raise SpecserveError("--timeout must be a positive number of seconds")
+    check_output_paths(args)
     if not 0.0 <= args.depth <= 1.0:
         raise SpecserveError("--depth must be between 0 and 1")
     n = 2 if (args.ab or args.baseline) else 1
@@ -102,6 +110,28 @@ def validate(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     if bad or not scen:
         raise SpecserveError(f"unknown --scenario {','.join(bad)}; choose from {', '.join(SCENARIOS)}")
     return labels, scen
+
+
+CHART_FORMATS = (".png", ".svg", ".pdf")
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """--out, --markdown, --chart: writable files, checked before anything is measured."""
+    for flag, path in (("--out", args.out), ("--markdown", args.markdown), ("--chart", args.chart)):
+        if path is None:
+            continue
+        p = Path(path).expanduser()
+        if p.is_dir() or not path.strip():
+            raise SpecserveError(f"{flag} {path!r} is a directory, not a file")
+        existed = p.exists()
+        try:
+            open(p, "a").close()  # what the run will write at its end: fail now, not after it
+        except OSError as exc:
+            raise SpecserveError(f"{flag} {path}: cannot write it: {exc.strerror or exc}") from exc
+        if not existed:
+            p.unlink(missing_ok=True)
+        if flag == "--chart" and p.suffix.lower() not in CHART_FORMATS:
+            raise SpecserveError(f"--chart {path}: the file name must end in {', '.join(CHART_FORMATS)}")
 
 
 def make_plan(args: argparse.Namespace, scen: list[str]) -> tuple[Plan, list[str]]:
@@ -197,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
     result = build_result(args, plan, log, infos, tokens, notes)
     write_outputs(args, result, console)
     if log.requests and not any(r.ok for r in log.requests):
+        first = next((r.error for r in log.requests if getattr(r, "error", None)), None)
+        print(f"error: every request failed{f' (first: {first})' if first else ''}", file=sys.stderr)
         return 1
     return 0
 

@@ -169,9 +169,17 @@ class BenchClient:
 
     def list_models(self) -> list[dict[str, Any]]:
         """Entries of GET /v1/models (raises SpecserveError if unreachable)."""
-        status, data = self.get_json("/v1/models")
-        if status != 200 or not isinstance(data, dict):
-            raise SpecserveError(f"GET {self.root}/v1/models failed (status {status})")
+        try:
+            resp = self.http.get("/v1/models", timeout=min(self.timeout, 30.0))
+        except httpx.HTTPError as exc:
+            raise SpecserveError(f"GET {self.root}/v1/models failed: {type(exc).__name__}: "
+                                 f"{exc or 'no answer'}") from exc
+        try:
+            data = resp.json()
+        except ValueError:
+            data = None
+        if resp.status_code != 200 or not isinstance(data, dict):
+            raise SpecserveError(f"GET {self.root}/v1/models failed (status {resp.status_code})")
         return [m for m in data.get("data") or [] if isinstance(m, dict)]
 
     def resolve_model(self) -> str:

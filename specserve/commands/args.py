@@ -6,10 +6,72 @@ Names follow vLLM where vLLM has the flag.
 from __future__ import annotations
 
 import argparse
+import math
+import re
 
 from specserve.models.quant import QUANTIZATIONS
 
 DEFAULT_MODEL = "smollm2-135m"
+MAX_THREADS = 1024
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+MAX_BYTES = 2**50  # 1 PiB: more is a typo
+
+
+def int_in(lo: int, hi: int | None = None):
+    """argparse type: an int in [lo, hi]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+    return parse
+
+
+def fraction(text: str) -> float:
+    """argparse type: a float in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def parse_bytes(text: str) -> int:
+    """'123', '4GiB', '512MiB', '1.5GB' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 8589934592, 8GiB, 512MiB)")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value > MAX_BYTES:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than 1 PiB")
+    return value
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -31,8 +93,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per forward pass (prefill chunk size)")
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="KV pool size in bytes (e.g. 2GiB, 512MiB)")
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of free memory for weights + KV when --kv-cache-memory is unset")
     p.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "fp32", "bf16", "fp16", "fp8_e4m3", "int8", "int4"],
@@ -41,14 +104,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--threads", type=int_in(0, MAX_THREADS), default=None,
+                   help="CPU threads (default or 0: the cores this process may use)")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Every flag of ``specserve serve`` (also parsed by ``specserve lock -- ...``)."""
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int_in(0, 65535), default=8000)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--chat-template", default=None, help="jinja file replacing the model's template")
     p.add_argument("--default-chat-template-kwargs", default=None,

@@ -11,22 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 
-from specserve.commands.args import add_engine_args
+from specserve.commands.args import add_engine_args, parse_bytes
 from specserve.errors import SpecserveError
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """'123', '4GiB', '512MiB', '1.5GB' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 8589934592, 8GiB, 512MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("plan", help="print the memory budget: weights, KV per token, pool, context, concurrency",

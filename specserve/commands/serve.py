@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 from specserve.commands.args import add_serve_args
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from specserve.engine.async_engine import AsyncEngine
     from specserve.server.app import create_app
 
+    sock = listen_socket(args.host, args.port)  # a busy port fails now, not after the model loads
     engine = AsyncEngine.from_args(args, own_thread=False)
     plan = getattr(getattr(engine, "engine", None), "plan", None)
     if plan is not None:
@@ -84,20 +86,39 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, cfg)
     logging.getLogger("specserve.server").info(
         "serving %s on http://%s:%d (speculation %s)", cfg.served_model_name or engine.model_name,
-        args.host, args.port, "on" if engine.spec_enabled else "off")
+        args.host, sock.getsockname()[1], "on" if engine.spec_enabled else "off")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level,
                                            timeout_graceful_shutdown=5))
-    return run_server(server, engine)
+    return run_server(server, engine, sock)
 
 
-def run_server(server, engine) -> int:
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for host:port (IPv4 or IPv6, as the host resolves), or SpecserveError."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise SpecserveError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        raise SpecserveError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(server, engine, sock: socket.socket | None = None) -> int:
     """HTTP in a second thread, the engine's step loop in this (the main) thread. SIGINT / SIGTERM
     ask the HTTP server to finish (in-flight requests keep being served for a few seconds);
     the engine loop ends when the HTTP thread does."""
     import signal
     import threading
 
-    http = threading.Thread(target=server.run, name="specserve-http", daemon=True)
+    http = threading.Thread(target=server.run, name="specserve-http", daemon=True,
+                            kwargs={"sockets": [sock]} if sock is not None else {})
     previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         http.start()

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from specserve.commands.args import MAX_THREADS, int_in, nonnegative_float, positive_float
 from specserve.errors import SpecserveError
 from specserve.models.quant import QUANTIZATIONS
 
@@ -25,53 +26,53 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output directory (checkpoint, data cache, final drafter)")
     p.add_argument("--data", default="sharegpt:200,stdlib:200,math:100,debian:100",
                    help="prompt sources and counts, e.g. sharegpt:200,stdlib:200,math:100,debian:100")
-    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--steps", type=int_in(1), default=1000)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
-    p.add_argument("--stop-at", type=int, default=None, help="stop (and checkpoint) after this step")
-    p.add_argument("--time-limit", type=float, default=None, help="stop (and checkpoint) after this many minutes")
-    p.add_argument("--time-budget", type=float, default=None,
+    p.add_argument("--stop-at", type=int_in(1), default=None, help="stop (and checkpoint) after this step")
+    p.add_argument("--time-limit", type=positive_float, default=None, help="stop (and checkpoint) after this many minutes")
+    p.add_argument("--time-budget", type=positive_float, default=None,
                    help="train for this many minutes, the learning-rate schedule following the time spent "
                         "(ends on time on any device; not bit-reproducible on --resume)")
     p.add_argument("--init-from", default=None, metavar="DRAFTER",
                    help="fine-tune a trained drafter (a train-drafter output directory or a catalog drafter "
                         "such as smollm2-135m-dflash) instead of starting a fresh one; its shape is kept")
-    p.add_argument("--block-size", type=int, default=None, help="dflash block size B (B-1 drafts per forward; "
+    p.add_argument("--block-size", type=int_in(2, 64), default=None, help="dflash block size B (B-1 drafts per forward; "
                    "default 8)")
-    p.add_argument("--layers", type=int, default=None, help="dflash drafter layers (1-5; default 1)")
-    p.add_argument("--target-layers", type=int, default=None, help="dflash: target layers to read (default 3)")
-    p.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: the target's)")
+    p.add_argument("--layers", type=int_in(1, 5), default=None, help="dflash drafter layers (1-5; default 1)")
+    p.add_argument("--target-layers", type=int_in(1), default=None, help="dflash: target layers to read (default 3)")
+    p.add_argument("--intermediate-size", type=int_in(1), default=None, help="drafter MLP width (default: the target's)")
     p.add_argument("--init-from-target", action="store_true",
                    help="dflash: start the drafter's layers as copies of the target's last layers "
                         "(needs --intermediate-size equal to the target's)")
-    p.add_argument("--draft-vocab-size", type=int, default=None,
+    p.add_argument("--draft-vocab-size", type=int_in(1), default=None,
                    help="dflash: the drafter's default draft vocabulary (the target's LM head cut to this many "
                         "tokens, ranked by the training answers' token counts); the speculative config's "
                         "draft_vocab_size overrides it")
-    p.add_argument("--depth", type=int, default=None, help="mtp: chained steps trained (default 3)")
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--depth", type=int_in(1, 16), default=None, help="mtp: chained steps trained (default 3)")
+    p.add_argument("--lr", type=positive_float, default=6e-4)
+    p.add_argument("--warmup", type=int_in(0), default=50)
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=512, help="training window (tokens)")
-    p.add_argument("--anchors", type=int, default=8, help="dflash: blocks per sequence per step")
-    p.add_argument("--decay", type=float, default=0.8, help="loss weight decay per block position / depth")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="answer length when generating data")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the target's answers")
-    p.add_argument("--gen-batch", type=int, default=16, help="sequences the engine decodes together for the data")
+    p.add_argument("--batch", type=int_in(1), default=8)
+    p.add_argument("--seq-len", type=int_in(16), default=512, help="training window (tokens)")
+    p.add_argument("--anchors", type=int_in(1), default=8, help="dflash: blocks per sequence per step")
+    p.add_argument("--decay", type=positive_float, default=0.8, help="loss weight decay per block position / depth")
+    p.add_argument("--max-new-tokens", type=int_in(1), default=256, help="answer length when generating data")
+    p.add_argument("--temperature", type=nonnegative_float, default=0.0, help="sampling temperature of the target's answers")
+    p.add_argument("--gen-batch", type=int_in(1), default=16, help="sequences the engine decodes together for the data")
     p.add_argument("--answers-only", action="store_true",
                    help="only generate the target's answers (OUT/data/answers.pt, saved as they come, resumable) "
                         "and stop; a later run with the same data options trains on them, e.g. on a GPU")
     p.add_argument("--use-saved-answers", action="store_true",
                    help="train on the answers already in OUT/data/answers.pt (made with the same data options), "
                         "without reading the prompt sources or generating more (e.g. on a machine with no network)")
-    p.add_argument("--max-answers", type=int, default=None,
+    p.add_argument("--max-answers", type=int_in(1), default=None,
                    help="with --use-saved-answers: train on a random N of them (the same N for a --seed), e.g. "
                         "to fit a CPU's time")
     p.add_argument("--no-data-cache", action="store_true",
                    help="do not save the hidden-state dataset (OUT/data/dataset.pt; several GB for large --data)")
     p.add_argument("--val-fraction", type=float, default=0.1)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int_in(0), default=100, help="steps between validations (0: only at the end)")
+    p.add_argument("--save-every", type=int_in(0), default=100, help="steps between checkpoints (0: only at the end)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--export-dtype", default="float32", choices=["float32", "bfloat16", "float16", "int8"],
                    help="dtype of the exported drafter weights (int8: matrices per-row symmetric int8, the "
@@ -82,7 +83,8 @@ def add_parser(sub) -> None:
                         "closer to the CPU engine's)")
     p.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                    help="the target's weight format while generating data")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int_in(0, MAX_THREADS), default=None,
+                   help="CPU threads (default or 0: the cores this process may use)")
     p.set_defaults(func=run)
 
 
@@ -91,14 +93,25 @@ SHAPE_OPTIONS = ("block_size", "layers", "target_layers", "intermediate_size", "
 
 def check_args(args: argparse.Namespace) -> None:
     """Option clashes, before the target loads."""
-    if args.max_answers is not None and (args.max_answers < 1 or not args.use_saved_answers):
-        raise SpecserveError("--max-answers N (N >= 1) goes with --use-saved-answers")
+    if args.max_answers is not None and not args.use_saved_answers:
+        raise SpecserveError("--max-answers N goes with --use-saved-answers")
+    from specserve.spec.train.data import parse_data_spec
+
+    parse_data_spec(args.data)
+    if not 0 <= args.val_fraction < 1:
+        raise SpecserveError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     if args.init_from is not None:
         if args.resume:
             raise SpecserveError("--init-from starts a new run; --resume continues OUT/checkpoint (pick one)")
         given = [o for o in SHAPE_OPTIONS if getattr(args, o) not in (None, False)]
         if given:
             raise SpecserveError(f"--init-from keeps the drafter's shape; drop --{given[0].replace('_', '-')}")
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise SpecserveError(f"--out {out} exists and is not a directory")
+    if args.resume and not (out / "checkpoint" / "config.json").is_file():
+        raise SpecserveError(f"--resume: no checkpoint in {out / 'checkpoint'} (a run writes one every "
+                             "--save-every steps)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,8 +131,14 @@ def run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     torch.manual_seed(args.seed)
     out = Path(args.out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
     target = load_model(args.model, LoadOptions(args.device, args.dtype, args.quantization))
+    if args.target_layers is not None and args.target_layers > target.config.num_layers:
+        raise SpecserveError(f"--target-layers {args.target_layers}: {target.name} has "
+                             f"{target.config.num_layers} layers")
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # after the model loads: a bad --model leaves no directory
+    except OSError as exc:
+        raise SpecserveError(f"cannot create --out {out}: {exc.strerror or exc}") from exc
     device = target.model.device
     if device.type == "cuda":  # the frozen target's hidden states and the drafter's float32 matmuls in TF32
         torch.backends.cuda.matmul.allow_tf32 = True

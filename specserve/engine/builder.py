@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
 
@@ -12,6 +13,8 @@ from specserve.kernels import ops
 from specserve.models.loader import LoadOptions, load_model
 from specserve.spec.config import parse_spec_config
 from specserve.spec.registry import build_drafter
+
+logger = logging.getLogger("specserve.engine")
 
 
 def set_threads(n: int | None) -> int:
@@ -31,5 +34,8 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     ecfg = EngineConfig.from_args(args)
     target = load_model(args.model, options)
     max_len = min(ecfg.max_model_len or target.config.max_position, target.config.max_position)
+    if ecfg.max_model_len and ecfg.max_model_len > max_len:
+        logger.warning("--max-model-len %d is more than %s was trained for; using %d", ecfg.max_model_len,
+                       target.name, max_len)
     drafter = build_drafter(spec, target, options, ecfg, max_len)
     return LLMEngine(target, ecfg, spec, drafter)

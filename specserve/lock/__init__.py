@@ -90,8 +90,13 @@ def _validate(lock: Any, path: Path) -> None:
 def write_lock(path: str | Path, lock: dict[str, Any]) -> None:
     """Write ``lock`` as sorted, indented JSON, atomically."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    if not path.name or path.is_dir():
+        raise SpecserveError(f"lock file {str(path)!r} is a directory, not a file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise SpecserveError(f"cannot write lock file {path}: {exc.strerror or exc}") from exc
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(json.dumps(lock, sort_keys=True, indent=2) + "\n")

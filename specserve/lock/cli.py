@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from pathlib import Path
 
 from specserve.errors import SpecserveError
 
@@ -71,6 +73,11 @@ def run_lock(args: argparse.Namespace) -> int:
     head, serve_argv = _split(args.rest)
     _reparse(args, head, "specserve lock", _lock_options, None)
     start = time.monotonic()
+    out = Path(args.out)
+    if not args.out.strip() or out.is_dir():
+        raise SpecserveError(f"--out {args.out!r} is a directory, not a lock file")
+    if not args.update and out.parent.exists() and not os.access(out.parent, os.W_OK):
+        raise SpecserveError(f"--out {args.out}: cannot write in {out.parent}")
     if args.update:
         changes = update_lock(args.out, serve_argv, full=args.full)
         for change in changes:

@@ -49,6 +49,9 @@ class SpecConfig:
                                      "\"dflash\" and \"mtp\" (ngram drafts have no probabilities)")
             if not 0 <= self.draft_p_min < 1:
                 raise SpecserveError(f"speculative config: draft_p_min must be in [0, 1), got {self.draft_p_min}")
+        if self.method == "ngram" and (self.model is not None or self.quantization is not None):
+            raise SpecserveError("speculative config: \"model\" and \"quantization\" do not apply to method "
+                                 "\"ngram\" (it drafts from the context)")
         if self.method in ("draft_model", "dflash") and not self.model:
             raise SpecserveError(f"speculative config: method {self.method!r} needs \"model\"")
 
@@ -79,6 +82,7 @@ def parse_spec_config(text: str | dict | None) -> SpecConfig | None:
         if value is not None and (not isinstance(value, want) or (want is not bool and isinstance(value, bool))):
             kind = "a number" if isinstance(want, tuple) else want.__name__
             raise SpecserveError(f"speculative config: {key!r} must be {kind}, got {value!r}")
-    if "method" not in data:
+    if data.get("method") is None:
         raise SpecserveError("speculative config: missing key 'method'")
-    return SpecConfig(**data)
+    defaults = {f.name: f.default for f in fields(SpecConfig)}
+    return SpecConfig(**{k: v for k, v in data.items() if v is not None or defaults.get(k) is None})

@@ -68,6 +68,8 @@ def parse_data_spec(spec: str) -> list[tuple[str, int]]:
             count = int(n) if n else 100
         except ValueError as exc:
             raise SpecserveError(f"--data: {part!r} is not SOURCE:COUNT") from exc
+        if count < 1:
+            raise SpecserveError(f"--data: {part!r} asks for {count} prompts (COUNT >= 1)")
         out.append((name, count))
     if not out:
         raise SpecserveError("--data selects no source")
