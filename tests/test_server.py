@@ -876,6 +876,16 @@ def test_tool_call_history_round_trip(tool_srv):
             'tool: {"sky": "sunny"}') in tool_srv.engine.prompts[-1]
 
 
+def test_tokenize_messages_with_tools_counts_what_chat_renders(tool_srv):
+    with_tools = tool_srv.http.post("/tokenize", json={"messages": MSGS, "tools": TOOLS}).json()
+    without = tool_srv.http.post("/tokenize", json={"messages": MSGS}).json()
+    assert with_tools["count"] > without["count"]
+    tool_srv.engine.responder = lambda prompt, params: "ok"
+    tool_srv.client().chat.completions.create(model="fake-model", messages=MSGS, tools=TOOLS)
+    assert tool_srv.engine.tokenizer.decode(with_tools["tokens"], False).endswith(tool_srv.engine.prompts[-1])
+    assert tool_srv.engine.prompts[-1].startswith("<tools>")
+
+
 def test_tool_choice_none_and_no_parser(tool_srv, srv, engine):
     tool_srv.engine.responder = lambda prompt, params: CALL
     r = tool_srv.client().chat.completions.create(model="fake-model", messages=MSGS, tools=TOOLS,

@@ -28,7 +28,7 @@ from specserve.server.serving import ServingContext, now
 from specserve.server.serving_chat import create_chat_completion
 from specserve.server.serving_completion import create_completion
 from specserve.server.streaming import ClientGone
-from specserve.server.tools import resolve_parser
+from specserve.server.tools import plan_tools, resolve_parser
 
 logger = logging.getLogger("specserve.server")
 
@@ -138,7 +138,8 @@ async def tokenize(ctx: ServingContext, request: Request) -> dict:
     if (req.prompt is None) == (req.messages is None):
         raise RequestError("send exactly one of 'prompt' or 'messages'", param="prompt")
     if req.messages is not None:
-        text = ctx.renderer.render(req.messages, req.chat_template_kwargs, req.add_generation_prompt)
+        tools = plan_tools(req.tools, None, None, ctx.tool_parser).template_tools
+        text = ctx.renderer.render(req.messages, req.chat_template_kwargs, req.add_generation_prompt, tools)
         ids = ctx.engine.tokenizer.encode(text, add_special_tokens=False)
     else:
         ids = ctx.encode_prompt(req.prompt, add_bos=req.add_special_tokens)

@@ -257,6 +257,7 @@ class TokenizeRequest(_Lenient):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered as chat renders them: the same count
 
 
 class DetokenizeRequest(_Lenient):
