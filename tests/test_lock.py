@@ -125,6 +125,14 @@ def test_lock_allow_suppresses_drift(capsys, env, rule):
     assert "lock OK" in out and "1 allowed to drift" in out
 
 
+@pytest.mark.parametrize("rule", ["packages.fake-pkgg", "serve.max-num-seq", "model.nme"])
+def test_lock_allow_rule_that_matches_nothing_is_an_error(capsys, env, rule):
+    """A typo in --lock-allow would silently allow nothing: refused, naming the rule."""
+    lock(capsys, env)
+    rc, _, err = run(capsys, "verify", env.lock, "--lock-allow", rule)
+    assert rc == 1 and rule in err and "matches no field" in err
+
+
 def test_edited_chat_template(capsys, env):
     lock(capsys, env, *env.args, "--chat-template", str(env.template))
     env.template.write_text(TEMPLATE + "{{ '<|assistant|>' }}")

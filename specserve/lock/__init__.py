@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve.errors import SpecserveError
-from specserve.lock.compare import Drift, DriftList, apply_allow, diff, format_drifts
+from specserve.lock.compare import Drift, DriftList, apply_allow, diff, flatten, format_drifts, is_allowed
 from specserve.lock.fingerprint import REDACTED, Collector, collect, parse_serve_args, redact_argv
 from specserve.lock.hashcache import HashCache
 
@@ -130,7 +130,17 @@ def _keep_redacted_key(locked: dict[str, Any], current: dict[str, Any]) -> None:
 def _compare(lock: dict[str, Any], ns: argparse.Namespace, allow: list[str], full: bool) -> DriftList:
     current = _fingerprint(ns, strict=False, full=full)
     _keep_redacted_key(lock["fingerprint"], current)
+    check_rules(allow, lock["fingerprint"], current)
     return apply_allow(diff(lock["fingerprint"], current), list(allow))
+
+
+def check_rules(allow: list[str], *fingerprints: dict[str, Any]) -> None:
+    """An allow rule that matches no field is a typo: it would let nothing through, silently."""
+    fields = set().union(*(flatten(fp) for fp in fingerprints))
+    for rule in allow:
+        if not any(is_allowed(f, [rule]) for f in fields):
+            raise SpecserveError(f"--lock-allow {rule!r} matches no field of the lock (sections: "
+                                 f"{', '.join(SECTIONS)}; e.g. packages.torch, serve.max_num_seqs)")
 
 
 def check_lock(lock_path: str, serve_argv: list[str] | None, allow: list[str],
