@@ -12,6 +12,7 @@ import logging
 import random
 import socket
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -786,6 +787,9 @@ def test_serve_command_wiring(monkeypatch):
         with pytest.raises(SpecserveError, match="cannot listen on 127.0.0.1"):
             serve_cmd.run(serve_cmd_args(["--port", str(busy.getsockname()[1])]))
     assert main(["serve", "--default-chat-template-kwargs", "{oops"]) == 1
+    with tempfile.NamedTemporaryFile("w", suffix=".jinja") as empty:
+        with pytest.raises(SpecserveError, match="is empty"):
+            serve_cmd.run(serve_cmd_args(["--chat-template", empty.name]))
     with pytest.raises(SpecserveError, match="not valid JSON"):
         serve_cmd.run(serve_cmd_args(["--default-chat-template-kwargs", "{oops"]))
 

@@ -60,7 +60,10 @@ def read_chat_template(path: str | None) -> str | None:
         return None
     p = Path(path)
     try:
-        return p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8")
+        if not text.strip():
+            raise SpecserveError(f"--chat-template {path} is empty")
+        return text
     except OSError as exc:
         raise SpecserveError(f"cannot read --chat-template {path}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:
