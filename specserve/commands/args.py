@@ -32,35 +32,22 @@ def int_in(lo: int, hi: int | None = None):
     return parse
 
 
-def fraction(text: str) -> float:
-    """argparse type: a float in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value <= 1:  # also NaN
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
+def float_where(ok, bound: str):
+    """argparse type: a float for which ok(value) holds (NaN never does); ``bound`` says which."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+    return parse
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
+fraction = float_where(lambda v: 0 < v <= 1, "in (0, 1]")
+positive_float = float_where(lambda v: 0 < v < math.inf, "a positive number")
+nonnegative_float = float_where(lambda v: 0 <= v < math.inf, "a number >= 0")
 
 
 def parse_bytes(text: str) -> int:

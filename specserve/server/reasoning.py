@@ -29,7 +29,7 @@ _AFTER = "after"  # just closed: drop whitespace before the answer
 _CONTENT = "content"
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest proper prefix of ``tag`` that ``text`` ends with."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -100,7 +100,7 @@ class ReasoningParser:
             self.state = _AFTER
             return True
         # hold back a possible piece of "</think>" and the whitespace before it (dropped if it closes)
-        keep = _partial_suffix(buf, CLOSE)
+        keep = partial_suffix(buf, CLOSE)
         body = buf[:len(buf) - keep]
         keep += len(body) - len(body.rstrip())
         reasoning.append(buf[:len(buf) - keep])

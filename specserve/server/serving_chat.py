@@ -51,13 +51,13 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     request_id = new_id("chatcmpl")
     choices = make_choices([ids], req, [max_tokens], top, request_id)
     opened = prompt_opens_think(prompt)
+    split = Splitter(ctx.cfg.reasoning_parser, opened, plan)
     fan = Fanout(ctx.engine, ctx.metrics, choices)
     await start_fanout(request.receive, fan, drain=not req.stream)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return SSEResponse(chat_events(ctx, request_id, fan, Splitter(ctx.cfg.reasoning_parser, opened, plan),
-                                       include_usage), fan.close)
-    return JSONResponse(chat_response(ctx, request_id, choices, Splitter(ctx.cfg.reasoning_parser, opened, plan)))
+        return SSEResponse(chat_events(ctx, request_id, fan, split, include_usage), fan.close)
+    return JSONResponse(chat_response(ctx, request_id, choices, split))
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,8 @@ def _logprobs_field(ctx: ServingContext, choice: Choice, lps: list[TokenLogprob]
     return {"content": format_logprobs(ctx, lps or [], k), "refusal": None}
 
 
-def chat_message(ctx: ServingContext, choice: Choice, split: Splitter) -> tuple[dict, list[ToolCall]]:
-    kind = ctx.cfg.reasoning_parser
+def chat_message(choice: Choice, split: Splitter) -> tuple[dict, list[ToolCall]]:
+    kind = split.reasoning_parser
     reasoning, content = split_all(kind, split.opened, choice.text)
     calls: list[ToolCall] = []
     if split.tools.names:
@@ -120,7 +120,7 @@ def chat_message(ctx: ServingContext, choice: Choice, split: Splitter) -> tuple[
 def chat_response(ctx: ServingContext, request_id: str, choices: list[Choice], split: Splitter) -> dict:
     out = []
     for c in choices:
-        message, calls = chat_message(ctx, c, split)
+        message, calls = chat_message(c, split)
         out.append({"index": c.index, "message": message, "logprobs": _logprobs_field(ctx, c, c.logprobs),
                     "finish_reason": finish_reason(c.finish_reason, bool(calls))})
     return {

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specserve.errors import RequestError
+from specserve.server.reasoning import partial_suffix
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 TOOL_PARSERS = ("auto", "hermes", "none")
@@ -214,14 +215,6 @@ def _bare_start(text: str, names: frozenset[str]) -> str:
     return "maybe" if any(n.startswith(text) for n in names) else "no"
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest proper prefix of ``tag`` that ``text`` ends with."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
-
-
 class ToolCallParser:
     """Splits the output's content into text and calls; ``feed`` per delta, ``finish`` at the end."""
 
@@ -285,7 +278,7 @@ class ToolCallParser:
             self._buf = buf[at + len(OPEN):]
             self.state = _CALL
             return True
-        keep = _partial_suffix(buf, OPEN)
+        keep = partial_suffix(buf, OPEN)
         content.append(buf[:len(buf) - keep])
         self._buf = buf[len(buf) - keep:]
         return False
