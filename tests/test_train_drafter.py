@@ -306,3 +306,37 @@ def test_init_from_fine_tunes_a_trained_drafter(tiny, tmp_path, capsys):
                        (["--method", "mtp"], "holds a 'dflash' drafter, not 'mtp'")):
         assert main(argv(tmp_path / "bad", "--use-saved-answers", "--init-from", str(src), *extra)) == 1
         assert msg in capsys.readouterr().err
+
+
+def test_more_answers_adds_another_runs_answers(tiny, tmp_path, capsys):
+    """--more-answers trains on the answers of two generation runs (other --data / --seed), each
+    sequence once; a run for another training window is refused."""
+    from specserve.cli import main
+
+    a = {0: tdata.Answer([1, 2, 3], 1), 1: tdata.Answer([1, 2, 4], 1)}
+    b = {0: tdata.Answer([1, 2, 4], 1), 5: tdata.Answer([7, 8, 9], 1), 6: tdata.Answer([7, 8, 9], 1)}
+    merged = tdata.merge_answers(a, b)
+    assert [m.ids for _, m in sorted(merged.items())] == [[1, 2, 3], [1, 2, 4], [7, 8, 9]]
+
+    def run(out, *extra):
+        return main(["train-drafter", "--model", str(tiny.resolved.path), "--method", "mtp", "--out", str(out),
+                     "--seq-len", "512", "--max-new-tokens", "8", "--quantization", "none", "--threads", "1",
+                     *extra])
+
+    assert run(tmp_path / "one", "--data", "math:4", "--answers-only") == 0
+    assert run(tmp_path / "two", "--data", "math:4", "--seed", "1", "--answers-only") == 0
+    assert run(tmp_path / "long", "--data", "math:2", "--seq-len", "600", "--answers-only") == 0
+    one = tdata.load_answers(tmp_path / "one" / "data" / "answers.pt")
+    two = tdata.load_answers(tmp_path / "two" / "data" / "answers.pt")
+    fresh = {tuple(x.ids) for x in two.values()} - {tuple(x.ids) for x in one.values()}
+    assert fresh  # another seed, other prompts
+    capsys.readouterr()
+    assert run(tmp_path / "one", "--data", "math:4", "--use-saved-answers", "--no-data-cache", "--steps", "2",
+               "--eval-every", "0", "--warmup", "1", "--batch", "2",
+               "--more-answers", str(tmp_path / "two" / "data" / "answers.pt")) == 0
+    assert f"{len(fresh)} more answers from" in capsys.readouterr().err
+    assert run(tmp_path / "one", "--data", "math:4", "--use-saved-answers", "--steps", "2",
+               "--more-answers", str(tmp_path / "long" / "data" / "answers.pt")) == 1
+    assert "made with seq_len 600, this run has 512" in capsys.readouterr().err
+    assert run(tmp_path / "one", "--data", "math:4", "--more-answers", str(tmp_path / "nope.pt")) == 1
+    assert "--more-answers" in capsys.readouterr().err

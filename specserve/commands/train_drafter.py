@@ -65,6 +65,10 @@ def add_parser(sub) -> None:
     p.add_argument("--use-saved-answers", action="store_true",
                    help="train on the answers already in OUT/data/answers.pt (made with the same data options), "
                         "without reading the prompt sources or generating more (e.g. on a machine with no network)")
+    p.add_argument("--more-answers", action="append", default=[], metavar="FILE",
+                   help="with --use-saved-answers: also train on the answers.pt of another run for the same "
+                        "model and --seq-len (other --data or --seed; repeatable; a sequence already present "
+                        "is taken once)")
     p.add_argument("--max-answers", type=int_in(1), default=None,
                    help="with --use-saved-answers: train on a random N of them (the same N for a --seed), e.g. "
                         "to fit a CPU's time")
@@ -95,6 +99,11 @@ def check_args(args: argparse.Namespace) -> None:
     """Option clashes, before the target loads."""
     if args.max_answers is not None and not args.use_saved_answers:
         raise SpecserveError("--max-answers N goes with --use-saved-answers")
+    if args.more_answers and not args.use_saved_answers:
+        raise SpecserveError("--more-answers FILE goes with --use-saved-answers")
+    missing = [f for f in args.more_answers if not Path(f).expanduser().is_file()]
+    if missing:
+        raise SpecserveError(f"--more-answers {missing[0]}: no such file")
     from specserve.spec.train.data import parse_data_spec
 
     parse_data_spec(args.data)
@@ -211,6 +220,10 @@ def _answers(args, target, out: Path, meta: dict, say):
         if not saved:
             raise SpecserveError(f"--use-saved-answers: {path} holds no answers made with these data options")
         say(f"{len(saved)} saved answers in {path}")
+        for extra in args.more_answers:
+            before = len(saved)
+            saved = tdata.merge_answers(saved, tdata.load_compatible_answers(Path(extra).expanduser(), meta))
+            say(f"{len(saved) - before} more answers from {extra}")
         if args.max_answers is not None:
             saved = tdata.sample_answers(saved, args.max_answers, args.seed)
             say(f"training on a random {len(saved)} of them (--max-answers)")
@@ -233,6 +246,8 @@ def _examples(args, target, out: Path, answers_meta: dict, layers, final_norm: b
     meta = {**answers_meta, "method": args.method, "layers": list(layers), "final_norm": final_norm}
     if args.max_answers is not None:  # a subset is another dataset
         meta["max_answers"] = [args.max_answers, args.seed]
+    if args.more_answers:  # and so is a superset
+        meta["more_answers"] = [str(Path(f).expanduser().resolve()) for f in args.more_answers]
     if data_path.is_file():
         cached, cmeta = tdata.load_dataset(data_path)
         if cmeta == meta:

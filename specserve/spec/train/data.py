@@ -475,6 +475,33 @@ def load_answers(path: Path, meta: dict | None = None) -> dict[int, Answer]:
     return {int(i): Answer(t.tolist(), int(pl), s) for i, (t, pl, s) in obj["answers"].items()}
 
 
+def load_compatible_answers(path: Path, meta: dict) -> dict[int, Answer]:
+    """Another run's answers, made for the same model (and vocabulary) and training window as ``meta``'s;
+    its prompts, seed and answer length may differ. Raises SpecserveError otherwise."""
+    try:
+        other = torch.load(str(path), weights_only=True)["meta"]
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same error
+        raise SpecserveError(f"--more-answers {path}: not an answers.pt file ({type(exc).__name__})") from exc
+    for key in ("model", "vocab", "seq_len"):
+        if other.get(key) != meta.get(key):
+            raise SpecserveError(f"--more-answers {path}: made with {key} {other.get(key)!r}, this run has "
+                                 f"{meta.get(key)!r}")
+    return load_answers(path)
+
+
+def merge_answers(answers: dict[int, Answer], more: dict[int, Answer]) -> dict[int, Answer]:
+    """``answers`` followed by those of ``more`` whose token ids are not in it yet (prompt order kept)."""
+    out = dict(answers)
+    seen = {tuple(a.ids) for a in answers.values()}
+    start = max(out, default=-1) + 1
+    for i in sorted(more):
+        key = tuple(more[i].ids)
+        if key not in seen:
+            seen.add(key)
+            out[start + len(out) - len(answers)] = more[i]
+    return out
+
+
 def examples_from_answers(target, answers: list[Answer], *, layers: tuple[int, ...], final_norm: bool,
                           progress=None, max_batch_tokens: int = 2048,
                           device: str | torch.device = "cpu") -> list[Example]:
