@@ -63,6 +63,8 @@ CASES = [
     ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', '<tool_call>{"name": "nope", "arguments": {}}'
      '</tool_call>', []),
     ("<tool_call>\n{\"name\": \"get_ti", "<tool_call>\n{\"name\": \"get_ti", []),  # cut off: text
+    ('{"name": "get_time", "arguments": ' + "[" * 5000 + "]" * 5000 + "}",
+     '{"name": "get_time", "arguments": ' + "[" * 5000 + "]" * 5000 + "}", []),  # too deep for json: text
     # text around calls keeps its spacing; whitespace before the first and between calls does not count
     ("Sure." + TAGGED + "\nDone.", "Sure.\nDone.", [("get_weather", {"city": "Paris"})]),
     ("\n\n" + TAGGED + "\n\n", "", [("get_weather", {"city": "Paris"})]),
@@ -152,6 +154,8 @@ def test_history_tool_calls_parse_arguments_for_the_template():
     assert out[0]["id"] == "a" and calls[0]["function"]["arguments"] == '{"x": 1}'  # the request is unchanged
     for bad, param in [("x", "messages[1].tool_calls"), ([5], "messages[1].tool_calls[0]"),
                        ([{"function": {"name": "f", "arguments": "{oops"}}],
+                        "messages[1].tool_calls[0].function.arguments"),
+                       ([{"function": {"name": "f", "arguments": "[" * 100000}}],  # RecursionError, not a 500
                         "messages[1].tool_calls[0].function.arguments")]:
         with pytest.raises(RequestError) as info:
             history_tool_calls(1, bad)

@@ -130,7 +130,7 @@ def history_tool_calls(i: int, calls: Any) -> list[dict]:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise RequestError(f"{where}.function.arguments is not valid JSON",
                                    param=f"{where}.function.arguments") from None
         out.append({**call, "function": {**fn, "arguments": args}})
@@ -154,7 +154,7 @@ def _call(obj: Any, names: frozenset[str]) -> ToolCall | None:
     try:
         args = _loads(args) if isinstance(args, str) else args
         text = json.dumps(args, ensure_ascii=False, allow_nan=False)  # 1e999 parses as inf
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(args, dict):
         return None
@@ -165,7 +165,7 @@ def parse_tagged(body: str, names: frozenset[str]) -> ToolCall | None:
     """The JSON between <tool_call> and </tool_call>."""
     try:
         return _call(_loads(body), names)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
@@ -179,7 +179,7 @@ def parse_bare(text: str, names: frozenset[str]) -> list[ToolCall] | None:
     while pos < len(body):
         try:
             obj, pos = decoder.raw_decode(body, pos)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         for item in obj if isinstance(obj, list) else [obj]:
             call = _call(item, names)
