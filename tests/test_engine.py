@@ -78,6 +78,10 @@ def test_stop_strings_max_tokens_and_logprobs(engine, prompts):
         text.append(out.new_text)
     assert "".join(text) == full[:full.index(stop)]
     assert out.finish_reason == "stop"
+    # an empty stop string is no stop string (it ended every request after one token)
+    assert SamplingParams(stop=("", stop)).stop == (stop,)
+    toks, last = run_one(engine, prompts[0], SamplingParams(max_tokens=5, stop=("",)))
+    assert len(toks) == 5 and last.finish_reason == "length"
 
 
 def test_logprobs_are_of_the_chosen_tokens(engine, prompts):

@@ -1,6 +1,7 @@
 """``specserve plan``: the planner's numbers are the pool the engine really allocates."""
 
 import json
+import logging
 
 import pytest
 
@@ -135,3 +136,15 @@ def test_gemma3_counts_only_growing_layers(capsys):
     assert engine.wblocks.num_blocks == got["window_blocks"] and engine.blocks.num_blocks == got["num_blocks"]
     assert cli.main(["plan", "--model", "gemma3-270m", *flags]) == 0
     assert "sliding-window layers: window 512 tokens" in capsys.readouterr().out
+
+
+def test_max_model_len_above_the_models_is_capped_with_a_warning(capsys, caplog):
+    """Serve, generate and plan build through one place (builder.build_parts), which says so."""
+    log = logging.getLogger("specserve.engine")
+    log.addHandler(caplog.handler)  # also when another test turned off propagation to the root logger
+    try:
+        assert cli.main(["plan", *MODEL, "--max-model-len", "100000", "--json"]) == 0
+    finally:
+        log.removeHandler(caplog.handler)
+    assert json.loads(capsys.readouterr().out)["max_model_len"] == 8192
+    assert "--max-model-len 100000 is more than smollm2-135m was trained for; using 8192" in caplog.text

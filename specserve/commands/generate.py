@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     ids = _prompt_ids(engine, args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                            seed=args.seed, stop=tuple(s for s in args.stop if s), ignore_eos=args.ignore_eos)
+                            seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     t0 = time.perf_counter()
     text, token_ids, last = [], [], None
     for out in engine.generate(ids, params):

@@ -60,24 +60,14 @@ def format_plan(plan, title: str = "memory plan") -> str:
 def compute_plan(args: argparse.Namespace) -> tuple[object, dict]:
     """Load the model (and build the drafter) as the engine would, and plan its memory.
     Returns (MemoryPlan, extra facts for the report)."""
-    from specserve.engine.builder import set_threads
-    from specserve.engine.config import EngineConfig
+    from specserve.engine.builder import build_parts
     from specserve.engine.llm_engine import plan_for
-    from specserve.models.loader import LoadOptions, load_model
-    from specserve.spec.config import parse_spec_config
-    from specserve.spec.registry import build_drafter
 
-    set_threads(getattr(args, "threads", None))
-    spec = parse_spec_config(getattr(args, "speculative_config", None))
-    options = LoadOptions(args.device, args.dtype, args.quantization)
-    ecfg = EngineConfig.from_args(args)
     if args.memory is not None and args.memory <= 0:
         raise SpecserveError("--memory must be a positive number of bytes")
-    target = load_model(args.model, options)
-    max_len = min(ecfg.max_model_len or target.config.max_position, target.config.max_position)
-    drafter = build_drafter(spec, target, options, ecfg, max_len)
-    model = target.model
-    plan = plan_for(target, ecfg, spec, drafter, total_memory=args.memory)
+    parts = build_parts(args)
+    target, spec, model = parts.target, parts.spec, parts.target.model
+    plan = plan_for(target, parts.ecfg, spec, parts.drafter, total_memory=args.memory)
     formats = sorted({lin.format for layer in model.layers for lin in layer.linears()} | {model.lm_head.format})
     extra = {"model": target.name, "device": str(model.device), "weight_format": ",".join(formats),
              "speculative_method": spec.method if spec else None, "model_max_len": target.config.max_position,

@@ -159,9 +159,10 @@ def run(args: argparse.Namespace) -> int:
         model = model_from_drafter(args.method, args.init_from, target)
         say(f"fine-tuning {args.init_from}")
     else:
-        model = make_model(args.method, target, layers=args.layers or 1, block_size=args.block_size or 8,
-                           num_target_layers=args.target_layers or 3, intermediate_size=args.intermediate_size,
-                           depth=args.depth or 3, seed=args.seed, init_from_target=args.init_from_target)
+        shape = {"layers": args.layers, "block_size": args.block_size, "num_target_layers": args.target_layers,
+                 "intermediate_size": args.intermediate_size, "depth": args.depth}
+        model = make_model(args.method, target, seed=args.seed, init_from_target=args.init_from_target,
+                           **{k: v for k, v in shape.items() if v is not None})  # else make_model's defaults
     if args.method == "dflash":
         layers, final_norm = tuple(model.cfg.target_layer_ids), False
     else:

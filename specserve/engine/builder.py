@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from specserve.engine.config import EngineConfig
 from specserve.engine.llm_engine import LLMEngine
 from specserve.kernels import ops
-from specserve.models.loader import LoadOptions, load_model
-from specserve.spec.config import parse_spec_config
+from specserve.models.loader import LoadedModel, LoadOptions, load_model
+from specserve.spec.config import SpecConfig, parse_spec_config
+from specserve.spec.drafter import Drafter
 from specserve.spec.registry import build_drafter
 
 logger = logging.getLogger("specserve.engine")
@@ -27,15 +29,29 @@ def set_threads(n: int | None) -> int:
     return n
 
 
-def build_engine(args: argparse.Namespace) -> LLMEngine:
+@dataclass(frozen=True)
+class EngineParts:
+    """What an engine is made of, built from the flags (also what ``specserve plan`` plans)."""
+
+    target: LoadedModel
+    ecfg: EngineConfig
+    spec: SpecConfig | None
+    drafter: Drafter | None
+
+
+def build_parts(args: argparse.Namespace) -> EngineParts:
     set_threads(getattr(args, "threads", None))
     spec = parse_spec_config(getattr(args, "speculative_config", None))
     options = LoadOptions(args.device, args.dtype, args.quantization)
     ecfg = EngineConfig.from_args(args)
     target = load_model(args.model, options)
-    max_len = min(ecfg.max_model_len or target.config.max_position, target.config.max_position)
+    max_len = ecfg.context_len(target.config.max_position)
     if ecfg.max_model_len and ecfg.max_model_len > max_len:
         logger.warning("--max-model-len %d is more than %s was trained for; using %d", ecfg.max_model_len,
                        target.name, max_len)
-    drafter = build_drafter(spec, target, options, ecfg, max_len)
-    return LLMEngine(target, ecfg, spec, drafter)
+    return EngineParts(target, ecfg, spec, build_drafter(spec, target, options, ecfg, max_len))
+
+
+def build_engine(args: argparse.Namespace) -> LLMEngine:
+    parts = build_parts(args)
+    return LLMEngine(parts.target, parts.ecfg, parts.spec, parts.drafter)

@@ -37,6 +37,10 @@ class EngineConfig:
             raise SpecserveError(f"--kv-cache-dtype must be one of auto, {', '.join(KV_DTYPES)}; "
                                  f"got {self.kv_cache_dtype!r}")
 
+    def context_len(self, model_max: int) -> int:
+        """The context length served: --max-model-len, at most what the model was trained for."""
+        return min(self.max_model_len or model_max, model_max)
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
         return cls(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -193,7 +197,7 @@ def engine_plan(ecfg: EngineConfig, mcfg: ModelConfig, model_dtype: torch.dtype,
     kv_dtype = resolve_kv_dtype(ecfg.kv_cache_dtype, device.type, model_dtype)
     if device.type != "cpu" and kv_dtype in ("fp8_e4m3", "int8", "int4"):
         raise SpecserveError(f"--kv-cache-dtype {kv_dtype} is not supported on CUDA yet (use auto, bf16 or fp16)")
-    max_model_len = min(ecfg.max_model_len or mcfg.max_position, mcfg.max_position)
+    max_model_len = ecfg.context_len(mcfg.max_position)
     available = available_memory(device) if total_memory is None else total_memory
     growing, window = mcfg.num_layers, (0, 0, 0)
     if window_paged(mcfg, max_model_len):

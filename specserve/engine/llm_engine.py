@@ -53,7 +53,7 @@ class LLMEngine:
         self.model, self.tokenizer = target.model, target.tokenizer
         self.device = self.model.device
         mcfg = target.config
-        self.max_model_len = min(ecfg.max_model_len or mcfg.max_position, mcfg.max_position)
+        self.max_model_len = ecfg.context_len(mcfg.max_position)
         self.plan: MemoryPlan = plan_for(target, ecfg, spec, drafter)
         plan = self.plan
         self.kv = KVCache.allocate(mcfg, plan.num_blocks, ecfg.block_size, plan.kv_dtype, self.device,

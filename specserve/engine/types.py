@@ -36,6 +36,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), as OpenAI's
 
     def __post_init__(self) -> None:
+        if "" in self.stop:  # an empty stop string would end every request at once
+            object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
         checks = [
             (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
             (self.temperature >= 0, "temperature", "must be >= 0"),

@@ -87,11 +87,21 @@ def _validate(lock: Any, path: Path) -> None:
         raise SpecserveError(f"corrupt lock file {path}: missing key 'fingerprint.{missing[0]}'")
 
 
+def check_lock_path(path: str | Path, what: str = "lock file") -> Path:
+    """A path a lock can be written to (a file, not a directory, where we may write), or SpecserveError;
+    ``specserve lock`` checks its --out before the (slow) fingerprint."""
+    path = Path(path)
+    if not str(path).strip() or path.is_dir():
+        raise SpecserveError(f"{what} {str(path)!r} is a directory, not a file")
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is None or not os.access(parent, os.W_OK):
+        raise SpecserveError(f"cannot write {what} {path}: no permission in {parent}")
+    return path
+
+
 def write_lock(path: str | Path, lock: dict[str, Any]) -> None:
     """Write ``lock`` as sorted, indented JSON, atomically."""
-    path = Path(path)
-    if not path.name or path.is_dir():
-        raise SpecserveError(f"lock file {str(path)!r} is a directory, not a file")
+    path = check_lock_path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

@@ -8,9 +8,7 @@
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from pathlib import Path
 
 from specserve.errors import SpecserveError
 
@@ -68,16 +66,12 @@ def _reparse(args: argparse.Namespace, head: list[str], prog: str, options, posi
 
 def run_lock(args: argparse.Namespace) -> int:
     """``specserve lock``: write (or ``--update``) the lock file."""
-    from specserve.lock import build_lock, update_lock, write_lock
+    from specserve.lock import build_lock, check_lock_path, update_lock, write_lock
 
     head, serve_argv = _split(args.rest)
     _reparse(args, head, "specserve lock", _lock_options, None)
     start = time.monotonic()
-    out = Path(args.out)
-    if not args.out.strip() or out.is_dir():
-        raise SpecserveError(f"--out {args.out!r} is a directory, not a lock file")
-    if not args.update and out.parent.exists() and not os.access(out.parent, os.W_OK):
-        raise SpecserveError(f"--out {args.out}: cannot write in {out.parent}")
+    check_lock_path(args.out, "--out")
     if args.update:
         changes = update_lock(args.out, serve_argv, full=args.full)
         for change in changes:
