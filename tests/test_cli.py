@@ -66,6 +66,18 @@ def test_corrupt_gguf(tmp_path):
     assert_clean_error(run_cli("generate", "--model", str(bad), "hi"))
 
 
+def test_gguf_of_an_unknown_version_or_not_gguf(tmp_path, smol_path):
+    """Both were reported as "corrupt or truncated"; the error now says what the file is."""
+    head = smol_path.read_bytes()[:1_000_000]
+    future = tmp_path / "future.gguf"
+    future.write_bytes(head[:4] + (99).to_bytes(4, "little") + head[8:])
+    assert_clean_error(run_cli("generate", "--model", str(future), "hi"), "GGUF version 99 is not supported",
+                       "versions 2, 3")
+    other = tmp_path / "weights.gguf"
+    other.write_bytes(b"PK\x03\x04" + head[4:])
+    assert_clean_error(run_cli("generate", "--model", str(other), "hi"), "is not a GGUF file")
+
+
 def test_unsupported_architecture(tmp_path):
     path = tmp_path / "mamba.gguf"
     _write_gguf(path, "mamba")

@@ -421,6 +421,20 @@ def test_draft_vocabulary_cuts_the_head_and_stays_lossless(tiny, tmp_path):
     assert eng.totals.draft_tokens > 0
 
 
+def test_draft_vocab_size_above_the_vocabulary_is_an_error(tiny, tmp_path):
+    """A draft_vocab_size over the vocabulary was ignored silently (the full head); it is an error
+    naming both numbers. Exactly the vocabulary means the full head, over the config's default."""
+    from specserve.errors import SpecserveError
+
+    m = random_drafter(tiny, block_size=4)
+    m.cfg.draft_vocab_size = 128
+    save_drafter(m, m.cfg.to_json(), tmp_path / "d")
+    assert DFlashDrafter.load(tmp_path / "d", tiny).vocab.size == 128  # the config's default
+    assert DFlashDrafter.load(tmp_path / "d", tiny, draft_vocab_size=TINY_VOCAB).vocab is None
+    with pytest.raises(SpecserveError, match=f"draft_vocab_size 1000 is larger .*{TINY_VOCAB} tokens"):
+        DFlashDrafter.load(tmp_path / "d", tiny, draft_vocab_size=1000)
+
+
 def test_int8_drafter_weights_are_lossless(tiny, tmp_path):
     """"quantization": "int8" runs the drafter's linears in the CPU kernels' int8 format: close to
     the float32 block, lossless in the engine, and any other format is a clear error."""

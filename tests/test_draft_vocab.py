@@ -67,3 +67,18 @@ def test_draft_vocab_and_quantization_keys_are_validated():
                       ('{"method": "ngram", "adaptive": 1}', "must be bool")):
         with pytest.raises(SpecserveError, match=says):
             parse_spec_config(bad)
+
+
+def test_a_draft_model_vocab_size_above_its_vocabulary_is_an_error():
+    """It was ignored silently (the full head); now the config's mistake is named."""
+    import pytest
+
+    from specserve.engine.config import EngineConfig
+    from specserve.errors import SpecserveError
+    from specserve.spec.config import SpecConfig
+    from specserve.spec.registry import build_drafter
+
+    target = _smollm2()
+    spec = SpecConfig("draft_model", model="smollm2-135m", quantization="q4_0", draft_vocab_size=60000)
+    with pytest.raises(SpecserveError, match="draft_vocab_size 60000 is larger .*49152 tokens"):
+        build_drafter(spec, target, LoadOptions("cpu", "auto", "q4_0"), EngineConfig(), 256)

@@ -90,7 +90,7 @@ def lock(capsys, e, *serve_args: str) -> None:
 
 def drift_lines(out: str) -> dict[str, str]:
     """``field -> 'old -> new'`` from verify's output."""
-    return dict(line.split(": ", 1) for line in out.splitlines()[1:])
+    return dict(line.split(": ", 1) for line in out.splitlines()[1:] if not line.startswith("  "))
 
 
 def test_unchanged_deployment_verifies_clean(capsys, env):
@@ -160,6 +160,18 @@ def test_truncated_model_file(capsys, env):
     lines = drift_lines(out)
     assert lines["model.files.tiny.gguf.size"] == f"{size} -> {size - 64}"
     assert "model.files.tiny.gguf.sha256" in lines
+
+
+def test_a_model_that_is_gone_is_named_first(capsys, env):
+    """Its dependent fields (files, tokenizer, template) drift too; the cause heads the report."""
+    lock(capsys, env)
+    gone = str(env.tmp / "gone.gguf")
+    rc, out, _ = run(capsys, "verify", env.lock, "--", "--model", gone)
+    assert rc == 3
+    head, cause = out.splitlines()[:2]
+    assert head.endswith("; 1 could not be checked:")
+    assert cause.startswith(f"  cannot resolve model '{gone}'")
+    assert drift_lines(out)["serve.model"] == f"{env.model} -> {gone}"
 
 
 def test_changed_flag(capsys, env):

@@ -28,6 +28,7 @@ class _Absent:
 
 
 ABSENT: Any = _Absent()
+ERROR = "<error: "  # how a value that could not be collected is recorded (fingerprint.Collector.problem)
 
 
 @dataclass(frozen=True)
@@ -115,5 +116,9 @@ def format_drifts(drifts: list[Drift], lock_path: str | None = None) -> str:
         return f"lock OK ({checked} fields checked{note})" if checked is not None else f"lock OK{note}"
     where = f" from {lock_path}" if lock_path else ""
     lines = [f"deployment drifted{where}: {len(drifts)} field(s) changed{note}"]
+    errors = [d.new[len(ERROR):-1] for d in drifts if isinstance(d.new, str) and d.new.startswith(ERROR)]
+    if errors:  # e.g. a model that is not there: the fields that follow from it drift too
+        lines[0] += f"; {len(errors)} could not be checked:"
+        lines += [f"  {e}" for e in errors]
     lines += [str(d) for d in drifts]
     return "\n".join(lines)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve.errors import SpecserveError
+from specserve.lock.compare import ERROR
 from specserve.lock.hashcache import HashCache
 
 LOCK_ONLY_FLAGS = ("lock", "lock_allow")
@@ -56,7 +57,7 @@ class Collector:
         """Raise ``message`` when strict, else return it as a recorded value."""
         if self.strict:
             raise SpecserveError(message)
-        return f"<error: {message}>"
+        return f"{ERROR}{message}>"
 
     def file_entry(self, path: Path) -> dict[str, Any]:
         """``{"sha256", "size"}`` of one file."""

@@ -90,9 +90,27 @@ def gguf_metadata(reader) -> dict:
     return meta
 
 
+def check_gguf_header(path: Path, versions: list[int]) -> None:
+    """A file that is not GGUF, or a GGUF version the reader does not know, named as such
+    (the reader's own errors read like a damaged file)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if len(head) < 8 or head[:4] != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+    version = int.from_bytes(head[4:], "little")
+    if version not in versions and int.from_bytes(head[4:], "big") not in versions:  # big-endian files exist
+        raise ModelLoadError(f"{path}: GGUF version {version} is not supported "
+                             f"(the gguf package reads versions {', '.join(map(str, versions))})")
+
+
 def open_gguf(path: Path):
     import gguf
+    from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
+    check_gguf_header(path, list(READER_SUPPORTED_VERSIONS))
     try:
         return gguf.GGUFReader(str(path))
     except Exception as exc:  # noqa: BLE001 - the reader raises many kinds on bad files

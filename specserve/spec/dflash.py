@@ -60,7 +60,7 @@ from specserve.errors import SpecserveError
 from specserve.kernels import ops
 from specserve.models.catalog import cache_root
 from specserve.models.loader import LoadedModel
-from specserve.spec.draft_vocab import DraftVocab, frequent_ids
+from specserve.spec.draft_vocab import DraftVocab, frequent_ids, head_cut
 from specserve.spec.drafter import Drafter, Proposal, pick_tokens
 from specserve.spec.prefix_store import PrefixStore
 
@@ -479,9 +479,10 @@ class DFlashDrafter(Drafter):
         cfg = model.cfg
         if target.model.device.type == "cpu" and weights == "int8":
             int8_linears(model)
-        size = draft_vocab_size or cfg.draft_vocab_size
-        vocab = None
-        if size and size < target.model.lm_head.out_features:
+        vocab, full = None, target.model.lm_head.out_features
+        # the request's size (its vocabulary size: the full head) wins over the config's default
+        size = head_cut(draft_vocab_size, full) if draft_vocab_size else cfg.draft_vocab_size
+        if size and size < full:
             vocab = DraftVocab(target.model, frequent_ids(target.tokenizer, size, cache_root(),
                                                           load_token_counts(directory)))
         return cls(model, target, vocab, store, p_min)

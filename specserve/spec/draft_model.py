@@ -24,7 +24,7 @@ from specserve.models.loader import LoadedModel, LoadOptions, load_model
 from specserve.models.transformer import ForwardBatch, KVCache
 from specserve.spec.adaptive import CostModel
 from specserve.spec.config import SpecConfig
-from specserve.spec.draft_vocab import DraftVocab, frequent_ids
+from specserve.spec.draft_vocab import DraftVocab, frequent_ids, head_cut
 from specserve.spec.drafter import Drafter, Proposal, pick_tokens
 
 DRAFT_POOL_CAP = 1 << 30
@@ -66,9 +66,9 @@ class DraftModelDrafter(Drafter):
         want = ecfg.max_num_seqs * (max_model_len + 2 * ecfg.block_size) * per_token
         num_blocks = max(min(want, DRAFT_POOL_CAP) // (ecfg.block_size * per_token),
                          -(-max_model_len // ecfg.block_size) + 2)
-        vocab = None
-        if spec.draft_vocab_size and spec.draft_vocab_size < draft.model.lm_head.out_features:
-            vocab = DraftVocab(draft.model, frequent_ids(draft.tokenizer, spec.draft_vocab_size, cache_root()))
+        vocab, size = None, head_cut(spec.draft_vocab_size, draft.model.lm_head.out_features)
+        if size:
+            vocab = DraftVocab(draft.model, frequent_ids(draft.tokenizer, size, cache_root()))
         return cls(draft, int(num_blocks), ecfg.block_size, max_model_len, ecfg.enable_prefix_caching, vocab,
                    spec.draft_p_min)
 

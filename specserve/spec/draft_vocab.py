@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.errors import SpecserveError
 from specserve.models.tokenizer import Tokenizer
 from specserve.models.transformer import Transformer
 
@@ -72,6 +73,16 @@ def token_counts(tok: Tokenizer, cache_dir: Path) -> torch.Tensor:
     torch.save(counts, tmp)
     tmp.replace(path)
     return counts
+
+
+def head_cut(size: int | None, vocab: int) -> int | None:
+    """The speculative config's ``draft_vocab_size`` checked against the LM head it cuts:
+    None for the full head (no size, or exactly the vocabulary); a size above the vocabulary
+    is an error, not a silent full head."""
+    if size and size > vocab:
+        raise SpecserveError(f"speculative config: draft_vocab_size {size} is larger than the vocabulary "
+                             f"the drafts come from ({vocab} tokens)")
+    return size if size and size < vocab else None
 
 
 def frequent_ids(tok: Tokenizer, size: int, cache_dir: Path, counts: torch.Tensor | None = None) -> torch.Tensor:
