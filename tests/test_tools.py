@@ -65,6 +65,12 @@ CASES = [
     ("<tool_call>\n{\"name\": \"get_ti", "<tool_call>\n{\"name\": \"get_ti", []),  # cut off: text
     ('{"name": "get_time", "arguments": ' + "[" * 5000 + "]" * 5000 + "}",
      '{"name": "get_time", "arguments": ' + "[" * 5000 + "]" * 5000 + "}", []),  # too deep for json: text
+    # the closing tag inside an argument string does not end the call; escaped quotes stay inside strings
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "a \\"</tool_call>\\" b"}}</tool_call>', "",
+     [("get_weather", {"city": 'a "</tool_call>" b'})]),
+    ('<tool_call>{"name": "get_time", "arguments": {"tz": "</tool_call>"}}</tool_call> done', " done",
+     [("get_time", {"tz": "</tool_call>"})]),
+    ('<tool_call>{"name": "get_time", "arguments": {"tz": "\\\\"}}</tool_call>', "", [("get_time", {"tz": "\\"})]),
     # text around calls keeps its spacing; whitespace before the first and between calls does not count
     ("Sure." + TAGGED + "\nDone.", "Sure.\nDone.", [("get_weather", {"city": "Paris"})]),
     ("\n\n" + TAGGED + "\n\n", "", [("get_weather", {"city": "Paris"})]),

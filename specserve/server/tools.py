@@ -215,6 +215,19 @@ def _bare_start(text: str, names: frozenset[str]) -> str:
     return "maybe" if any(n.startswith(text) for n in names) else "no"
 
 
+def _in_string(text: str) -> bool:
+    """Whether JSON text ends inside a string (its quotes, not counting escaped ones, are unbalanced)."""
+    inside, escaped = False, False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = inside
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
 class ToolCallParser:
     """Splits the output's content into text and calls; ``feed`` per delta, ``finish`` at the end."""
 
@@ -294,6 +307,8 @@ class ToolCallParser:
 
     def _step_call(self, buf: str, content: list[str], calls: list[ToolCall]) -> bool:
         at = buf.find(CLOSE)
+        while at >= 0 and _in_string(buf[:at]):  # "</tool_call>" written inside an argument
+            at = buf.find(CLOSE, at + 1)
         if at < 0:
             return False
         call = parse_tagged(buf[:at].strip(), self.names)
