@@ -1,7 +1,8 @@
 """Random traffic on a tiny model: shared prefixes (prefix-cache hits), a tight KV pool
-(preemption), chunked prefill, aborts; without speculation and with each drafter that keeps
+(preemption), chunked prefill, aborts, quantized KV caches; without speculation, with prompt
+lookup (on prompts that repeat themselves, so it drafts), and with each drafter that keeps
 state per sequence (dflash and MTP with their prefix stores, a draft model with its own KV).
-Every request that is not aborted gets plain greedy's tokens; no block leaks."""
+Every request that is not aborted gets plain greedy's tokens (same KV dtype); no block leaks."""
 
 from __future__ import annotations
 
@@ -10,14 +11,15 @@ import random
 import pytest
 
 from specserve.engine.config import EngineConfig
-from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.llm_engine import LLMEngine, plan_for
 from specserve.engine.types import SamplingParams
 from specserve.spec.config import SpecConfig
 from specserve.spec.dflash import DFlashDrafter, save_drafter
 from specserve.spec.draft_model import DraftModelDrafter
 from specserve.spec.mtp import MTPDrafter
+from specserve.spec.ngram import NgramDrafter
 from specserve.spec.prefix_store import PrefixStore
-from test_dflash import _engine, make_tiny_target, random_drafter
+from test_dflash import make_tiny_target, random_drafter
 from test_mtp import random_head
 
 
@@ -29,40 +31,57 @@ def setup(tmp_path_factory):
     save_drafter(m, m.cfg.to_json(), dirs["dflash"])
     save_drafter(head, head.cfg.to_json(), dirs["mtp"])
     draft = make_tiny_target(tmp_path_factory.mktemp("tiny_draft"), seed=1, layers=1)
-    return tiny, dirs, draft, _engine(tiny)
+    return tiny, dirs, draft, {}
 
 
-def _plain(ref: LLMEngine, ids: list[int], n: int, rid: str) -> list[int]:
-    return [t for o in ref.generate(ids, SamplingParams(max_tokens=n, ignore_eos=True), request_id=rid)
+KV_DTYPES = ("auto", "int8", "int4", "fp8_e4m3", "bf16")  # one per trial
+
+
+def _plain(setup, kv_dtype: str, ids: list[int], n: int, rid: str) -> list[int]:
+    tiny, refs = setup[0], setup[-1]
+    if kv_dtype not in refs:
+        refs[kv_dtype] = LLMEngine(tiny, EngineConfig(max_num_seqs=4, max_model_len=256, kv_cache_dtype=kv_dtype))
+    return [t for o in refs[kv_dtype].generate(ids, SamplingParams(max_tokens=n, ignore_eos=True), request_id=rid)
             for t in o.new_token_ids]
 
 
-def _random_engine(setup, method: str, rnd: random.Random) -> LLMEngine:
-    tiny, dirs, draft, ref = setup
-    per_token = ref.plan.kv_bytes_per_token
+def _random_engine(setup, method: str, rnd: random.Random, kv_dtype: str) -> LLMEngine:
+    tiny, dirs, draft, _ = setup
+    probe = EngineConfig(max_model_len=96, block_size=8, kv_cache_dtype=kv_dtype)
+    per_token = plan_for(tiny, probe, None, None).kv_bytes_per_token
     spec, drafter = None, None
     store = PrefixStore(rnd.choice([4, 64]), 8)
     if method != "none":
-        spec = SpecConfig(method, num_speculative_tokens=rnd.choice([1, 3]), model="x", adaptive=rnd.random() < 0.5)
+        spec = SpecConfig(method, num_speculative_tokens=rnd.choice([1, 3, 5]), model=None if method == "ngram" else "x",
+                          adaptive=rnd.random() < 0.5)
     if method == "dflash":
         drafter = DFlashDrafter.load(dirs["dflash"], tiny, store=store)
     elif method == "mtp":
         drafter = MTPDrafter.load(str(dirs["mtp"]), tiny, store)
     elif method == "draft_model":
         drafter = DraftModelDrafter(draft, 60, 8, 96)
+    elif method == "ngram":
+        drafter = NgramDrafter(1, rnd.choice([2, 4]))
     ecfg = EngineConfig(max_num_seqs=rnd.choice([2, 4, 6]), max_model_len=96, block_size=8,
-                        max_num_batched_tokens=rnd.choice([16, 64, 2048]),
+                        max_num_batched_tokens=rnd.choice([16, 64, 2048]), kv_cache_dtype=kv_dtype,
                         kv_cache_memory=per_token * 8 * rnd.choice([13, 20, 40]))
     return LLMEngine(tiny, ecfg, spec, drafter)
 
 
-@pytest.mark.parametrize("method", ["none", "dflash", "mtp", "draft_model"])
-@pytest.mark.parametrize("trial", range(4))
+def _repetitive(rnd: random.Random) -> list[int]:
+    """A prompt that repeats a short unit: n-grams that recur, so prompt lookup drafts."""
+    unit = [rnd.randrange(256) for _ in range(rnd.randrange(2, 6))]
+    return (unit * 10)[:rnd.randrange(5, 40)]
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "dflash", "mtp", "draft_model"])
+@pytest.mark.parametrize("trial", range(len(KV_DTYPES)))
 def test_random_traffic_keeps_outputs_and_blocks(setup, method, trial):
-    ref = setup[-1]
     rnd = random.Random(trial)
-    eng = _random_engine(setup, method, rnd)
-    bases = [[rnd.randrange(256) for _ in range(rnd.randrange(5, 40))] for _ in range(3)]
+    kv_dtype = KV_DTYPES[trial]
+    eng = _random_engine(setup, method, rnd, kv_dtype)
+    bases = [_repetitive(rnd) if rnd.random() < 0.5 else [rnd.randrange(256) for _ in range(rnd.randrange(5, 40))]
+             for _ in range(3)]
     reqs: dict[str, tuple[list[int], int]] = {}
     got: dict[str, list[int]] = {}
     done, aborted = set(), set()
@@ -88,6 +107,7 @@ def test_random_traffic_keeps_outputs_and_blocks(setup, method, trial):
         assert steps < 5000, "the engine stopped making progress"
     for rid, (ids, n) in reqs.items():
         if rid not in aborted:
-            assert got[rid] == _plain(ref, ids, n, f"ref-{method}-{trial}-{rid}"), rid
+            assert got[rid] == _plain(setup, kv_dtype, ids, n, f"ref-{method}-{trial}-{rid}"), rid
     eng.blocks.check_invariants()
     assert eng.blocks.num_free == eng.blocks.num_blocks
+    assert (eng.totals.draft_tokens > 0) == (method != "none")  # the drafters did draft

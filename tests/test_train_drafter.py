@@ -340,3 +340,68 @@ def test_more_answers_adds_another_runs_answers(tiny, tmp_path, capsys):
     assert "made with seq_len 600, this run has 512" in capsys.readouterr().err
     assert run(tmp_path / "one", "--data", "math:4", "--more-answers", str(tmp_path / "nope.pt")) == 1
     assert "--more-answers" in capsys.readouterr().err
+
+
+def test_prompt_files_in_three_formats(tmp_path):
+    """--prompts reads JSONL or a JSON array of prompt / OpenAI messages / ShareGPT records; a
+    conversation ends at its last user turn (the target answers it); bad records name their line."""
+    jsonl = tmp_path / "mine.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "Write a haiku about tea."},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"},
+                      {"role": "assistant", "content": "Rayleigh scattering."}]},
+        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"},
+                           {"from": "human", "value": "Sort [3, 1, 2] in Python."}, {"from": "gpt", "value": "..."}]},
+        {"conversations": [{"from": "gpt", "value": "no user turn: skipped"}]},
+    ]) + "\n\n")
+    assert tdata.file_prompts(jsonl) == [
+        "Write a haiku about tea.",
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}],
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+         {"role": "user", "content": "Sort [3, 1, 2] in Python."}]]
+    array = tmp_path / "sharegpt.json"
+    array.write_text(json.dumps([{"id": "a", "conversations": [{"from": "human", "value": "Name a prime."}]}]))
+    got = tdata.load_prompts("math:2", seed=0, files=[str(jsonl), str(array)])
+    assert [s for s, _ in got] == ["math"] * 2 + ["file:mine.jsonl"] * 3 + ["file:sharegpt.json"]
+    assert tdata.load_prompts("", files=[str(array)]) == [("file:sharegpt.json", [{"role": "user",
+                                                                                   "content": "Name a prime."}])]
+    for body, says in (('{"prompt": "ok"}\n{"text": "x"}', r"bad.jsonl:2: needs 'prompt', 'messages'"),
+                       ('{"prompt": "ok"}\nnot json', r"bad.jsonl:2: not JSON"),
+                       ('{"messages": [{"role": "robot", "content": "x"}]}', "unknown role 'robot'"),
+                       ('{"messages": [{"role": "user", "content": 5}]}', "a string 'content'"),
+                       ('{"prompt": ""}', "'prompt' must be a non-empty string"),
+                       ('[{"conversations": [{"from": "gpt", "value": "x"}]}]', "no prompts")):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(body)
+        with pytest.raises(SpecserveError, match=says):
+            tdata.file_prompts(bad)
+
+
+def test_cli_trains_on_a_prompt_file(tiny, tmp_path, capsys):
+    """Only the file's prompts without --data; the answers are tied to the file's contents (an
+    edited file is another data set for --use-saved-answers)."""
+    from specserve.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Count to {n}."}) for n in range(3, 8)))
+    out = tmp_path / "d"
+
+    def run(*extra):
+        return main(["train-drafter", "--model", str(tiny.resolved.path), "--method", "mtp", "--out", str(out),
+                     "--prompts", str(prompts), "--seq-len", "256", "--max-new-tokens", "8",
+                     "--quantization", "none", "--threads", "1", *extra])
+
+    assert run("--answers-only") == 0
+    assert "5 prompts; generating" in capsys.readouterr().err
+    saved = tdata.load_answers(out / "data" / "answers.pt")
+    assert len(saved) == 5 and {a.source for a in saved.values()} == {"file:p.jsonl"}
+    train = ("--use-saved-answers", "--no-data-cache", "--steps", "2", "--eval-every", "0", "--warmup", "1",
+             "--batch", "2", "--val-fraction", "0")
+    assert run(*train) == 0
+    prompts.write_text(prompts.read_text() + "\n" + json.dumps({"prompt": "Count to 9."}))
+    capsys.readouterr()
+    assert run(*train) == 1
+    assert "holds no answers made with these data options" in capsys.readouterr().err
+    assert main(["train-drafter", "--model", str(tiny.resolved.path), "--method", "mtp", "--out", str(out),
+                 "--prompts", str(tmp_path / "nope.jsonl")]) == 1
+    assert "--prompts" in (err := capsys.readouterr().err) and "nope.jsonl: no such file" in err

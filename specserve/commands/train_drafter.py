@@ -19,13 +19,19 @@ from specserve.errors import SpecserveError
 from specserve.models.quant import QUANTIZATIONS
 
 
+DEFAULT_DATA = "sharegpt:200,stdlib:200,math:100,debian:100"
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("train-drafter", help="train a dflash or mtp drafter for a model (self-distillation)")
     p.add_argument("--model", default="smollm2-135m", help="the target model (catalog name, file or directory)")
     p.add_argument("--method", required=True, choices=["dflash", "mtp"])
     p.add_argument("--out", required=True, help="output directory (checkpoint, data cache, final drafter)")
-    p.add_argument("--data", default="sharegpt:200,stdlib:200,math:100,debian:100",
-                   help="prompt sources and counts, e.g. sharegpt:200,stdlib:200,math:100,debian:100")
+    p.add_argument("--data", default=None,
+                   help=f"prompt sources and counts (default {DEFAULT_DATA}, or none with --prompts)")
+    p.add_argument("--prompts", action="append", default=[], metavar="FILE",
+                   help="your own prompts: JSONL or a JSON array of {\"prompt\": ...}, {\"messages\": [...]} or "
+                        "ShareGPT {\"conversations\": [...]} records (repeatable; every prompt is used)")
     p.add_argument("--steps", type=int_in(1), default=1000)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--stop-at", type=int_in(1), default=None, help="stop (and checkpoint) after this step")
@@ -106,7 +112,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise SpecserveError(f"--more-answers {missing[0]}: no such file")
     from specserve.spec.train.data import parse_data_spec
 
-    parse_data_spec(args.data)
+    if args.data is None:
+        args.data = "" if args.prompts else DEFAULT_DATA
+    parse_data_spec(args.data, allow_empty=bool(args.prompts))
+    unreadable = [f for f in args.prompts if not Path(f).expanduser().is_file()]
+    if unreadable:
+        raise SpecserveError(f"--prompts {unreadable[0]}: no such file")
     if not 0 <= args.val_fraction < 1:
         raise SpecserveError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     if args.init_from is not None:
@@ -131,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     from specserve.models.loader import LoadOptions, load_model
     from specserve.models.catalog import drafter_location
     from specserve.spec.dflash import load_token_counts, save_token_counts, target_identity
+    from specserve.spec.train import data as tdata
     from specserve.spec.train.trainer import (FrozenTarget, HParams, Trainer, make_model, model_from_checkpoint,
                                               model_from_drafter, split)
 
@@ -171,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
     answers_meta = {"model": target.name, "vocab": target_identity(target)["vocab_hash"], "data": args.data,
                     "max_new_tokens": args.max_new_tokens, "seq_len": args.seq_len,
                     "temperature": args.temperature, "seed": args.seed}
+    if args.prompts:  # the answers depend on the files' contents
+        answers_meta["prompts"] = tdata.prompt_files_meta(args.prompts)
     if args.answers_only:
         answers = _answers(args, target, out, answers_meta, say)
         n_tok = sum(len(a.ids) - a.prompt_len for a in answers)
@@ -229,7 +243,7 @@ def _answers(args, target, out: Path, meta: dict, say):
             saved = tdata.sample_answers(saved, args.max_answers, args.seed)
             say(f"training on a random {len(saved)} of them (--max-answers)")
         return tdata.trainable(saved)
-    prompts = tdata.load_prompts(args.data, args.seed)
+    prompts = tdata.load_prompts(args.data, args.seed, args.prompts)
     say(f"{len(prompts)} prompts; generating the target's answers")
     t0 = time.perf_counter()
     answers = tdata.build_answers(target, prompts, max_new_tokens=args.max_new_tokens, max_len=args.seq_len,

@@ -12,6 +12,10 @@ Prompt sources (``--data`` mixes them, e.g. ``sharegpt:200,stdlib:200,math:100,d
 * ``debian``: paragraphs of the Debian Reference (``apt-get download debian-reference-en``,
   unpacked with ``dpkg-deb -x``, HTML turned into text), as summarise/explain prompts.
 
+Your own prompts (``--prompts FILE``, repeatable, with or without ``--data``): JSONL or one JSON
+array of ``{"prompt": ...}``, OpenAI ``{"messages": [...]}`` or ShareGPT ``{"conversations":
+[...]}`` records (``file_prompts``); a conversation is cut after its last user turn.
+
 Downloads are cached under ``$SPECSERVE_CACHE/datasets`` (default
 ``~/.cache/specserve/datasets``). Benchmark prompts (specserve/bench/prompts) and evaluation
 sets (HumanEval, GSM8K, MT-Bench) are never used.
@@ -24,6 +28,7 @@ hidden states of the layers the drafter reads.
 from __future__ import annotations
 
 import ast
+import hashlib
 import html.parser
 import json
 import logging
@@ -55,7 +60,7 @@ def datasets_dir() -> Path:
     return d
 
 
-def parse_data_spec(spec: str) -> list[tuple[str, int]]:
+def parse_data_spec(spec: str, allow_empty: bool = False) -> list[tuple[str, int]]:
     out = []
     for part in spec.split(","):
         part = part.strip()
@@ -71,7 +76,7 @@ def parse_data_spec(spec: str) -> list[tuple[str, int]]:
         if count < 1:
             raise SpecserveError(f"--data: {part!r} asks for {count} prompts (COUNT >= 1)")
         out.append((name, count))
-    if not out:
+    if not out and not allow_empty:
         raise SpecserveError("--data selects no source")
     return out
 
@@ -268,14 +273,97 @@ def debian_prompts(n: int, rng: random.Random) -> list[str]:
 _FETCH = {"sharegpt": sharegpt_prompts, "stdlib": stdlib_prompts, "math": math_prompts, "debian": debian_prompts}
 
 
-def load_prompts(spec: str, seed: int = 0) -> list[tuple[str, str]]:
-    """[(source, prompt text)] for a --data spec, deterministic for a seed."""
+Prompt = str | list[dict]  # a user turn's text, or chat messages ending with a user turn
+
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
+
+
+def _record_prompt(rec, where: str) -> Prompt | None:
+    """One record's prompt; None for a conversation without a user turn."""
+    if not isinstance(rec, dict):
+        raise SpecserveError(f"{where}: expected a JSON object")
+    if "prompt" in rec:
+        if not isinstance(rec["prompt"], str) or not rec["prompt"].strip():
+            raise SpecserveError(f"{where}: 'prompt' must be a non-empty string")
+        return rec["prompt"]
+    if "messages" in rec:
+        turns = rec["messages"]
+        role_key, text_key, roles = "role", "content", None
+    elif "conversations" in rec:
+        turns = rec["conversations"]
+        role_key, text_key, roles = "from", "value", _SHAREGPT_ROLES
+    else:
+        raise SpecserveError(f"{where}: needs 'prompt', 'messages' or 'conversations'")
+    if not isinstance(turns, list):
+        raise SpecserveError(f"{where}: the conversation must be a list of turns")
+    msgs = []
+    for turn in turns:
+        if not isinstance(turn, dict) or not isinstance(turn.get(text_key), str):
+            raise SpecserveError(f"{where}: each turn needs {role_key!r} and a string {text_key!r}")
+        role = turn.get(role_key)
+        role = roles.get(role) if roles else (role if role in ("system", "user", "assistant") else None)
+        if role is None:
+            raise SpecserveError(f"{where}: unknown role {turn.get(role_key)!r}")
+        msgs.append({"role": role, "content": turn[text_key]})
+    last_user = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=-1)
+    return msgs[:last_user + 1] if last_user >= 0 else None  # the target writes the answer itself
+
+
+def file_prompts(path: Path) -> list[Prompt]:
+    """The prompts of a user file: JSONL (one record per line) or a JSON array of records, each
+    ``{"prompt": str}``, ``{"messages": [{"role", "content"}, ...]}`` or ShareGPT's
+    ``{"conversations": [{"from", "value"}, ...]}``. Conversations are cut after their last
+    user turn; those without one are skipped."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecserveError(f"--prompts {path}: cannot read it ({exc})") from exc
+    if text.lstrip().startswith("["):
+        try:
+            records = [(f"{path}[{i}]", r) for i, r in enumerate(json.loads(text))]
+        except (ValueError, RecursionError) as exc:
+            raise SpecserveError(f"--prompts {path}: not JSON ({exc})") from exc
+    else:
+        records = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append((f"{path}:{n}", json.loads(line)))
+                except (ValueError, RecursionError) as exc:
+                    raise SpecserveError(f"--prompts {path}:{n}: not JSON ({exc})") from exc
+    prompts = [p for where, rec in records if (p := _record_prompt(rec, where)) is not None]
+    if len(prompts) < len(records):
+        log.warning("--prompts %s: %d conversations without a user turn skipped", path, len(records) - len(prompts))
+    if not prompts:
+        raise SpecserveError(f"--prompts {path}: no prompts")
+    return prompts
+
+
+def prompt_files_meta(paths: list[str]) -> list[list[str]]:
+    """[[file name, sha256 of its bytes]]: what the answers of --prompts files were made from."""
     out = []
-    for name, count in parse_data_spec(spec):
+    for p in paths:
+        path = Path(p).expanduser()
+        try:
+            out.append([path.name, hashlib.sha256(path.read_bytes()).hexdigest()[:16]])
+        except OSError as exc:
+            raise SpecserveError(f"--prompts {path}: cannot read it ({exc.strerror or exc})") from exc
+    return out
+
+
+def load_prompts(spec: str, seed: int = 0, files: list[str] = ()) -> list[tuple[str, Prompt]]:
+    """[(source, prompt)] for a --data spec (deterministic for a seed), then every prompt of the
+    --prompts files (source ``file:NAME``)."""
+    out: list[tuple[str, Prompt]] = []
+    for name, count in parse_data_spec(spec, allow_empty=bool(files)):
         got = _FETCH[name](count, random.Random(f"{seed}:{name}"))
         if len(got) < count:
             log.warning("source %s gave %d of %d prompts", name, len(got), count)
         out += [(name, p) for p in got]
+    for f in files:
+        path = Path(f).expanduser()
+        out += [(f"file:{path.name}", p) for p in file_prompts(path)]
     return out
 
 
@@ -288,14 +376,16 @@ class Example:
     source: str = ""
 
 
-def chat_prompt_ids(target, text: str) -> list[int]:
+def chat_prompt_ids(target, prompt: Prompt) -> list[int]:
+    """A user turn's text or chat messages through the target's chat template (without one: the
+    messages' texts joined by blank lines)."""
     tok = target.tokenizer
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not tok.chat_template:
-        return tok.encode(text, add_special_tokens=True)
+        return tok.encode("\n\n".join(m["content"] for m in msgs), add_special_tokens=True)
     from specserve.models.chat_template import ChatTemplate
 
-    rendered = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token).render(
-        [{"role": "user", "content": text}])
+    rendered = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token).render(msgs)
     return tok.encode(rendered, add_special_tokens=False)
 
 
@@ -400,12 +490,12 @@ class Answer:
     source: str = ""
 
 
-def prompt_ids(target, prompts: list[tuple[str, str]], max_new_tokens: int, max_len: int,
+def prompt_ids(target, prompts: list[tuple[str, Prompt]], max_new_tokens: int, max_len: int,
                progress=None) -> list[tuple[int, str, list[int]]]:
     """[(prompt index, source, chat-templated ids)] of the prompts that fit the window."""
     out = []
-    for i, (src, text) in enumerate(prompts):
-        p = chat_prompt_ids(target, text)
+    for i, (src, prompt) in enumerate(prompts):
+        p = chat_prompt_ids(target, prompt)
         if len(p) + max_new_tokens <= max_len:  # longer ones do not fit the training window
             out.append((i, src, p))
     if not out:
@@ -415,7 +505,7 @@ def prompt_ids(target, prompts: list[tuple[str, str]], max_new_tokens: int, max_
     return out
 
 
-def build_answers(target, prompts: list[tuple[str, str]], *, max_new_tokens: int, max_len: int,
+def build_answers(target, prompts: list[tuple[str, Prompt]], *, max_new_tokens: int, max_len: int,
                   temperature: float = 0.0, seed: int = 0, max_num_seqs: int = 8, progress=None,
                   path: Path | None = None, meta: dict | None = None, save_every: int = 256) -> list[Answer]:
     """Prompts -> the target's answers. With ``path``, finished answers are saved as they come
