@@ -95,3 +95,37 @@ def test_probes_are_rarer_for_an_expensive_drafter():
         probes[name] = sum(p.lengths([_seq(0.05)], [7])[0] for _ in range(400))
     assert probes["cheap"] == 400 // 8  # k = 0 but one draft every 8 steps, to keep learning
     assert probes["dear"] == 400 // 34  # 0.030 / (3% of 0.030 s) = 34 steps between probes
+
+
+def test_acceptance_estimate_counts_a_cut_draft_as_a_miss():
+    """draft_p_min cuts a draft at an unsure token: the position not drafted counts as a rejection
+    (the estimate is the chance that one more draft yields one more token); a draft cut to nothing
+    lowers the estimate too, where it used to leave it as it was."""
+    s = _seq(0.5)
+    DraftPolicy.update(s, 0, 0)  # nothing asked for: no news
+    assert s.accept_ema == 0.5
+    DraftPolicy.update(s, 3, 3)  # all three kept: 3 of 3
+    assert abs(s.accept_ema - (0.7 * 0.5 + 0.3)) < 1e-12
+    s.accept_ema = 0.5
+    DraftPolicy.update(s, 2, 2, cut=True)  # two kept, then cut: 2 of 3
+    assert abs(s.accept_ema - (0.7 * 0.5 + 0.3 * 2 / 3)) < 1e-12
+    s.accept_ema = 0.5
+    DraftPolicy.update(s, 0, 0, cut=True)  # cut to nothing: 0 of 1
+    assert abs(s.accept_ema - 0.35) < 1e-12
+
+
+def test_pick_tokens_reports_the_cut():
+    import torch
+
+    from specserve.spec.drafter import pick_tokens
+
+    sure, unsure = torch.tensor([0.0, 9.0, 0.0]), torch.zeros(3)  # top probability ~1 and 1/3
+    for params in (SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, presence_penalty=0.5),
+                   SamplingParams(max_tokens=8, temperature=1.0, seed=1)):
+        seq = Sequence("s", [0, 1, 2], params, None)
+        gen = torch.Generator().manual_seed(0)
+        full = pick_tokens(seq, torch.stack([sure, sure]), gen, p_min=0.5)
+        assert len(full.token_ids) == 2 and not full.cut
+        part = pick_tokens(seq, torch.stack([sure, unsure, sure]), gen, p_min=0.5)
+        assert len(part.token_ids) == 1 and part.cut
+        assert not pick_tokens(seq, torch.stack([unsure, sure]), gen).cut  # no p_min: never cut

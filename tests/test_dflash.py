@@ -505,3 +505,28 @@ def test_pick_tokens_p_min_stops_at_the_first_unsure_draft():
     cut = pick_tokens(samp, logits, torch.Generator().manual_seed(0), p_min=0.5)
     assert len(full.token_ids) == 3 and cut.token_ids == full.token_ids[:1]
     assert torch.equal(cut.probs, full.probs[:1]) and float(full.probs[1].max()) < 0.5 <= float(full.probs[0].max())
+
+
+def test_an_always_unsure_drafter_is_left_idle_by_the_adaptive_policy(tiny, tmp_path):
+    """With draft_p_min above what a random drafter gives, nearly every draft is cut to nothing.
+    Such a step verifies nothing, and the acceptance estimate used to stay where it was, so the
+    policy kept paying for a drafter forward every step; now a cut counts as a miss and the
+    drafter is asked only when the policy probes (cheap costs, so only the estimate decides)."""
+    from specserve.spec.adaptive import PROBE_EVERY
+
+    m = random_drafter(tiny, block_size=4)
+    save_drafter(m, m.cfg.to_json(), tmp_path / "d")
+    drafter = DFlashDrafter.load(tmp_path / "d", tiny, p_min=0.999)
+    spec = SpecConfig("dflash", num_speculative_tokens=3, model="x", adaptive=True)
+    eng = LLMEngine(tiny, EngineConfig(max_num_seqs=4, max_model_len=256), spec, drafter)
+    eng.cost.table = {w: 0.010 + 0.0001 * w for w in range(1, 5)}
+    eng.cost.add = lambda width, seconds: None  # these costs stay
+    eng.policy.draft_cost = lambda k: 0.0001
+    asked = []
+    propose = drafter.propose
+    drafter.propose = lambda seqs, ks: asked.append(sum(k > 0 for k in ks)) or propose(seqs, ks)
+    prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    out = [t for o in eng.generate(prompt, SamplingParams(max_tokens=120, ignore_eos=True)) for t in o.new_token_ids]
+    assert out == _run(_engine(tiny), [prompt], SamplingParams(max_tokens=120, ignore_eos=True))[0]
+    assert eng.totals.draft_tokens < 10  # hardly ever sure: nearly nothing drafted
+    assert asked[0] == 1 and sum(asked[-60:]) <= 60 // PROBE_EVERY + 1, asked  # then only probes

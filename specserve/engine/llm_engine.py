@@ -44,6 +44,7 @@ class _Row:
     drafts: list[int]
     draft_probs: torch.Tensor | None
     sample: bool  # logits wanted (decode, or the chunk that ends the prompt)
+    cut: bool = False  # the drafter stopped short of the draft length asked for (draft_p_min)
 
 
 class LLMEngine:
@@ -193,7 +194,7 @@ class LLMEngine:
                 continue
             if not self._reserve(seq, seq.num_computed + 1 + len(prop.token_ids)):
                 continue
-            rows.append(_Row(seq, 0, 1 + len(prop.token_ids), prop.token_ids, prop.probs, True))
+            rows.append(_Row(seq, 0, 1 + len(prop.token_ids), prop.token_ids, prop.probs, True, prop.cut))
             budget -= rows[-1].count
         for seq in [s for s in self.running if s.num_computed < self._prefill_end(s)]:
             chunk = min(max(budget, 0), self._prefill_end(seq) - seq.num_computed)
@@ -214,8 +215,12 @@ class LLMEngine:
         limits = [min(s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.num_tokens - 1)
                   for s in seqs]
         ks = self.policy.lengths(seqs, limits)
-        props = self.drafter.propose(seqs, ks)
-        return [Proposal(p.token_ids[:k], None if p.probs is None else p.probs[:k]) for p, k in zip(props, ks)]
+        props = [Proposal(p.token_ids[:k], None if p.probs is None else p.probs[:k], p.cut)
+                 for p, k in zip(self.drafter.propose(seqs, ks), ks)]
+        for seq, prop in zip(seqs, props):
+            if prop.cut and not prop.token_ids:  # cut to nothing: no verification will report it
+                DraftPolicy.update(seq, 0, 0, cut=True)
+        return props
 
     def _tables(self, seq: Sequence) -> list[tuple[BlockManager, BlockTable]]:
         """The sequence's block tables, each with its pool (sliding-window layers have their own)."""
@@ -320,7 +325,7 @@ class LLMEngine:
             if r.drafts:
                 seq.spec.record(len(r.drafts), n_acc)
                 self.totals.record(len(r.drafts), n_acc)
-                DraftPolicy.update(seq, len(r.drafts), n_acc)
+                DraftPolicy.update(seq, len(r.drafts), n_acc, r.cut)
             first = seq.num_computed
             seq.num_computed = computed_before + 1 + n_acc
             self._observe(r, first, seq.num_computed - first, hidden)

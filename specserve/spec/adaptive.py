@@ -119,9 +119,13 @@ class DraftPolicy:
         return self.cost.time(width) + (self.draft_cost(k) if k else 0.0)
 
     @staticmethod
-    def update(seq: Sequence, num_drafted: int, num_accepted: int, alpha: float = 0.3) -> None:
-        """Fold one step's outcome into the sequence's acceptance estimate."""
-        if num_drafted == 0:
+    def update(seq: Sequence, num_drafted: int, num_accepted: int, cut: bool = False, alpha: float = 0.3) -> None:
+        """Fold one step's outcome into the sequence's acceptance estimate. ``cut``: the drafter
+        stopped before the length asked for (draft_p_min); the position it did not draft counts
+        as a rejection, since the estimate is the chance that asking for one more draft yields one
+        more token (else an unsure drafter looks always right and is always asked for k_max, and
+        a draft cut to nothing never lowers the estimate while its draft work is spent)."""
+        if num_drafted == 0 and not cut:
             return
-        tries = num_accepted + (1 if num_accepted < num_drafted else 0)
+        tries = num_accepted + (1 if num_accepted < num_drafted or cut else 0)
         seq.accept_ema = (1 - alpha) * seq.accept_ema + alpha * (num_accepted / tries)

@@ -94,16 +94,17 @@ class DraftModelDrafter(Drafter):
             if self.vocab is not None:  # tokens since the last proposal (the prompt, at first)
                 self.vocab.add(s.token_ids[st.base:])
             st.base = s.num_tokens
-        active_all = list(active)
+        active_all, cut = list(active), set()
         while active:
             rows = [(s, (s.token_ids + drafts[id(s)])[self._state(s).num_computed:]) for s, _ in active]
             logits = self._forward(rows)
             sure = [self._pick(s, lg, drafts[id(s)], probs[id(s)]) for (s, _), lg in zip(active, logits)]
+            cut.update(id(s) for (s, _), ok in zip(active, sure) if not ok)
             active = [(s, k) for (s, k), ok in zip(active, sure) if ok and len(drafts[id(s)]) < k]
         for s, _ in active_all:
             self._state(s).drafts = drafts[id(s)]
-        return [Proposal(drafts.get(id(s), []), torch.stack(probs[id(s)]) if probs.get(id(s)) else None)
-                for s in seqs]
+        return [Proposal(drafts.get(id(s), []), torch.stack(probs[id(s)]) if probs.get(id(s)) else None,
+                         cut=id(s) in cut) for s in seqs]
 
     def _pick(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], probs: list[torch.Tensor]) -> bool:
         """logits: [1, V] -> append the next draft token (and its distribution when sampling);

@@ -24,6 +24,7 @@ class Proposal:
 
     token_ids: list[int]
     probs: torch.Tensor | None = None  # [len(token_ids), vocab] or None (point masses)
+    cut: bool = False  # stopped short of the length asked for at an unsure draft (draft_p_min)
 
 
 class Drafter(ABC):
@@ -94,7 +95,7 @@ def pick_tokens(seq: Sequence, logits: torch.Tensor, generator: torch.Generator 
         if p_min:
             sure = (torch.softmax(logits.float(), -1).amax(-1) >= p_min).long().cumprod(0)
             drafts = drafts[:int(sure.sum())]
-        return Proposal(drafts)
+        return Proposal(drafts, cut=len(drafts) < logits.shape[0])
     output = seq.output_ids + list(earlier)
     drafts: list[int] = []
     probs: list[torch.Tensor] = []
@@ -110,4 +111,4 @@ def pick_tokens(seq: Sequence, logits: torch.Tensor, generator: torch.Generator 
             break
         drafts.append(sampler.sample_from(q, generator))
         probs.append(q)
-    return Proposal(drafts, torch.stack(probs) if probs else None)
+    return Proposal(drafts, torch.stack(probs) if probs else None, cut=len(drafts) < logits.shape[0])

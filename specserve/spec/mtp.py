@@ -483,10 +483,12 @@ class MTPDrafter(Drafter):
         drafts: list[int] = []
         probs: list[torch.Tensor] = []
         ks, vs = [], []
+        cut = False
         for s in range(k):
             logits = self.head.logits(self.model.out_norm(g)[None])
             prop = pick_tokens(seq, logits, generator, earlier=drafts, p_min=self.p_min)
             if not prop.token_ids:
+                cut = True
                 break  # unsure (p_min): no further chain steps
             drafts += prop.token_ids
             if prop.probs is not None:
@@ -501,7 +503,7 @@ class MTPDrafter(Drafter):
             ks.append(nk[0])
             vs.append(nv[0])
             g = g2[0, -1]
-        return Proposal(drafts, torch.stack(probs) if probs else None)
+        return Proposal(drafts, torch.stack(probs) if probs else None, cut)
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
         out = []
