@@ -480,7 +480,8 @@ class DFlashDrafter(Drafter):
         if target.model.device.type == "cpu" and weights == "int8":
             int8_linears(model)
         vocab, full = None, target.model.lm_head.out_features
-        # the request's size (its vocabulary size: the full head) wins over the config's default
+        # the speculative config's draft_vocab_size (the vocabulary's size: the full head) wins over the
+        # drafter config's default
         size = head_cut(draft_vocab_size, full) if draft_vocab_size else cfg.draft_vocab_size
         if size and size < full:
             vocab = DraftVocab(target.model, frequent_ids(target.tokenizer, size, cache_root(),
