@@ -153,6 +153,20 @@ def test_sampling_params_reach_engine(srv, engine):
     assert p.stop == ("zzz",) and p.ignore_eos and p.max_tokens == 9 and p.logit_bias == ()
 
 
+def test_vllm_fields_at_their_defaults_are_accepted_and_unknown_ones_logged(srv, engine, caplog):
+    """A request that names vLLM's fields with their default values (as some clients always do)
+    is served; a field the server does not know is ignored and logged by name."""
+    import logging
+
+    body = {"messages": MSGS, "max_tokens": 3, "best_of": 1, "use_beam_search": False, "min_tokens": 0,
+            "skip_special_tokens": True, "guided_json": None, "echo": False, "prompt_logprobs": None,
+            "bad_words": [], "length_penalty": 1.0, "some_future_field": 1}
+    with caplog.at_level(logging.INFO, logger="specserve.server"):
+        r = srv.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert "request fields ignored: some_future_field" in caplog.text
+
+
 def test_logit_bias_reaches_engine(srv, engine):
     srv.client().completions.create(model="fake-model", prompt="hi", max_tokens=2,
                                     logit_bias={"70": 5, "12": -100})
@@ -323,6 +337,19 @@ ERROR_CASES = [
      "response_format.type", None),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
      "response_format.type", None),
+    # vLLM / legacy OpenAI fields that would change the result if ignored: refused unless at their default
+    ("/v1/chat/completions", {"messages": MSGS, "guided_json": {"type": "object"}}, 400, "guided_json", None),
+    ("/v1/completions", {"prompt": "x", "guided_choice": ["a", "b"]}, 400, "guided_choice", None),
+    ("/v1/chat/completions", {"messages": MSGS, "structured_outputs": {"regex": "a+"}}, 400,
+     "structured_outputs", None),
+    ("/v1/chat/completions", {"messages": MSGS, "use_beam_search": True}, 400, "use_beam_search", None),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", None),
+    ("/v1/chat/completions", {"messages": MSGS, "min_tokens": 10}, 400, "min_tokens", None),
+    ("/v1/chat/completions", {"messages": MSGS, "skip_special_tokens": False}, 400, "skip_special_tokens", None),
+    ("/v1/chat/completions", {"messages": MSGS, "echo": True}, 400, "echo", None),
+    ("/v1/chat/completions", {"messages": MSGS, "functions": [{"name": "f"}]}, 400, "functions", None),
+    ("/v1/completions", {"prompt": "x", "suffix": "end"}, 400, "suffix", None),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs", None),
     ("/v1/completions", {"prompt": []}, 400, "prompt", None),
     ("/v1/completions", {"prompt": [-1, 5]}, 400, "prompt", None),
     ("/v1/completions", {"prompt": "x" * 600}, 400, "prompt", "context_length_exceeded"),

@@ -1,7 +1,9 @@
 """Request models and error bodies of the OpenAI-compatible API.
 
-Requests are validated with pydantic: unknown fields are accepted and ignored
-(OpenAI clients send extras), wrong types are rejected with a 400 whose
+Requests are validated with pydantic: unknown fields are accepted (OpenAI clients send
+extras) and kept in ``model_extra``, where the serving layer refuses those that would change
+the result if ignored (vLLM's guided decoding, beam search, ...; ``serving.check_unsupported``)
+and logs the rest; wrong types are rejected with a 400 whose
 ``param`` names the offending field. Responses are built as plain dicts by the
 serving modules; this module only fixes their error shape.
 """
@@ -209,7 +211,9 @@ class ResponseFormat(_Lenient):
 
 
 class SamplingFields(_Lenient):
-    """Fields shared by chat and completions requests."""
+    """Fields shared by chat and completions requests (unknown ones land in ``model_extra``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None

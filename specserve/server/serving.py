@@ -3,6 +3,7 @@ context-length checks, choices, usage/timings and token strings."""
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import time
@@ -16,6 +17,8 @@ from specserve.server.config import ServerConfig
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import ApiError, SamplingFields
 from specserve.server.streaming import Choice
+
+logger = logging.getLogger("specserve.server")
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 
@@ -103,12 +106,52 @@ def check_n(ctx: ServingContext, n: int) -> None:
         raise RequestError(f"n must be between 1 and {ctx.cfg.max_n} (--max-n), got {n}", param="n")
 
 
-def check_response_format(req: SamplingFields) -> None:
-    """Plain text only: a JSON mode the server cannot enforce is refused, not silently ignored."""
+# Fields of vLLM's (and OpenAI's older) API that change what is generated: ignoring one would
+# return a different result than the client asked for, so a value other than the default
+# (the predicate says which values are fine) is refused. Fields not named here are ignored
+# and logged, as vLLM does.
+_NOT_SUPPORTED = {
+    **{f: (lambda v: v is None, "needs guided decoding, which this server does not have")
+       for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                 "guided_decoding_backend", "guided_whitespace_pattern")},
+    "use_beam_search": (lambda v: v in (None, False), "beam search is not supported"),
+    "best_of": (lambda v: v in (None, 1), "best_of is not supported (use n)"),
+    "length_penalty": (lambda v: v in (None, 1, 1.0), "length_penalty applies to beam search, not supported"),
+    "min_tokens": (lambda v: v in (None, 0), "min_tokens is not supported"),
+    "prompt_logprobs": (lambda v: v is None, "prompt logprobs are not supported"),
+    "include_stop_str_in_output": (lambda v: v in (None, False), "include_stop_str_in_output is not supported"),
+    "skip_special_tokens": (lambda v: v in (None, True), "special tokens are always left out of the text"),
+    "spaces_between_special_tokens": (lambda v: v in (None, True), "not supported"),
+    "allowed_token_ids": (lambda v: v is None, "not supported (logit_bias bans or forces tokens)"),
+    "bad_words": (lambda v: not v, "not supported (logit_bias bans tokens)"),
+    "logits_processors": (lambda v: not v, "not supported"),
+    "truncate_prompt_tokens": (lambda v: v is None, "prompts are never truncated (a prompt that does not fit "
+                                                    "is a 400)"),
+    "continue_final_message": (lambda v: v in (None, False), "not supported"),
+    "echo": (lambda v: v in (None, False), "echo is supported by /v1/completions only"),
+    "suffix": (lambda v: v is None, "suffix (insertion) is not supported"),
+    "functions": (lambda v: v is None, "the legacy functions API is not supported; use tools"),
+    "function_call": (lambda v: v is None, "the legacy functions API is not supported; use tool_choice"),
+}
+
+
+def check_unsupported(req: SamplingFields) -> None:
+    """Refuse what the server cannot do rather than ignore it: a response_format other than text
+    and the fields of ``_NOT_SUPPORTED`` with a value other than their default. Other unknown
+    fields are ignored and logged (vLLM logs them too)."""
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
         raise RequestError(f"response_format type {fmt.type!r} is not supported (no guided decoding; "
                            "only 'text')", param="response_format.type")
+    ignored = []
+    for name, value in (req.model_extra or {}).items():
+        rule = _NOT_SUPPORTED.get(name)
+        if rule is None:
+            ignored.append(name)
+        elif not rule[0](value):
+            raise RequestError(f"{name}: {rule[1]}", param=name)
+    if ignored:
+        logger.info("request fields ignored: %s", ", ".join(sorted(ignored)))
 
 
 def choice_seed(seed: int, choice: int) -> int:

@@ -14,7 +14,7 @@ from specserve.errors import RequestError
 from specserve.server.chat import prompt_opens_think
 from specserve.server.protocol import ChatCompletionRequest, error_body, parse_body
 from specserve.server.reasoning import ReasoningParser, make_parser, split_all
-from specserve.server.serving import (ServingContext, check_n, check_response_format, clean_logprob, make_choices,
+from specserve.server.serving import (ServingContext, check_n, check_unsupported, clean_logprob, make_choices,
                                       new_id, now, resolve_max_tokens, timings, usage)
 from specserve.server.streaming import SSE_DONE, Choice, Fanout, SSEResponse, sse, start_fanout
 from specserve.server.tools import ToolCall, ToolCallParser, ToolPlan, plan_tools
@@ -37,7 +37,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     req = parse_body(await request.body(), ChatCompletionRequest)
     ctx.check_model(req.model)
     check_n(ctx, req.n)
-    check_response_format(req)
+    check_unsupported(req)
     top = requested_top_logprobs(req)
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_parser)
     prompt = ctx.renderer.render(req.messages, req.chat_template_kwargs, req.add_generation_prompt,

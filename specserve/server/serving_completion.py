@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 from specserve.engine.types import TokenLogprob
 from specserve.errors import RequestError
 from specserve.server.protocol import CompletionRequest, error_body, parse_body
-from specserve.server.serving import (ServingContext, check_n, check_response_format, clean_logprob, make_choices,
+from specserve.server.serving import (ServingContext, check_n, check_unsupported, clean_logprob, make_choices,
                                       new_id, now, resolve_max_tokens, timings, usage)
 from specserve.server.streaming import SSE_DONE, Choice, Fanout, SSEResponse, sse, start_fanout
 
@@ -49,7 +49,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     req = parse_body(await request.body(), CompletionRequest)
     ctx.check_model(req.model)
     check_n(ctx, req.n)
-    check_response_format(req)
+    check_unsupported(req)
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise RequestError(f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
     if req.echo and req.logprobs is not None:
