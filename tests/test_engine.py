@@ -84,6 +84,31 @@ def test_stop_strings_max_tokens_and_logprobs(engine, prompts):
     assert len(toks) == 5 and last.finish_reason == "length"
 
 
+def test_include_stop_str_in_output_and_min_tokens(engine, prompts):
+    """vLLM's include_stop_str_in_output ends the text after the stop string; min_tokens bans EOS
+    and stop_token_ids, and ignores stop strings, until that many tokens are out."""
+    ids = run_one(engine, prompts[0], SamplingParams(max_tokens=40))[0]
+    full = engine.tokenizer.decode(ids)
+    stop = full[10:14]
+    params = SamplingParams(max_tokens=40, stop=(stop,), include_stop_str_in_output=True)
+    text = "".join(o.new_text for o in engine.generate(prompts[0], params, request_id="incl"))
+    assert text == full[:full.index(stop) + len(stop)]
+    early = ids[2]  # as a stop token id, plain greedy ends after 3 tokens
+    ended = run_one(engine, prompts[0], SamplingParams(max_tokens=40, stop_token_ids=(early,)))[0]
+    assert ended == ids[:3]
+    held, last = run_one(engine, prompts[0], SamplingParams(max_tokens=40, stop_token_ids=(early,), min_tokens=12))
+    assert len(held) >= 12 and early not in held[:11] and held[:2] == ids[:2]
+    assert last.finish_reason in ("stop", "length") and (last.finish_reason == "length" or held[-1] == early)
+    past = run_one(engine, prompts[0], SamplingParams(max_tokens=40, stop=(stop,), min_tokens=30))[0]
+    assert len(past) >= 30  # the stop string early in the text did not end it
+    eos = min(engine.tokenizer.eos_token_ids)  # an EOS forced by logit_bias still waits for min_tokens
+    forced = SamplingParams(max_tokens=20, logit_bias=((eos, 100.0),), min_tokens=5)
+    toks, last = run_one(engine, prompts[0], forced)
+    assert len(toks) == 6 and toks[-1] == eos and eos not in toks[:5] and last.finish_reason == "stop"
+    with pytest.raises(RequestError, match="min_tokens must be in"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
 def test_logprobs_are_of_the_chosen_tokens(engine, prompts):
     tokens, chunks = [], []
     for out in engine.generate(prompts[1], SamplingParams(max_tokens=6, logprobs=2), request_id="lp"):

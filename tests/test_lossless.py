@@ -103,6 +103,27 @@ def test_logit_bias_with_speculation_equals_plain(prompts_and_plain, spec):
     assert engine.totals.accepted_tokens > 0
 
 
+@pytest.mark.parametrize("spec", [
+    '{"method": "ngram", "num_speculative_tokens": 8, "adaptive": false}',
+    '{"method": "draft_model", "model": "smollm2-135m", "quantization": "q4_0", "num_speculative_tokens": 4, '
+    '"adaptive": false}',
+])
+def test_min_tokens_with_speculation_equals_plain(prompts_and_plain, spec):
+    """min_tokens bans the ends of a request (here a common token as a stop token id) on the rows
+    before the minimum, in drafts and verification alike: greedy output stays plain greedy's."""
+    from collections import Counter
+
+    prompts, plain = prompts_and_plain
+    prompts = prompts[:4]
+    common = Counter(t for out in plain[:4] for t in out[:20]).most_common(1)[0][0]
+    params = SamplingParams(max_tokens=48, stop_token_ids=(common,), min_tokens=24)
+    want = run_all(make_engine("--model", "smollm2-135m", "--max-num-seqs", "4"), prompts, params)
+    assert all(len(out) >= 24 and common not in out[:23] for out in want)
+    engine = make_engine("--model", "smollm2-135m", "--max-num-seqs", "4", "--speculative-config", spec)
+    assert run_all(engine, prompts, params) == want
+    assert engine.totals.accepted_tokens > 0
+
+
 @pytest.mark.parametrize("spec,k", [
     ({"method": "draft_model", "model": "smollm2-135m", "quantization": "q4_0"}, 4),
     ({"method": "dflash", "model": "smollm2-135m-dflash"}, 7),

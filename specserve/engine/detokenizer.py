@@ -10,25 +10,31 @@ class IncrementalDetokenizer:
     and not possibly the start of a stop string (held back until it is ruled out).
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...]):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...], min_tokens: int = 0,
+                 include_stop: bool = False):
         self.tok = tokenizer
         self.stop = stop
+        self.min_tokens = min_tokens  # stop strings count from this many tokens on (vLLM's min_tokens)
+        self.include_stop = include_stop  # cut after the stop string instead of before it
         self.ids: list[int] = []
         self.text = ""  # all decoded text so far (before stop truncation)
         self.emitted = 0  # characters of self.text already returned
         self.stopped = False
 
     def add(self, token_id: int) -> bool:
-        """Add a token; returns True when a stop string was hit (text is cut before it)."""
+        """Add a token; returns True when a stop string was hit (text is cut before it, or after it
+        with include_stop)."""
         self.ids.append(token_id)
         full = self.tok.decode(self.ids)
         if full.endswith("\ufffd"):
             return False  # incomplete multi-byte character; wait for more tokens
         self.text = full
+        if len(self.ids) < self.min_tokens:
+            return False
         for s in self.stop:
             pos = self.text.find(s, max(0, self.emitted - len(s)))
             if pos != -1:
-                self.text = self.text[:pos]
+                self.text = self.text[:pos + (len(s) if self.include_stop else 0)]
                 self.stopped = True
                 return True
         return False

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -130,7 +130,11 @@ class LLMEngine:
         self.validate(prompt_ids, params)
         if request_id in self.by_id:
             raise RequestError(f"duplicate request id {request_id!r}")
-        seq = Sequence(request_id, list(prompt_ids), params, IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop))
+        if params.min_tokens:  # the EOS ids min_tokens bans, for the sampler
+            params = replace(params, eos_token_ids=tuple(sorted(self.tokenizer.eos_token_ids)))
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.min_tokens,
+                                       params.include_stop_str_in_output)
+        seq = Sequence(request_id, list(prompt_ids), params, detok)
         if not params.greedy:
             seq.generator = sampler.make_generator(params.seed, hash((self.ecfg.seed, request_id)) & 0xFFFFFFFF)
         self.waiting.append(seq)

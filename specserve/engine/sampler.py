@@ -14,8 +14,9 @@ from specserve.engine.types import SamplingParams, TokenLogprob
 
 def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
              drafts: list[int] = ()) -> torch.Tensor:
-    """logits: [R, V] for R consecutive positions -> copy with logit_bias added, then penalized
-    (R-1 <= len(drafts)); vLLM's order."""
+    """logits: [R, V] for R consecutive positions -> copy with logit_bias added, the tokens that
+    may not end a request before min_tokens banned, then penalized (R-1 <= len(drafts)); vLLM's
+    order."""
     if not params.modifies_logits:
         return logits
     out = logits.clone()
@@ -23,6 +24,9 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int]
     if params.logit_bias:
         ids, bias = zip(*params.logit_bias)
         out[:, list(ids)] += torch.tensor(bias, dtype=out.dtype)
+    early = params.min_tokens - len(output_ids)  # rows 0 .. early - 1 come before min_tokens
+    if early > 0 and params.banned_before_min:
+        out[:early, list(params.banned_before_min)] = float("-inf")
     if not params.has_penalties:
         return out
     counts = torch.bincount(torch.tensor(output_ids, dtype=torch.int64), minlength=vocab)[:vocab].float()

@@ -34,12 +34,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives per token; None = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), as OpenAI's
+    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string before this many tokens
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before
+    eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids, filled in by the engine (min_tokens bans them)
 
     def __post_init__(self) -> None:
         if "" in self.stop:  # an empty stop string would end every request at once
             object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
         checks = [
             (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"must be in [0, max_tokens = {self.max_tokens}]"),
             (self.temperature >= 0, "temperature", "must be >= 0"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)"),
@@ -68,8 +72,13 @@ class SamplingParams:
 
     @property
     def modifies_logits(self) -> bool:
-        """Whether logits change before sampling (logit_bias, penalties): see sampler.penalize."""
-        return self.has_penalties or bool(self.logit_bias)
+        """Whether logits change before sampling (logit_bias, min_tokens, penalties): see sampler.penalize."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+
+    @property
+    def banned_before_min(self) -> tuple[int, ...]:
+        """Token ids that cannot come before min_tokens: EOS (unless ignore_eos) and stop_token_ids."""
+        return (() if self.ignore_eos else self.eos_token_ids) + self.stop_token_ids
 
 
 @dataclass

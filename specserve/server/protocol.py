@@ -234,6 +234,8 @@ class SamplingFields(_Lenient):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
 
 class ChatCompletionRequest(SamplingFields):
