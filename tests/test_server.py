@@ -155,6 +155,31 @@ def test_sampling_params_reach_engine(srv, engine):
     assert p.min_tokens == 2 and p.include_stop_str_in_output
 
 
+def test_continue_final_message_leaves_the_assistant_turn_open(srv, engine):
+    """vLLM's continue_final_message: the prompt ends where the last (assistant) message's text ends,
+    so the model continues it; /tokenize counts the same prompt."""
+    msgs = [*MSGS, {"role": "assistant", "content": "Sure, here "}]
+    r = srv.http.post("/v1/chat/completions", json={"messages": msgs, "continue_final_message": True,
+                                                    "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert engine.prompts[-1] == "<s><|user|>Hi\n<|assistant|>Sure, here "  # no end of turn, no new turn
+    tok = srv.http.post("/tokenize", json={"messages": msgs, "continue_final_message": True}).json()
+    assert tok["count"] == r.json()["usage"]["prompt_tokens"]
+    r = srv.http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4})
+    assert engine.prompts[-1].endswith("Sure, here \n<|assistant|>")  # without it: a new turn
+    for body, param in (({"messages": MSGS, "continue_final_message": True}, "messages"),
+                        ({"messages": msgs, "continue_final_message": True, "add_generation_prompt": True},
+                         "continue_final_message")):
+        r = srv.http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    s = make_server(chat_template="{% for m in messages %}{{ m.content | upper }}{% endfor %}")
+    try:  # a template that rewrites the text cannot be continued: said, not guessed
+        r = s.http.post("/v1/chat/completions", json={"messages": msgs, "continue_final_message": True})
+        assert r.status_code == 400 and "does not write the last message's text" in r.json()["error"]["message"]
+    finally:
+        s.close()
+
+
 def test_vllm_fields_at_their_defaults_are_accepted_and_unknown_ones_logged(srv, engine, caplog):
     """A request that names vLLM's fields with their default values (as some clients always do)
     is served; a field the server does not know is ignored and logged by name."""
@@ -350,6 +375,8 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": MSGS, "min_tokens": -1}, 400, "min_tokens", None),
     ("/v1/chat/completions", {"messages": MSGS, "skip_special_tokens": False}, 400, "skip_special_tokens", None),
     ("/v1/chat/completions", {"messages": MSGS, "echo": True}, 400, "echo", None),
+    ("/v1/chat/completions", {"messages": MSGS, "continue_final_message": "yes"}, 400, "continue_final_message",
+     None),
     ("/v1/chat/completions", {"messages": MSGS, "functions": [{"name": "f"}]}, 400, "functions", None),
     ("/v1/completions", {"prompt": "x", "suffix": "end"}, 400, "suffix", None),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs", None),

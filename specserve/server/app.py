@@ -139,7 +139,8 @@ async def tokenize(ctx: ServingContext, request: Request) -> dict:
         raise RequestError("send exactly one of 'prompt' or 'messages'", param="prompt")
     if req.messages is not None:
         tools = plan_tools(req.tools, None, None, ctx.tool_parser).template_tools
-        text = ctx.renderer.render(req.messages, req.chat_template_kwargs, req.add_generation_prompt, tools)
+        text = ctx.renderer.render(req.messages, req.chat_template_kwargs, req.add_generation_prompt, tools,
+                                   req.continue_final_message)
         ids = ctx.engine.tokenizer.encode(text, add_special_tokens=False)
     else:
         ids = ctx.encode_prompt(req.prompt, add_bos=req.add_special_tokens)

@@ -18,6 +18,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 TEXT_PART_TYPES = ("text", "input_text")
 # names the renderer sets itself; a request may not replace them through chat_template_kwargs
 RESERVED_KWARGS = ("messages", "tools", "bos_token", "eos_token")
+CONTINUE_MARK = "\ue000continue\ue000"  # private-use characters: where an open assistant turn's text ends
 THINK_OPEN = "<think>"
 
 NO_TEMPLATE_MESSAGE = ("model {model!r} has no chat template, so /v1/chat/completions cannot build a prompt; "
@@ -50,7 +51,31 @@ class ChatRenderer:
                 logger.warning("the model's chat template does not compile (%s); chat is disabled", exc)
 
     def render(self, messages: list[ChatMessage], request_kwargs: Mapping[str, Any] | None = None,
-               add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+               add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               continue_final: bool = False) -> str:
+        """The prompt text. continue_final (vLLM's continue_final_message): the last message, an
+        assistant turn, is left open so the model continues its text (a prefill): the rendering
+        ends where that message's text ends, before the template closes the turn."""
+        if continue_final:
+            return self._render_open(messages, request_kwargs, tools)
+        return self._render(messages, request_kwargs, add_generation_prompt, tools)
+
+    def _render_open(self, messages: list[ChatMessage], request_kwargs: Mapping[str, Any] | None,
+                     tools: list[dict] | None) -> str:
+        last = messages[-1] if messages else None
+        if last is None or last.role != "assistant" or not isinstance(last.content, str):
+            raise RequestError("continue_final_message needs a last message from the assistant with text "
+                               "content", param="messages")
+        marked = last.model_copy(update={"content": last.content + CONTINUE_MARK})
+        text = self._render([*messages[:-1], marked], request_kwargs, False, tools)
+        at = text.rfind(CONTINUE_MARK)
+        if at < 0:
+            raise RequestError("continue_final_message: the chat template does not write the last message's "
+                               "text as given", param="messages")
+        return text[:at]
+
+    def _render(self, messages: list[ChatMessage], request_kwargs: Mapping[str, Any] | None,
+                add_generation_prompt: bool, tools: list[dict] | None) -> str:
         if self.template is None:
             if self.broken:
                 raise RequestError(f"the model's chat template does not compile ({self.broken}); "

@@ -125,7 +125,6 @@ _NOT_SUPPORTED = {
     "logits_processors": (lambda v: not v, "not supported"),
     "truncate_prompt_tokens": (lambda v: v is None, "prompts are never truncated (a prompt that does not fit "
                                                     "is a 400)"),
-    "continue_final_message": (lambda v: v in (None, False), "not supported"),
     "echo": (lambda v: v in (None, False), "echo is supported by /v1/completions only"),
     "suffix": (lambda v: v is None, "suffix (insertion) is not supported"),
     "functions": (lambda v: v is None, "the legacy functions API is not supported; use tools"),

@@ -40,8 +40,11 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     check_unsupported(req)
     top = requested_top_logprobs(req)
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_parser)
+    if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+        raise RequestError("continue_final_message and add_generation_prompt cannot both be true (continue the "
+                           "last assistant message, or start a new one)", param="continue_final_message")
     prompt = ctx.renderer.render(req.messages, req.chat_template_kwargs, req.add_generation_prompt,
-                                 plan.template_tools)
+                                 plan.template_tools, req.continue_final_message)
     ids = ctx.engine.tokenizer.encode(prompt, add_special_tokens=False)
     if not ids:
         raise RequestError("the rendered prompt is empty", param="messages")
