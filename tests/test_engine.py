@@ -109,6 +109,25 @@ def test_include_stop_str_in_output_and_min_tokens(engine, prompts):
         SamplingParams(max_tokens=4, min_tokens=5)
 
 
+def test_stop_token_text_and_special_tokens(engine, prompts):
+    """As vLLM: a stop token ends the text without its own text unless include_stop_str_in_output;
+    skip_special_tokens false writes special tokens (here the forced EOS) into the text."""
+    ids = run_one(engine, prompts[0], SamplingParams(max_tokens=40))[0]
+    dec = engine.tokenizer.decode
+    stop_id = ids[5]
+    for include, want in ((False, dec(ids[:5])), (True, dec(ids[:6]))):
+        params = SamplingParams(max_tokens=40, stop_token_ids=(stop_id,), include_stop_str_in_output=include)
+        outs = list(engine.generate(prompts[0], params, request_id=f"st-{include}"))
+        assert sum((o.new_token_ids for o in outs), []) == ids[:6]  # the token itself is in the ids
+        assert "".join(o.new_text for o in outs) == want
+    eos = min(engine.tokenizer.eos_token_ids)
+    forced = dict(max_tokens=4, logit_bias=((eos, 100.0),), min_tokens=2)
+    for skip in (True, False):
+        p = SamplingParams(**forced, skip_special_tokens=skip, include_stop_str_in_output=True)
+        text = "".join(o.new_text for o in engine.generate(prompts[0], p, request_id=f"sp-{skip}"))
+        assert text.endswith(dec([eos], skip_special_tokens=False)) != skip
+
+
 def test_logprobs_are_of_the_chosen_tokens(engine, prompts):
     tokens, chunks = [], []
     for out in engine.generate(prompts[1], SamplingParams(max_tokens=6, logprobs=2), request_id="lp"):

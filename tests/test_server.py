@@ -146,13 +146,14 @@ def test_sampling_params_reach_engine(srv, engine):
         model="fake-model", messages=MSGS, temperature=0.7, top_p=0.9, seed=11, stop="zzz",
         presence_penalty=0.5, frequency_penalty=0.25, user="u1",
         extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True, "max_tokens": 9,
-                    "min_tokens": 2, "include_stop_str_in_output": True, "some_future_field": {"x": 1}},
+                    "min_tokens": 2, "include_stop_str_in_output": True, "skip_special_tokens": False,
+                    "some_future_field": {"x": 1}},
         response_format={"type": "text"})
     _, p = engine.requests[-1]
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (0.7, 0.9, 20, 0.05, 11)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, 0.25, 1.1)
     assert p.stop == ("zzz",) and p.ignore_eos and p.max_tokens == 9 and p.logit_bias == ()
-    assert p.min_tokens == 2 and p.include_stop_str_in_output
+    assert p.min_tokens == 2 and p.include_stop_str_in_output and not p.skip_special_tokens
 
 
 def test_continue_final_message_leaves_the_assistant_turn_open(srv, engine):
@@ -373,7 +374,7 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", None),
     ("/v1/chat/completions", {"messages": MSGS, "min_tokens": 10, "max_tokens": 5}, 400, "min_tokens", None),
     ("/v1/chat/completions", {"messages": MSGS, "min_tokens": -1}, 400, "min_tokens", None),
-    ("/v1/chat/completions", {"messages": MSGS, "skip_special_tokens": False}, 400, "skip_special_tokens", None),
+    ("/v1/chat/completions", {"messages": MSGS, "skip_special_tokens": "no"}, 400, "skip_special_tokens", None),
     ("/v1/chat/completions", {"messages": MSGS, "echo": True}, 400, "echo", None),
     ("/v1/chat/completions", {"messages": MSGS, "continue_final_message": "yes"}, 400, "continue_final_message",
      None),

@@ -11,11 +11,13 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...], min_tokens: int = 0,
-                 include_stop: bool = False):
+                 include_stop: bool = False, skip_special: bool = True):
         self.tok = tokenizer
         self.stop = stop
         self.min_tokens = min_tokens  # stop strings count from this many tokens on (vLLM's min_tokens)
         self.include_stop = include_stop  # cut after the stop string instead of before it
+        self.skip_special = skip_special  # special tokens' text left out
+        self.floor = 0  # stop strings are looked for from here: the text before min_tokens does not count
         self.ids: list[int] = []
         self.text = ""  # all decoded text so far (before stop truncation)
         self.emitted = 0  # characters of self.text already returned
@@ -25,14 +27,15 @@ class IncrementalDetokenizer:
         """Add a token; returns True when a stop string was hit (text is cut before it, or after it
         with include_stop)."""
         self.ids.append(token_id)
-        full = self.tok.decode(self.ids)
+        full = self.tok.decode(self.ids, skip_special_tokens=self.skip_special)
         if full.endswith("\ufffd"):
             return False  # incomplete multi-byte character; wait for more tokens
         self.text = full
         if len(self.ids) < self.min_tokens:
+            self.floor = len(full)
             return False
         for s in self.stop:
-            pos = self.text.find(s, max(0, self.emitted - len(s)))
+            pos = self.text.find(s, max(self.floor, self.emitted - len(s)))
             if pos != -1:
                 self.text = self.text[:pos + (len(s) if self.include_stop else 0)]
                 self.stopped = True

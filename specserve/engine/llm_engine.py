@@ -133,7 +133,7 @@ class LLMEngine:
         if params.min_tokens:  # the EOS ids min_tokens bans, for the sampler
             params = replace(params, eos_token_ids=tuple(sorted(self.tokenizer.eos_token_ids)))
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.min_tokens,
-                                       params.include_stop_str_in_output)
+                                       params.include_stop_str_in_output, params.skip_special_tokens)
         seq = Sequence(request_id, list(prompt_ids), params, detok)
         if not params.greedy:
             seq.generator = sampler.make_generator(params.seed, hash((self.ecfg.seed, request_id)) & 0xFFFFFFFF)
@@ -360,8 +360,10 @@ class LLMEngine:
         for tok in new:
             seq.output_ids.append(tok)
             kept.append(tok)
-            hit_stop = seq.detok.add(tok)
-            if (tok in self.tokenizer.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids or hit_stop:
+            stop_tok = (tok in self.tokenizer.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
+            # a stop token ends the request without its text (unless include_stop_str_in_output), as in vLLM
+            hit_stop = seq.detok.add(tok) if not stop_tok or p.include_stop_str_in_output else False
+            if stop_tok or hit_stop:
                 reason = "stop"
             elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"

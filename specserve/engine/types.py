@@ -35,7 +35,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives per token; None = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), as OpenAI's
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string before this many tokens
-    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string (or token), not before
+    skip_special_tokens: bool = True  # vLLM's: special tokens' text is left out of the output
     eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids, filled in by the engine (min_tokens bans them)
 
     def __post_init__(self) -> None:

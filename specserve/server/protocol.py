@@ -236,6 +236,7 @@ class SamplingFields(_Lenient):
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 class ChatCompletionRequest(SamplingFields):
