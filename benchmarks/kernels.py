@@ -1,7 +1,7 @@
 """Timing of the batch-invariant CPU kernels vs torch.
 
     nice -n 5 python benchmarks/kernels.py [--threads 2] [--quick] [--formats f32,int8,q4_0]
-        [--activations int8,fp32]
+        [--activations int8,fp32] [--attention [--kv-dtypes fp32,bf16,int8]]
 
 Prints one table: time per call (ms, best of the repeats: the least noisy
 statistic on a shared machine) for each layer shape, weight format and row
@@ -84,6 +84,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="comma separated indices into SHAPES (default all)")
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
     ap.add_argument("--attention", action="store_true", help="also time paged attention / rms_norm")
+    ap.add_argument("--kv-dtypes", default="fp32", help="KV cache formats the attention is timed on, e.g. "
+                    "fp32,bf16,int8")
     ap.add_argument("--activations", default="int8",
                     help="paths of the int8 / GGUF formats: int8 (integer dot, the default), fp32, or both")
     ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
@@ -137,9 +139,11 @@ def main() -> None:
 
     if args.attention:
         print()
-        print(f"{'paged_attention':24s} {'T':>5s} {'ctx':>6s} {'Hq/Hkv':>7s} {'D':>4s} {'ms':>9s}")
+        kv_dtypes = [k.strip() for k in args.kv_dtypes.split(",") if k.strip()]
+        print(f"{'paged_attention':24s} {'T':>5s} {'ctx':>6s} {'Hq/Hkv':>7s} {'D':>4s} "
+              + " ".join(f"{k:>9s}" for k in kv_dtypes) + "   (ms)")
         for (hq, hkv, d) in [(9, 3, 64), (12, 2, 128), (8, 4, 256)]:
-            for t, ctx in [(1, 1024), (8, 1024), (256, 256)]:
+            for t, ctx in [(1, 1024), (1, 2048), (8, 1024), (256, 256)]:
                 bs = 16
                 nblk = (ctx + bs - 1) // bs + 1
                 kc = torch.randn(nblk, bs, hkv, d)
@@ -148,9 +152,14 @@ def main() -> None:
                 q = torch.randn(t, hq, d)
                 pos = torch.arange(ctx - t, ctx, dtype=torch.int32)
                 sid = torch.zeros(t, dtype=torch.int32)
-                ms = bench(lambda: ops.paged_attention(q, kc, vc, bt, sid, pos, d ** -0.5, impl="c"),
-                           args.min_time)
-                print(f"{'':24s} {t:5d} {ctx:6d} {f'{hq}/{hkv}':>7s} {d:4d} {ms:9.3f}")
+                cells = []
+                for kvd in kv_dtypes:
+                    (kq, ks), (vq, vs) = ((c, None) for c in (kc, vc)) if kvd == "fp32" else (
+                        ops.kv_quantize(c, kvd) for c in (kc, vc))
+                    cells.append(bench(lambda: ops.paged_attention(q, kq, vq, bt, sid, pos, d ** -0.5, impl="c",
+                                                                   kv_dtype=kvd, k_scales=ks, v_scales=vs),
+                                       args.min_time))
+                print(f"{'':24s} {t:5d} {ctx:6d} {f'{hq}/{hkv}':>7s} {d:4d} " + " ".join(f"{c:9.3f}" for c in cells))
         print()
         for m, k in [(1, 576), (8, 1536), (512, 576)]:
             x = torch.randn(m, k)

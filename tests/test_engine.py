@@ -160,3 +160,25 @@ def test_logit_bias_steers_and_bans_tokens(engine, prompts):
         engine.add_request("st", prompts[0], SamplingParams(max_tokens=2, stop_token_ids=(2, -5)))
     with pytest.raises(RequestError, match=r"logit_bias values must be in \[-100, 100\]"):
         SamplingParams(logit_bias=((5, 101.0),))
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"])
+def test_incremental_detokenizer_equals_a_full_decode(name):
+    """The detokenizer decodes token by token (the tokenizers library's DecodeStream); at every
+    step its text is what decoding all ids at once gives, split characters and special tokens
+    included, with skip_special_tokens on and off."""
+    from specserve.engine.detokenizer import IncrementalDetokenizer
+    from specserve.models.loader import load_tokenizer
+
+    tok = load_tokenizer(name)
+    text = "def f(x):\n    return x ** 2  # ünïcödé 数学 🙂🚀 \t end"
+    special = sorted(tok.eos_token_ids)[:1]
+    ids = tok.encode(text, add_special_tokens=False) + special + tok.encode(" again", add_special_tokens=False)
+    ids += [i for i in tok.encode("🙂", add_special_tokens=False)][:1]  # ends inside a character
+    for skip in (True, False):
+        d = IncrementalDetokenizer(tok, [], (), skip_special=skip)
+        for n, t in enumerate(ids, 1):
+            d.add(t)
+            full = tok.decode(ids[:n], skip_special_tokens=skip)
+            if not full.endswith("\ufffd"):
+                assert d.text == full, (n, d.text, full)

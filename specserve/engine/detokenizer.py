@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tokenizers.decoders import DecodeStream
+
 
 class IncrementalDetokenizer:
     """Turns token ids, appended one at a time, into text deltas.
@@ -18,6 +20,10 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop  # cut after the stop string instead of before it
         self.skip_special = skip_special  # special tokens' text left out
         self.floor = 0  # stop strings are looked for from here: the text before min_tokens does not count
+        # the tokenizers library's own incremental decoder: each token costs the same however long
+        # the output (decoding all ids again per token grew with the output: 0.2 ms at 2000 tokens)
+        backend = getattr(tokenizer, "backend", None)
+        self._stream = DecodeStream(skip_special_tokens=skip_special) if backend is not None else None
         self.ids: list[int] = []
         self.text = ""  # all decoded text so far (before stop truncation)
         self.emitted = 0  # characters of self.text already returned
@@ -27,8 +33,8 @@ class IncrementalDetokenizer:
         """Add a token; returns True when a stop string was hit (text is cut before it, or after it
         with include_stop)."""
         self.ids.append(token_id)
-        full = self.tok.decode(self.ids, skip_special_tokens=self.skip_special)
-        if full.endswith("\ufffd"):
+        full = self._decode(token_id)
+        if full is None:
             return False  # incomplete multi-byte character; wait for more tokens
         self.text = full
         if len(self.ids) < self.min_tokens:
@@ -41,6 +47,14 @@ class IncrementalDetokenizer:
                 self.stopped = True
                 return True
         return False
+
+    def _decode(self, token_id: int) -> str | None:
+        """All the text so far with token_id added, or None while it ends inside a character."""
+        if self._stream is not None:
+            piece = self._stream.step(self.tok.backend, token_id)
+            return None if piece is None else self.text + piece
+        full = self.tok.decode(self.ids, skip_special_tokens=self.skip_special)
+        return None if full.endswith("\ufffd") else full
 
     def delta(self, final: bool = False) -> str:
         """Text not yet returned that can be returned now."""

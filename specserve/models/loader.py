@@ -76,6 +76,14 @@ def _identity(resolved: ResolvedModel) -> str:
     return h.hexdigest()[:16]
 
 
+def load_tokenizer(spec: str) -> mtok.Tokenizer:
+    """A model's tokenizer without its weights (the same cache as load_model's)."""
+    resolved = resolve_model(spec)
+    if resolved.kind == "gguf":
+        return mtok.from_gguf(resolved.path, cache_root() / "tokenizers" / _identity(resolved))
+    return mtok.from_hf_dir(resolved.path)
+
+
 def load_model(spec: str, options: LoadOptions = LoadOptions()) -> LoadedModel:
     resolved = resolve_model(spec)
     device = options.torch_device()

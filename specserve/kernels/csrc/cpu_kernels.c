@@ -1330,8 +1330,10 @@ static int paged_attention_core(int fmt, const float *q, const void *kc, const v
     nthreads = resolve_threads(nthreads);
     const int64_t group = Hq / Hkv;
     /* heads per work item: the whole group (K/V rows read once for all of
-       them) unless that leaves too few items for the threads */
-    const int64_t gsub = (T * Hkv >= 2 * (int64_t)nthreads) ? group : 1;
+       them) unless that leaves too few items for the threads; a quantized
+       cache always takes the whole group, since each item dequantizes its
+       kv head's rows (one item per q head did that group times over) */
+    const int64_t gsub = (fmt != KV_F32 || T * Hkv >= 2 * (int64_t)nthreads) ? group : 1;
     const int64_t per_kv = group / gsub;
     const int64_t items = T * Hkv * per_kv;
     const int par = nthreads > 1 && items > 1 && (double)T * Hq * (double)maxlen * (double)D > 30000.0;
