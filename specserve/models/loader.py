@@ -80,8 +80,12 @@ def load_tokenizer(spec: str) -> mtok.Tokenizer:
     """A model's tokenizer without its weights (the same cache as load_model's)."""
     resolved = resolve_model(spec)
     if resolved.kind == "gguf":
-        return mtok.from_gguf(resolved.path, cache_root() / "tokenizers" / _identity(resolved))
+        return _gguf_tokenizer(resolved.path, _identity(resolved))
     return mtok.from_hf_dir(resolved.path)
+
+
+def _gguf_tokenizer(path: Path, identity: str) -> mtok.Tokenizer:
+    return mtok.from_gguf(path, cache_root() / "tokenizers" / identity)  # converted once, cached per weights
 
 
 def load_model(spec: str, options: LoadOptions = LoadOptions()) -> LoadedModel:
@@ -112,7 +116,7 @@ def _read_gguf(path: Path, identity: str):
     cfg = mconfig.from_gguf_metadata(meta, vocab)
     tensors = mweights.read_gguf_tensors(reader, arch, cfg.num_heads, cfg.num_kv_heads)
     _check_shapes(cfg, tensors, path)
-    tok = mtok.from_gguf(path, cache_root() / "tokenizers" / identity)
+    tok = _gguf_tokenizer(path, identity)
     return cfg, tensors, tok, 0.0  # llama.cpp's converter already folded Gemma's +1 into the norms
 
 
