@@ -62,6 +62,11 @@ def make_weight(fmt: str, w: torch.Tensor):
 CLOCK = time.perf_counter
 
 
+def kv_cache(c: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An fp32 cache pool in kv_dtype's storage, with its scales (None for fp32)."""
+    return (c, None) if kv_dtype == "fp32" else ops.kv_quantize(c, kv_dtype)
+
+
 def bench(fn, min_time: float, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
@@ -154,8 +159,7 @@ def main() -> None:
                 sid = torch.zeros(t, dtype=torch.int32)
                 cells = []
                 for kvd in kv_dtypes:
-                    (kq, ks), (vq, vs) = ((c, None) for c in (kc, vc)) if kvd == "fp32" else (
-                        ops.kv_quantize(c, kvd) for c in (kc, vc))
+                    (kq, ks), (vq, vs) = kv_cache(kc, kvd), kv_cache(vc, kvd)
                     cells.append(bench(lambda: ops.paged_attention(q, kq, vq, bt, sid, pos, d ** -0.5, impl="c",
                                                                    kv_dtype=kvd, k_scales=ks, v_scales=vs),
                                        args.min_time))

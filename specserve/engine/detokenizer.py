@@ -18,13 +18,11 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.min_tokens = min_tokens  # stop strings count from this many tokens on (vLLM's min_tokens)
         self.include_stop = include_stop  # cut after the stop string instead of before it
-        self.skip_special = skip_special  # special tokens' text left out
         self.floor = 0  # stop strings are looked for from here: the text before min_tokens does not count
         # the tokenizers library's own incremental decoder: each token costs the same however long
         # the output (decoding all ids again per token grew with the output: 0.2 ms at 2000 tokens)
-        backend = getattr(tokenizer, "backend", None)
-        self._stream = DecodeStream(skip_special_tokens=skip_special) if backend is not None else None
-        self.ids: list[int] = []
+        self._stream = DecodeStream(skip_special_tokens=skip_special)
+        self.count = 0  # tokens added
         self.text = ""  # all decoded text so far (before stop truncation)
         self.emitted = 0  # characters of self.text already returned
         self.stopped = False
@@ -32,13 +30,13 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> bool:
         """Add a token; returns True when a stop string was hit (text is cut before it, or after it
         with include_stop)."""
-        self.ids.append(token_id)
-        full = self._decode(token_id)
-        if full is None:
+        self.count += 1
+        piece = self._stream.step(self.tok.backend, token_id)
+        if piece is None:
             return False  # incomplete multi-byte character; wait for more tokens
-        self.text = full
-        if len(self.ids) < self.min_tokens:
-            self.floor = len(full)
+        self.text += piece
+        if self.count < self.min_tokens:
+            self.floor = len(self.text)
             return False
         for s in self.stop:
             pos = self.text.find(s, max(self.floor, self.emitted - len(s)))
@@ -47,14 +45,6 @@ class IncrementalDetokenizer:
                 self.stopped = True
                 return True
         return False
-
-    def _decode(self, token_id: int) -> str | None:
-        """All the text so far with token_id added, or None while it ends inside a character."""
-        if self._stream is not None:
-            piece = self._stream.step(self.tok.backend, token_id)
-            return None if piece is None else self.text + piece
-        full = self.tok.decode(self.ids, skip_special_tokens=self.skip_special)
-        return None if full.endswith("\ufffd") else full
 
     def delta(self, final: bool = False) -> str:
         """Text not yet returned that can be returned now."""

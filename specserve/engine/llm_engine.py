@@ -130,8 +130,7 @@ class LLMEngine:
         self.validate(prompt_ids, params)
         if request_id in self.by_id:
             raise RequestError(f"duplicate request id {request_id!r}")
-        if params.min_tokens:  # the EOS ids min_tokens bans, for the sampler
-            params = replace(params, eos_token_ids=tuple(sorted(self.tokenizer.eos_token_ids)))
+        params = replace(params, eos_token_ids=tuple(sorted(self.tokenizer.eos_token_ids)))  # end_token_ids
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.min_tokens,
                                        params.include_stop_str_in_output, params.skip_special_tokens)
         seq = Sequence(request_id, list(prompt_ids), params, detok)
@@ -219,12 +218,8 @@ class LLMEngine:
         limits = [min(s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.num_tokens - 1)
                   for s in seqs]
         ks = self.policy.lengths(seqs, limits)
-        props = [Proposal(p.token_ids[:k], None if p.probs is None else p.probs[:k], p.cut)
-                 for p, k in zip(self.drafter.propose(seqs, ks), ks)]
-        for seq, prop in zip(seqs, props):
-            if prop.cut and not prop.token_ids:  # cut to nothing: no verification will report it
-                DraftPolicy.update(seq, 0, 0, cut=True)
-        return props
+        return [Proposal(p.token_ids[:k], None if p.probs is None else p.probs[:k], p.cut)
+                for p, k in zip(self.drafter.propose(seqs, ks), ks)]
 
     def _tables(self, seq: Sequence) -> list[tuple[BlockManager, BlockTable]]:
         """The sequence's block tables, each with its pool (sliding-window layers have their own)."""
@@ -329,7 +324,7 @@ class LLMEngine:
             if r.drafts:
                 seq.spec.record(len(r.drafts), n_acc)
                 self.totals.record(len(r.drafts), n_acc)
-                DraftPolicy.update(seq, len(r.drafts), n_acc, r.cut)
+            DraftPolicy.update(seq, len(r.drafts), n_acc, r.cut)  # no news without drafts or a cut
             first = seq.num_computed
             seq.num_computed = computed_before + 1 + n_acc
             self._observe(r, first, seq.num_computed - first, hidden)
@@ -360,7 +355,7 @@ class LLMEngine:
         for tok in new:
             seq.output_ids.append(tok)
             kept.append(tok)
-            stop_tok = (tok in self.tokenizer.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
+            stop_tok = tok in p.end_token_ids
             # a stop token ends the request without its text (unless include_stop_str_in_output), as in vLLM
             hit_stop = seq.detok.add(tok) if not stop_tok or p.include_stop_str_in_output else False
             if stop_tok or hit_stop:

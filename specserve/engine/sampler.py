@@ -25,8 +25,8 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int]
         ids, bias = zip(*params.logit_bias)
         out[:, list(ids)] += torch.tensor(bias, dtype=out.dtype)
     early = params.min_tokens - len(output_ids)  # rows 0 .. early - 1 come before min_tokens
-    if early > 0 and params.banned_before_min:
-        out[:early, list(params.banned_before_min)] = float("-inf")
+    if early > 0 and params.end_token_ids:
+        out[:early, list(params.end_token_ids)] = float("-inf")
     if not params.has_penalties:
         return out
     counts = torch.bincount(torch.tensor(output_ids, dtype=torch.int64), minlength=vocab)[:vocab].float()

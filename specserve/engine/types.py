@@ -37,7 +37,7 @@ class SamplingParams:
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string before this many tokens
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string (or token), not before
     skip_special_tokens: bool = True  # vLLM's: special tokens' text is left out of the output
-    eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids, filled in by the engine (min_tokens bans them)
+    eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids, filled in by the engine (see end_token_ids)
 
     def __post_init__(self) -> None:
         if "" in self.stop:  # an empty stop string would end every request at once
@@ -77,8 +77,9 @@ class SamplingParams:
         return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
-    def banned_before_min(self) -> tuple[int, ...]:
-        """Token ids that cannot come before min_tokens: EOS (unless ignore_eos) and stop_token_ids."""
+    def end_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end the request: EOS (unless ignore_eos) and stop_token_ids; banned
+        before min_tokens."""
         return (() if self.ignore_eos else self.eos_token_ids) + self.stop_token_ids
 
 
