@@ -2,7 +2,7 @@
 
     python benchmarks/decode_cost.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--formats none,int8,q4]
         [--rows 1,2,4,8,16] [--context 256] [--layout verify|batch] [--min-time 2] [--markdown cost.md]
-        [--activations int8,fp32] [--paths fused,python]
+        [--activations int8,fp32] [--paths fused,python] [--kv-dtypes fp32,int8]
 
 One forward of the full model (all layers + lm_head, logits for every row) is timed for M rows:
   verify: ONE sequence with M new tokens after --context cached tokens (the shape of verifying M-1
@@ -11,13 +11,15 @@ One forward of the full model (all layers + lm_head, logits for every row) is ti
           (the shape of decoding M requests together).
 t(M)/t(1) is what matters for speculation: with k drafts and mean acceptance length L, a step
 yields L tokens for t(k+1), so speculation wins when L > t(k+1)/t(1) (ignoring drafting cost).
-The row counts are interleaved within each round and the median per M is reported. The KV cache is
-zero-filled rather than prefilled: the values do not change the arithmetic, only the length does.
+The row counts are interleaved within each round and the median per M is reported. The KV cache holds
+random K/V rather than a real prefill: the values do not change the arithmetic, only the length does.
 --activations int8,fp32 times both linear paths of the int8 / GGUF weights on the same loaded model
 (int8: activations quantized, integer dot products, the default; fp32: weights dequantized and
 multiplied with fp32 activations), interleaved within each round like the row counts.
 --paths fused,python times the fused CPU decoder path (all layers in one C call, the default) and
 the per-op Python path (Transformer.fused = False; bit-identical results) the same way.
+--kv-dtypes fp32,bf16,int8 times the same forward over caches of those dtypes (long --context: the
+cache's bytes are what a decode step reads besides the weights).
 """
 
 from __future__ import annotations
@@ -57,6 +59,19 @@ def make_batch(m: int, context: int, layout: str, blocks_per_seq: int, vocab: in
                         logits_indices=torch.arange(m, dtype=torch.int64))
 
 
+def filled_cache(cfg, num_blocks: int, kv_dtype: str) -> KVCache:
+    """A cache whose every slot holds random K/V (written as the engine writes them). The values do
+    not change the arithmetic, but untouched zero pages would all map to one physical page, which
+    stays in the CPU's caches and hides the cost of reading a long context from memory."""
+    kv = KVCache.allocate(cfg, num_blocks, BLOCK, kv_dtype, "cpu")
+    g = torch.Generator().manual_seed(0)
+    for layer in range(kv.num_layers):
+        n = kv.k[layer].shape[0] * BLOCK  # a sliding layer's own pool may be smaller
+        k, v = (torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g) for _ in range(2))
+        kv.write(layer, torch.arange(n), k, v)
+    return kv
+
+
 def set_int_dot(model, on: bool) -> None:
     """Switch every int8 / GGUF linear weight between the two activation paths (benchmark only)."""
     for lin in [lin for layer in model.layers for lin in layer.linears()] + [model.lm_head]:
@@ -77,36 +92,39 @@ def measure(model_name: str, fmt: str, a: argparse.Namespace) -> list[dict]:
     rows = [int(x) for x in a.rows.split(",")]
     acts = [x.strip() for x in a.activations.split(",")] if fmt != "none" else ["fp32"]
     paths = [x.strip() for x in a.paths.split(",")]
+    kv_dtypes = [x.strip() for x in a.kv_dtypes.split(",")]
     bps = -(-(a.context + max(rows)) // BLOCK)
     n_seqs = 1 if a.layout == "verify" else max(rows)
-    kv = KVCache.allocate(cfg, bps * n_seqs, BLOCK, model.dtype, model.device)
+    kvs = {d: filled_cache(cfg, bps * n_seqs, d) for d in kv_dtypes}
     batches = {m: make_batch(m, a.context, a.layout, bps, cfg.vocab_size) for m in rows}
-    cases = [(act, path, m) for act in acts for path in paths for m in rows]
-    times: dict[tuple[str, str, int], list[float]] = {c: [] for c in cases}
+    cases = [(act, path, d, m) for act in acts for path in paths for d in kv_dtypes for m in rows]
+    times: dict[tuple[str, str, str, int], list[float]] = {c: [] for c in cases}
     with torch.inference_mode():
-        for act, path, m in cases:  # warm-up
+        for act, path, d, m in cases:  # warm-up
             set_case(model, act, path)
             for _ in range(2):
-                model.forward(batches[m], kv)
+                model.forward(batches[m], kvs[d])
         t_end, rnd = time.perf_counter() + a.min_time * len(cases), 0
         while rnd < a.min_rounds or (time.perf_counter() < t_end and rnd < a.max_rounds):
-            for act, path, m in cases[rnd % len(cases):] + cases[:rnd % len(cases)]:
+            for case in cases[rnd % len(cases):] + cases[:rnd % len(cases)]:
+                act, path, d, m = case
                 set_case(model, act, path)
                 t0 = time.perf_counter()
-                model.forward(batches[m], kv)
-                times[(act, path, m)].append(time.perf_counter() - t0)
+                model.forward(batches[m], kvs[d])
+                times[case].append(time.perf_counter() - t0)
             rnd += 1
     model.fused = True
     out = []
-    for act, path in [(act, path) for act in acts for path in paths]:
-        med = {m: statistics.median(times[(act, path, m)]) for m in rows}
+    for act, path, d in [(act, path, d) for act in acts for path in paths for d in kv_dtypes]:
+        med = {m: statistics.median(times[(act, path, d, m)]) for m in rows}
         label = fmt if fmt == "none" else f"{fmt} ({act} act.)"
         label += f", {path}" if len(paths) > 1 or path != "fused" else ""
+        label += f", {d} KV" if len(kv_dtypes) > 1 or d != "fp32" else ""
         out.append({"model": model_name, "format": label, "weights_mb": model.weight_bytes() / 1e6,
                     "load_s": load_s, "rounds": rnd, "median_ms": {m: med[m] * 1e3 for m in rows},
-                    "min_ms": {m: min(times[(act, path, m)]) * 1e3 for m in rows},
+                    "min_ms": {m: min(times[(act, path, d, m)]) * 1e3 for m in rows},
                     "ratio_vs_1": {m: med[m] / med[rows[0]] for m in rows}})
-    del lm, model, kv, batches
+    del lm, model, kvs, batches
     gc.collect()
     return out
 
@@ -140,6 +158,9 @@ def main() -> int:
     ap.add_argument("--paths", default="fused",
                     help="decoder paths to time: fused (one C call for all layers, default), python (per op), "
                          "or both")
+    ap.add_argument("--kv-dtypes", default="fp32",
+                    help="KV cache dtypes to time (--kv-cache-dtype values: fp32, bf16, fp16, fp8_e4m3, int8, "
+                         "int4), interleaved like the row counts")
     ap.add_argument("--out", default=None)
     ap.add_argument("--markdown", default=None)
     a = ap.parse_args()

@@ -164,6 +164,54 @@ def test_quantized_attention_scalar_build_bit_identical(dtype):
     assert torch.equal(_attn(q, kv, bt, sid, pos, "c"), _attn(q, kv, bt, sid, pos, "c-scalar"))
 
 
+def _quantize_inputs(D: int) -> list[torch.Tensor]:
+    """Rows that reach every rounding case: normal values over 70 decades, ties (multiples of 1/8),
+    zeros and constant groups, and random finite bit patterns (subnormals included)."""
+    g = torch.Generator().manual_seed(5)
+    bits = torch.randint(-2**31, 2**31 - 1, (1500, D), generator=g, dtype=torch.int64).to(torch.int32)
+    bits = bits.view(torch.float32)
+    zeros = torch.randn(60, D, generator=g)
+    zeros[:, ::3] = 0
+    zeros[:10] = 0
+    zeros[10:20] = 2.5
+    # exact ties after the scale: int8 rows with max |x| = 127 (scale 1) and halves; int4 groups
+    # spanning [0, 15] (scale 1, min 0) and halves; fp8 rows with max 448 and midpoints of codes
+    i8 = (torch.randint(-253, 254, (100, D), generator=g) / 2).float()
+    i8[:, 0] = 127
+    i4 = torch.randint(0, 30, (100, D), generator=g).float() / 2
+    i4[:, 0::16], i4[:, 1::16] = 0, 15
+    codes = torch.arange(0, 0x7E, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (codes[:-1] + codes[1:]) / 2
+    f8 = mids[torch.randint(0, mids.numel(), (100, D), generator=g)] * torch.where(torch.rand(100, D) < 0.5, -1, 1)
+    f8[:, 0] = 448
+    return [torch.randn(400, D, generator=g) * torch.logspace(-40, 30, 400).unsqueeze(1), i8, i4, f8,
+            torch.randint(-2000, 2000, (400, D), generator=g).float() / 8, zeros,
+            torch.where(torch.isfinite(bits), bits, torch.zeros_like(bits))]
+
+
+@needs_c
+@pytest.mark.parametrize("impl", ["c", "c-avx2", "c-scalar"])
+def test_c_quantizer_writes_the_bits_of_kv_quantize(impl):
+    """The fused decoder path quantizes K/V rows in C; every build gives kv_quantize's bytes and
+    scales (torch: the Python path's KVCache.write)."""
+    try:
+        ops._select(impl)
+    except ops.KernelError as e:
+        pytest.skip(str(e))
+    for D in (64, 48):
+        for x in _quantize_inputs(D):
+            for dtype in KV_DTYPES:
+                xx = x.clamp(-65000, 65000) if dtype == "fp16" else x  # beyond: inf either way
+                data, scales = ops.kv_quantize(xx, dtype)
+                c_data, c_scales = ops.kv_quantize_c(xx, dtype, impl)
+                assert torch.equal(data.view(torch.uint8), c_data.view(torch.uint8)), (impl, D, dtype)
+                assert (scales is None and c_scales is None) or torch.equal(scales, c_scales), (impl, D, dtype)
+    x, out, sc = torch.zeros(1, 6), torch.zeros(3, dtype=torch.uint8), torch.zeros(4)
+    lib = ops._select(impl)  # int4 groups must be even and divide D
+    assert lib.ss_kv_quantize(ops.KV_FORMATS["int4"][0], x.data_ptr(), 1, 6, 4, out.data_ptr(), sc.data_ptr()) == -1
+    assert lib.ss_kv_quantize(ops.KV_FORMATS["int4"][0], x.data_ptr(), 1, 6, 3, out.data_ptr(), sc.data_ptr()) == -1
+
+
 def test_fp8_decode_table_matches_torch():
     if not ops.kernels_available():
         pytest.skip("C kernels unavailable")

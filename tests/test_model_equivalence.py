@@ -677,7 +677,8 @@ def _assert_fused_equals_python(model, cfg, scenario: str, hidden_layers=(), kv_
         assert a.hidden.keys() == b.hidden.keys() == set(hidden_layers)
         for layer in hidden_layers:
             assert torch.equal(a.hidden[layer], b.hidden[layer]), f"{scenario} pass {i}: hidden[{layer}] differs"
-    pools = [(kv_f.k, kv_p.k), (kv_f.v, kv_p.v)] + ([(kv_f.k_scales, kv_p.k_scales)] if kv_f.k_scales else [])
+    pools = [(kv_f.k, kv_p.k), (kv_f.v, kv_p.v)]
+    pools += [(kv_f.k_scales, kv_p.k_scales), (kv_f.v_scales, kv_p.v_scales)] if kv_f.k_scales else []
     for fa, pa in pools:
         assert all(torch.equal(x, y) for x, y in zip(fa, pa)), f"{scenario}: KV caches differ"
 
@@ -748,7 +749,7 @@ def test_fused_layers_hidden_states(tiny_models):
 
 def test_fused_layers_fall_back(tiny_models):
     """Unsupported configurations take the Python path and still give its results: Gemma 3 layers,
-    a quantized KV cache, the torch kernels."""
+    the torch kernels."""
     from specserve.kernels import ops
     from specserve.models.fused import unsupported
 
@@ -757,7 +758,6 @@ def test_fused_layers_fall_back(tiny_models):
     _assert_fused_equals_python(gemma.model, gemma.config, "batch", fused_runs=False)
     qwen, _ = tiny_models("qwen2")
     assert unsupported(qwen.model) is None
-    _assert_fused_equals_python(qwen.model, qwen.config, "verify", kv_dtype="int8", fused_runs=False)
     ops.set_default_impl("torch")
     try:
         outs, _ = _run_path(qwen.model, qwen.config, "decode", True, expect_fused=False)
@@ -768,11 +768,24 @@ def test_fused_layers_fall_back(tiny_models):
         torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp8_e4m3", "int8", "int4"])
+def test_fused_layers_equal_python_quantized_kv(kv_dtype, tiny_models):
+    """Every KV cache dtype runs fused: the C code writes the bits of KVCache.write (torch's
+    kv_quantize) and attends over them as the Python path does."""
+    for kind in ("llama", "qwen3"):
+        lm, _ = tiny_models(kind)
+        for scenario in FUSED_SCENARIOS:
+            _assert_fused_equals_python(lm.model, lm.config, scenario, kv_dtype=kv_dtype)
+    lm, _ = tiny_models("mistral")
+    _assert_fused_equals_python(lm.model, lm.config, "batch", kv_dtype=kv_dtype, window_pool=True)
+
+
 @pytest.mark.parametrize("quant", ["none", "q4"])
 def test_fused_layers_equal_python_smollm2(smollm2_quantized, quant):
     lm = smollm2_quantized(quant)
     for scenario in FUSED_SCENARIOS:
         _assert_fused_equals_python(lm.model, lm.config, scenario)
+    _assert_fused_equals_python(lm.model, lm.config, "verify", kv_dtype="int8")
     if quant == "q4":  # switching the weights to fp32 activations at run time reaches the fused path
         weights = [lin.weight for layer in lm.model.layers for lin in layer.linears()]
         try:

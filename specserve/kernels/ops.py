@@ -63,6 +63,7 @@ __all__ = [
     "KV_FORMATS",
     "KV_INT4_GROUP",
     "kv_quantize",
+    "kv_quantize_c",
     "kv_dequantize",
     "kv_row_bytes",
     "rms_norm",
@@ -144,6 +145,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ss_paged_attention_kv.argtypes = [_i32, _vp, _vp, _vp, _vp, _vp, _i64, _i64, _i64, _i64, _vp, _i64, _i64,
                                           _vp, _vp, _i64, _i64, _i64, _f32, _i64, _f32, _vp, _i32]
     lib.ss_paged_attention_kv.restype = _i32
+    lib.ss_kv_quantize.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp, _vp]
+    lib.ss_kv_quantize.restype = _i32
     lib.ss_fp8_e4m3_to_float.argtypes = [_i32]
     lib.ss_fp8_e4m3_to_float.restype = _f32
     lib.ss_rms_norm.argtypes = [_vp, _i64, _i64, _i64, _vp, _f32, _i32, _vp, _i64, _i32]
@@ -731,6 +734,24 @@ def kv_quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Ten
     return data.contiguous(), torch.stack((s, mn), dim=-1).contiguous()
 
 
+def kv_quantize_c(x: torch.Tensor, kv_dtype: str, impl: str | None = "c") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """kv_quantize done by the C kernels (what the fused decoder path writes into the cache):
+    x [N, D] float32 -> the same (data, scales) bits for finite inputs."""
+    lib = _select(impl)
+    if lib is None:
+        raise KernelError("kv_quantize_c: the C kernels are not available")
+    fmt, dt = _kv_format(kv_dtype)
+    x = x.float().contiguous()
+    n, d = x.shape
+    data = torch.empty(n, kv_store_dim(kv_dtype, d), dtype=dt)
+    sshape = kv_scale_shape(kv_dtype, d)
+    scales = None if sshape is None else torch.empty(n, *sshape, dtype=torch.float32)
+    group = kv_int4_group(d) if kv_dtype == "int4" else 0
+    _check(lib.ss_kv_quantize(fmt, x.data_ptr(), n, d, group, data.data_ptr(),
+                              None if scales is None else scales.data_ptr()), "kv_quantize_c")
+    return data, scales
+
+
 def kv_dequantize(data: torch.Tensor, scales: torch.Tensor | None, kv_dtype: str) -> torch.Tensor:
     """Inverse of kv_quantize: float32 [..., D]; the same arithmetic as the C kernel's reads."""
     _kv_format(kv_dtype)
@@ -1035,9 +1056,11 @@ class SSLayer(ctypes.Structure):
 
 
 class SSKVPool(ctypes.Structure):
-    """One layer's fp32 K / V pools [num_blocks, block_size, Hkv, D]."""
+    """One layer's K / V pools [num_blocks, block_size, Hkv, D] in a KV_FORMATS format, with their
+    scale pools (None for the unscaled formats) and the int4 group."""
 
-    _fields_ = [("k", _vp), ("v", _vp), ("num_blocks", _i64), ("block_size", _i64)]
+    _fields_ = [("k", _vp), ("v", _vp), ("k_scales", _vp), ("v_scales", _vp), ("num_blocks", _i64),
+                ("block_size", _i64), ("fmt", ctypes.c_int32), ("group", ctypes.c_int32)]
 
 
 class SSModel(ctypes.Structure):

@@ -8,10 +8,10 @@ one, on the same shapes, so the results are bit-identical to it (tests/test_mode
 
 Covered: Llama / SmolLM2 / Mistral / Qwen2 (q/k/v biases) / Qwen3 (qk-norm), any weight format,
 fused or separate q/k/v and gate/up weights, sliding layers that share the global block tables,
-sliding layers with their own pools (``window_block_tables``), an fp32 KV cache. Everything else
-falls back to the Python path (``unsupported`` / ``batch_supported`` say why): Gemma 3 (sandwich
-norms, local rope), CUDA, non-fp32 activations, the torch kernel fallback, quantized / half KV
-caches (their write quantizes in torch).
+sliding layers with their own pools (``window_block_tables``), every KV cache dtype (the C code
+quantizes a written row to the bits of ``ops.kv_quantize``, the Python path's write). Everything
+else falls back to the Python path (``unsupported`` / ``batch_supported`` say why): Gemma 3
+(sandwich norms, local rope), CUDA, non-fp32 activations, the torch kernel fallback.
 
 The descriptors are built on the first fused forward: linears replaced on the layers after that
 need ``model._stack = None``; a switched ``int_dot`` is picked up by itself.
@@ -59,12 +59,15 @@ def batch_supported(batch: ForwardBatch, kv: KVCache) -> bool:
     """Whether this batch and cache can run fused (cheap checks, once per forward)."""
     t = batch.positions.shape[0]
     window = batch.window_block_tables
-    return (kv.kv_dtype == "fp32" and kv.k_scales is None and t > 0
-            and batch.positions.dtype == torch.int32 and batch.positions.is_contiguous()
+    return (t > 0 and batch.positions.dtype == torch.int32 and batch.positions.is_contiguous()
             and batch.positions.device.type == "cpu" and batch.seq_ids.dtype == torch.int32
             and batch.seq_ids.shape == (t,) and batch.seq_ids.is_contiguous()
             and _paging_ok(batch.block_tables, batch.slot_mapping, t)
             and (window is None or _paging_ok(window, batch.window_slot_mapping, t)))
+
+
+def _pool_ok(t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous() and t.device.type == "cpu"
 
 
 def _norm_ptr(w: torch.Tensor | None, n: int) -> int | None:
@@ -151,14 +154,20 @@ class FusedStack:
         cfg = self._cfg
         if kv.num_layers != self.num_layers:
             raise ValueError(f"KV cache has {kv.num_layers} layers, the model {self.num_layers}")
+        fmt, dtype = ops.KV_FORMATS[kv.kv_dtype]
+        d = cfg.head_dim
+        sshape = ops.kv_scale_shape(kv.kv_dtype, d)
+        group = ops.kv_int4_group(d) if kv.kv_dtype == "int4" else 0
         arr = (ops.SSKVPool * self.num_layers)()
         for i, (k, v) in enumerate(zip(kv.k, kv.v)):
-            want = (k.shape[0], k.shape[1], cfg.num_kv_heads, cfg.head_dim)
-            if not (k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
-                    and tuple(k.shape) == want and v.shape == k.shape and k.device.type == "cpu"):
-                raise ValueError(f"fused layers: KV pools of layer {i} must be contiguous float32 CPU tensors "
-                                 f"[num_blocks, block_size, {cfg.num_kv_heads}, {cfg.head_dim}]")
-            arr[i] = ops.SSKVPool(k.data_ptr(), v.data_ptr(), k.shape[0], k.shape[1])
+            want = (k.shape[0], k.shape[1], cfg.num_kv_heads, ops.kv_store_dim(kv.kv_dtype, d))
+            scales = (None, None) if sshape is None else (kv.k_scales[i], kv.v_scales[i])
+            if not (all(_pool_ok(p, want, dtype) for p in (k, v))
+                    and all(s is None or _pool_ok(s, want[:3] + sshape, torch.float32) for s in scales)):
+                raise ValueError(f"fused layers: KV pools of layer {i} must be contiguous {kv.kv_dtype} CPU tensors "
+                                 f"{list(want)} (scales {list(want[:3] + (sshape or ()))})")
+            sp = [None if s is None else s.data_ptr() for s in scales]
+            arr[i] = ops.SSKVPool(k.data_ptr(), v.data_ptr(), sp[0], sp[1], k.shape[0], k.shape[1], fmt, group)
         self._kv_ref, self._pools = weakref.ref(kv), arr
         return arr
 

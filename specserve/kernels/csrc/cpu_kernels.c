@@ -1043,6 +1043,13 @@ static float exp_sub_sum(float *v, int n, float mx) {
 /* ------------------------------------------------------------------------ */
 
 #define ATT_DMAX 1024
+#define ATT_PF 16 /* keys the loops over cached rows prefetch ahead: the rows of one kv head are strided
+                     by Hkv (and scattered over blocks), which the hardware prefetchers miss */
+
+/* prefetch the n bytes at p */
+SS_INLINE void prefetch_bytes(const void *p, int64_t n) {
+    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
+}
 
 #ifdef SS_AVX2
 /* hsum8 of 8 vectors at once: out[j] = hsum8(a[j]) with exactly the same
@@ -1084,7 +1091,7 @@ SS_INLINE __m256 dot8x8(const float *qv, const float *const *kp, int D) {
 
 /* scores of one query head over keys [0, L): sc[i] = softcap(dot8(q, k_i) * scale) */
 static float attn_scores(const float *qv, const float *kbase, const int64_t *koff, int64_t L, int D,
-                         float scale, float softcap, float *sc) {
+                         float scale, float softcap, float *sc, int pf) {
     float mx = -INFINITY;
     int64_t i = 0;
 #ifdef SS_AVX2
@@ -1092,6 +1099,7 @@ static float attn_scores(const float *qv, const float *kbase, const int64_t *kof
     for (; i < L; i += 8) {
         const float *kp[8];
         const int n8 = (int)(L - i < 8 ? L - i : 8);
+        for (int64_t j = i + ATT_PF; pf && j < i + ATT_PF + 8 && j < L; j++) prefetch_bytes(kbase + koff[j], 4 * D);
         for (int j = 0; j < 8; j++) kp[j] = kbase + koff[i + (j < n8 ? j : 0)];
         float v[8] SS_ALIGN;
         _mm256_store_ps(v, _mm256_mul_ps(dot8x8(qv, kp, D), vscale));
@@ -1113,46 +1121,52 @@ static float attn_scores(const float *qv, const float *kbase, const int64_t *kof
     return mx;
 }
 
-/* o[d] = (sum_i p[i] * v_i[d], in increasing i, fused multiply-add) / sum */
-static void attn_values(const float *pw, const float *vbase, const int64_t *voff, int64_t L, int D,
-                        float sum, float *o, float *accbuf) {
+/* acc[d] += sum_i p[i] * v_i[d] over d < D, in increasing i (fused multiply-add); the
+   same operations whether the keys come in one call or in consecutive tiles */
+static void attn_values_acc(const float *pw, const float *vbase, const int64_t *voff, int64_t L, int D,
+                            float *acc, int pf) {
     int d0 = 0;
+    if (pf) /* the keys' rows ahead of the first chunk's loop */
+        for (int64_t i = 0; i < L && i < ATT_PF; i++) prefetch_bytes(vbase + voff[i], 4 * D);
 #if defined(SS_AVX512)
     for (; d0 + 128 <= D; d0 += 128) {
         __m512 a[8];
-        for (int c = 0; c < 8; c++) a[c] = _mm512_setzero_ps();
+        for (int c = 0; c < 8; c++) a[c] = _mm512_loadu_ps(acc + d0 + 16 * c);
         for (int64_t i = 0; i < L; i++) {
+            if (pf && d0 == 0 && i + ATT_PF < L) prefetch_bytes(vbase + voff[i + ATT_PF], 4 * D);
             const __m512 p = _mm512_set1_ps(pw[i]);
             const float *v = vbase + voff[i] + d0;
             for (int c = 0; c < 8; c++) a[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), a[c]);
         }
-        const __m512 vs = _mm512_set1_ps(sum);
-        for (int c = 0; c < 8; c++) _mm512_storeu_ps(o + d0 + 16 * c, _mm512_div_ps(a[c], vs));
+        for (int c = 0; c < 8; c++) _mm512_storeu_ps(acc + d0 + 16 * c, a[c]);
     }
 #endif
 #if defined(SS_AVX2)
     for (; d0 + 64 <= D; d0 += 64) {
         __m256 a[8];
-        for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
+        for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + d0 + 8 * c);
         for (int64_t i = 0; i < L; i++) {
+            if (pf && d0 == 0 && i + ATT_PF < L) prefetch_bytes(vbase + voff[i + ATT_PF], 4 * D);
             const __m256 p = _mm256_set1_ps(pw[i]);
             const float *v = vbase + voff[i] + d0;
             for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), a[c]);
         }
-        const __m256 vs = _mm256_set1_ps(sum);
-        for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + d0 + 8 * c, _mm256_div_ps(a[c], vs));
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + d0 + 8 * c, a[c]);
     }
 #endif
-    if (d0 < D) {
-        const int dn = D - d0;
-        for (int d = 0; d < dn; d++) accbuf[d] = 0.0f;
-        for (int64_t i = 0; i < L; i++) {
-            const float pv = pw[i];
-            const float *v = vbase + voff[i] + d0;
-            for (int d = 0; d < dn; d++) accbuf[d] = fmaf(pv, v[d], accbuf[d]);
-        }
-        for (int d = 0; d < dn; d++) o[d0 + d] = accbuf[d] / sum;
+    for (int64_t i = 0; d0 < D && i < L; i++) {
+        const float pv = pw[i];
+        const float *v = vbase + voff[i];
+        for (int d = d0; d < D; d++) acc[d] = fmaf(pv, v[d], acc[d]);
     }
+}
+
+/* o[d] = (sum_i p[i] * v_i[d], in increasing i, fused multiply-add) / sum; acc: D floats of scratch */
+static void attn_values(const float *pw, const float *vbase, const int64_t *voff, int64_t L, int D,
+                        float sum, float *o, float *acc) {
+    for (int d = 0; d < D; d++) acc[d] = 0.0f;
+    attn_values_acc(pw, vbase, voff, L, D, acc, 1);
+    for (int d = 0; d < D; d++) o[d] = acc[d] / sum;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1245,6 +1259,13 @@ static void kv_deq_row(int fmt, const void *base, const float *scales, int64_t r
         const float s = scales[row];
 #ifdef SS_AVX2
         const __m256 vs = _mm256_set1_ps(s);
+        for (; d + 16 <= D; d += 16) { /* one 16-byte load per 16 values */
+            const __m128i b = _mm_loadu_si128((const __m128i *)(p + d));
+            const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+            const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+            _mm256_storeu_ps(out + d, _mm256_mul_ps(f0, vs));
+            _mm256_storeu_ps(out + d + 8, _mm256_mul_ps(f1, vs));
+        }
         for (; d + 8 <= D; d += 8) {
             __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + d))));
             _mm256_storeu_ps(out + d, _mm256_mul_ps(f, vs));
@@ -1290,6 +1311,147 @@ static void kv_deq_row(int fmt, const void *base, const float *scales, int64_t r
     }
 }
 
+/* ------------------------------------------------------------------------ */
+/* KV quantization: the bits of ops.kv_quantize (torch), row by row          */
+/* ------------------------------------------------------------------------ */
+/* Scalar code: a decode step writes a few rows per layer. Every step below is
+   one IEEE operation rounded to nearest even (division, rint, the float to
+   bf16 / f16 / e4m3 roundings), as torch does them, so the stored bytes equal
+   kv_quantize's for finite inputs (a NaN input stores some NaN or 0). */
+
+/* float -> bf16 bits, round to nearest even */
+static inline uint16_t kv_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* float -> IEEE half bits, round to nearest even */
+static inline uint16_t kv_to_f16(float f) {
+#ifdef SS_F16C
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    const uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return sign | 0x7E00u | (uint16_t)((a >> 13) & 0x3FFu); /* NaN, quieted */
+    if (a >= 0x477FF000u) return sign | 0x7C00u;                                    /* rounds to Inf */
+    if (a < 0x38800000u) { /* below 2^-14: the float add rounds to the half's subnormal step */
+        float v;
+        memcpy(&v, &a, 4);
+        v += 0.5f;
+        uint32_t r;
+        memcpy(&r, &v, 4);
+        return sign | (uint16_t)(r - 0x3F000000u);
+    }
+    return sign | (uint16_t)((a + ((uint32_t)(15 - 127) << 23) + 0xFFFu + ((a >> 13) & 1u)) >> 13);
+#endif
+}
+
+/* float (|f| <= 448 or NaN) -> e4m3fn bits, round to nearest even */
+static inline uint8_t kv_to_e4m3(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint8_t sign = (uint8_t)(u >> 24) & 0x80u;
+    const uint32_t a = u & 0x7FFFFFFFu;
+    if (a >= (1087u << 20)) return sign | 0x7Fu; /* >= 480, Inf, NaN: NaN */
+    if (a < (121u << 23)) {                      /* below 2^-6: subnormal steps of 2^-9 */
+        float v;
+        memcpy(&v, &a, 4);
+        v += 16384.0f; /* 2^14: its float step is 2^-9 */
+        uint32_t r;
+        memcpy(&r, &v, 4);
+        return sign | (uint8_t)(r - (141u << 23));
+    }
+    return sign | (uint8_t)((a + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20);
+}
+
+/* max |x| (NaN when any x is NaN, as torch's amax) */
+static float kv_absmax(const float *x, int n) {
+    float a = 0.0f;
+    for (int i = 0; i < n; i++) {
+        const float v = fabsf(x[i]);
+        if (v != v) return v;
+        if (v > a) a = v;
+    }
+    return a;
+}
+
+/* one (slot, kv head) row x[D] -> its storage: row `row` of base (and of scales) */
+static void kv_quant_row(int fmt, const float *x, int D, int G, void *base, float *scales, int64_t row) {
+    switch (fmt) {
+    case KV_F32: memcpy((float *)base + row * D, x, sizeof(float) * (size_t)D); break;
+    case KV_BF16: {
+        uint16_t *p = (uint16_t *)base + row * D;
+        for (int d = 0; d < D; d++) p[d] = kv_to_bf16(x[d]);
+        break;
+    }
+    case KV_F16: {
+        uint16_t *p = (uint16_t *)base + row * D;
+        for (int d = 0; d < D; d++) p[d] = kv_to_f16(x[d]);
+        break;
+    }
+    case KV_I8:
+    case KV_FP8_E4M3: {
+        const float qmax = fmt == KV_I8 ? 127.0f : 448.0f;
+        float s = kv_absmax(x, D) / qmax;
+        if (!(s > 0.0f)) s = 1.0f;
+        scales[row] = s;
+        if (fmt == KV_I8) {
+            int8_t *p = (int8_t *)base + row * D;
+            for (int d = 0; d < D; d++) {
+                const float y = rintf(x[d] / s);
+                p[d] = y != y ? 0 : (int8_t)(y > 127.0f ? 127.0f : y < -127.0f ? -127.0f : y);
+            }
+        } else {
+            uint8_t *p = (uint8_t *)base + row * D;
+            for (int d = 0; d < D; d++) {
+                const float y = x[d] / s;
+                p[d] = kv_to_e4m3(y > 448.0f ? 448.0f : y < -448.0f ? -448.0f : y);
+            }
+        }
+        break;
+    }
+    case KV_I4: {
+        uint8_t *p = (uint8_t *)base + row * (D / 2);
+        float *sm = scales + row * (D / G) * 2;
+        for (int g = 0; g < D / G; g++) {
+            const float *xg = x + g * G;
+            float mn = xg[0], mx = xg[0];
+            for (int j = 1; j < G; j++) {
+                if (xg[j] != xg[j] || mn != mn) mn = mx = NAN;
+                else if (xg[j] < mn) mn = xg[j];
+                else if (xg[j] > mx) mx = xg[j];
+            }
+            float s = (mx - mn) / 15.0f;
+            if (!(s > 0.0f)) s = 1.0f;
+            sm[2 * g] = s, sm[2 * g + 1] = mn;
+            for (int j = 0; j < G; j += 2) {
+                uint8_t q[2];
+                for (int e = 0; e < 2; e++) {
+                    const float y = rintf((xg[j + e] - mn) / s);
+                    q[e] = y != y ? 0 : (uint8_t)(y > 15.0f ? 15.0f : y < 0.0f ? 0.0f : y);
+                }
+                p[(g * G + j) / 2] = (uint8_t)(q[0] | (q[1] << 4));
+            }
+        }
+        break;
+    }
+    default: break;
+    }
+}
+
+/* rows x[n, D] -> dst (row i of the pool layout) and scales; G: the int4 group (else ignored) */
+SS_EXPORT int ss_kv_quantize(int fmt, const float *x, int64_t n, int64_t D, int64_t G, void *dst, float *scales) {
+    if (fmt < KV_F32 || fmt > KV_I4 || n < 0 || D <= 0) return SS_EFORMAT;
+    if ((fmt == KV_FP8_E4M3 || fmt == KV_I8 || fmt == KV_I4) && !scales) return SS_EINVAL;
+    if (fmt == KV_I4 && (D % 2 != 0 || G <= 0 || G % 2 != 0 || D % G != 0)) return SS_EINVAL;
+    for (int64_t i = 0; i < n; i++) kv_quant_row(fmt, x + i * D, (int)D, (int)G, dst, scales, i);
+    return SS_OK;
+}
+
 /*
  * q:            [T, Hq, D]
  * k/v cache:    [NB, BS, Hkv, D]
@@ -1302,6 +1464,63 @@ static void kv_deq_row(int fmt, const void *base, const float *scales, int64_t r
  * fixed: scores in key order, max, exp/sum (exp_sub_sum), V accumulation in
  * key order, division by the sum.
  */
+#define ATT_TILE 64 /* keys per dequantized tile (a multiple of 8: the score groups stay the same) */
+
+/* bytes of one stored (slot, kv head) row, and of its scales */
+static int64_t kv_row_bytes(int fmt, int64_t D) {
+    return fmt == KV_F32 ? 4 * D : fmt == KV_BF16 || fmt == KV_F16 ? 2 * D : fmt == KV_I4 ? D / 2 : D;
+}
+static int64_t kv_scale_bytes(int fmt, int64_t D, int64_t G) {
+    return fmt == KV_I8 || fmt == KV_FP8_E4M3 ? 4 : fmt == KV_I4 ? 8 * (D / G) : 0;
+}
+
+/* prefetch row rows[i] (when i < L) of a pool and its scales */
+SS_INLINE void kv_prefetch(const void *base, const float *scales, const int64_t *rows, int64_t i, int64_t L,
+                           int64_t rb, int64_t sb) {
+    if (i >= L) return;
+    prefetch_bytes((const char *)base + rows[i] * rb, rb);
+    if (sb) __builtin_prefetch((const char *)scales + rows[i] * sb, 0, 3);
+}
+
+/* gsub query heads q [gsub, D] (out [gsub, D]) over L keys of one kv head of a quantized
+   cache, rows[i] the keys' rows: the arithmetic of the fp32 path, with K (then V) rows
+   dequantized ATT_TILE at a time. sc: gsub * maxlen scores; kvbuf: ATT_TILE * D; acc: gsub * (D + 2) */
+static void attn_item_quantized(int fmt, const float *q, const void *kc, const void *vc, const float *ksc,
+                                const float *vsc, int64_t G, const int64_t *rows, int64_t L, int D, int64_t gsub,
+                                int64_t maxlen, float scale, float softcap, float *sc, float *kvbuf, float *acc,
+                                float *out) {
+    int64_t toff[ATT_TILE];
+    for (int i = 0; i < ATT_TILE; i++) toff[i] = (int64_t)i * D;
+    const int64_t rb = kv_row_bytes(fmt, D), sb = kv_scale_bytes(fmt, D, G);
+    float *mx = acc + gsub * D, *sum = mx + gsub;
+    for (int64_t g = 0; g < gsub; g++) mx[g] = -INFINITY;
+    for (int64_t i0 = 0; i0 < L; i0 += ATT_TILE) {
+        const int64_t n = L - i0 < ATT_TILE ? L - i0 : ATT_TILE;
+        for (int64_t i = 0; i < n; i++) {
+            kv_prefetch(kc, ksc, rows, i0 + i + ATT_PF, L, rb, sb);
+            kv_deq_row(fmt, kc, ksc, rows[i0 + i], D, (int)G, kvbuf + i * D);
+        }
+        for (int64_t g = 0; g < gsub; g++) {
+            const float m = attn_scores(q + g * D, kvbuf, toff, n, D, scale, softcap, sc + g * maxlen + i0, 0);
+            mx[g] = m > mx[g] ? m : mx[g];
+        }
+    }
+    for (int64_t g = 0; g < gsub; g++) {
+        sum[g] = exp_sub_sum(sc + g * maxlen, (int)L, mx[g]);
+        for (int d = 0; d < D; d++) acc[g * D + d] = 0.0f;
+    }
+    for (int64_t i0 = 0; i0 < L; i0 += ATT_TILE) {
+        const int64_t n = L - i0 < ATT_TILE ? L - i0 : ATT_TILE;
+        for (int64_t i = 0; i < n; i++) {
+            kv_prefetch(vc, vsc, rows, i0 + i + ATT_PF, L, rb, sb);
+            kv_deq_row(fmt, vc, vsc, rows[i0 + i], D, (int)G, kvbuf + i * D);
+        }
+        for (int64_t g = 0; g < gsub; g++) attn_values_acc(sc + g * maxlen + i0, kvbuf, toff, n, D, acc + g * D, 0);
+    }
+    for (int64_t g = 0; g < gsub; g++)
+        for (int d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] / sum[g];
+}
+
 static int paged_attention_core(int fmt, const float *q, const void *kc, const void *vc, const float *ksc,
                                 const float *vsc, int64_t G, int64_t num_blocks, int64_t BS, int64_t Hkv,
                                 const int32_t *block_tables, int64_t S, int64_t max_blocks,
@@ -1343,12 +1562,13 @@ static int paged_attention_core(int fmt, const float *q, const void *kc, const v
     {
         float *sc = (float *)malloc(sizeof(float) * (size_t)(gsub * maxlen + 16));
         int64_t *off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(maxlen + 16));
-        /* quantized formats: K and V rows of one kv head dequantized to fp32 */
-        float *kbuf = NULL, *vbuf = NULL;
+        /* quantized formats: ATT_TILE K or V rows of one kv head dequantized to fp32 at a time
+           (small enough to stay in L1 / L2), and the V sums of the gsub heads */
+        float *kvbuf = NULL, *acc = NULL;
         if (fmt != KV_F32) {
-            kbuf = (float *)malloc(sizeof(float) * (size_t)(maxlen * D + 16));
-            vbuf = (float *)malloc(sizeof(float) * (size_t)(maxlen * D + 16));
-            if (!kbuf || !vbuf) {
+            kvbuf = (float *)malloc(sizeof(float) * (size_t)(ATT_TILE * D + 16));
+            acc = (float *)malloc(sizeof(float) * (size_t)(gsub * (D + 2) + 16));
+            if (!kvbuf || !acc) {
                 free(sc);
                 sc = NULL;
             }
@@ -1369,35 +1589,28 @@ static int paged_attention_core(int fmt, const float *q, const void *kc, const v
             const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
             const int64_t L = pos - start + 1;
             const int32_t *bt = block_tables + s * max_blocks;
-            const float *kb = (const float *)kc, *vb = (const float *)vc;
+            for (int64_t i = 0; i < L; i++) { /* fp32: float offsets; quantized: rows */
+                const int64_t p = start + i;
+                off[i] = (((int64_t)bt[p / BS] * BS + p % BS) * Hkv + kvh) * (fmt == KV_F32 ? D : 1);
+            }
             if (fmt == KV_F32) {
-                for (int64_t i = 0; i < L; i++) {
-                    const int64_t p = start + i;
-                    off[i] = (((int64_t)bt[p / BS] * BS + p % BS) * Hkv + kvh) * D;
+                for (int64_t g = 0; g < gsub; g++) {
+                    const int64_t h = h0 + g;
+                    float *scg = sc + g * maxlen;
+                    const float mx = attn_scores(q + (t * Hq + h) * D, (const float *)kc, off, L, (int)D, scale,
+                                                 softcap, scg, 1);
+                    const float sum = exp_sub_sum(scg, (int)L, mx);
+                    attn_values(scg, (const float *)vc, off, L, (int)D, sum, out + (t * Hq + h) * D, accbuf);
                 }
             } else {
-                for (int64_t i = 0; i < L; i++) {
-                    const int64_t p = start + i;
-                    const int64_t row = ((int64_t)bt[p / BS] * BS + p % BS) * Hkv + kvh;
-                    kv_deq_row(fmt, kc, ksc, row, (int)D, (int)G, kbuf + i * D);
-                    kv_deq_row(fmt, vc, vsc, row, (int)D, (int)G, vbuf + i * D);
-                    off[i] = i * D;
-                }
-                kb = kbuf;
-                vb = vbuf;
-            }
-            for (int64_t g = 0; g < gsub; g++) {
-                const int64_t h = h0 + g;
-                float *scg = sc + g * maxlen;
-                const float mx = attn_scores(q + (t * Hq + h) * D, kb, off, L, (int)D, scale, softcap, scg);
-                const float sum = exp_sub_sum(scg, (int)L, mx);
-                attn_values(scg, vb, off, L, (int)D, sum, out + (t * Hq + h) * D, accbuf);
+                attn_item_quantized(fmt, q + (t * Hq + h0) * D, kc, vc, ksc, vsc, G, off, L, (int)D, gsub, maxlen,
+                                    scale, softcap, sc, kvbuf, acc, out + (t * Hq + h0) * D);
             }
         }
         free(sc);
         free(off);
-        free(kbuf);
-        free(vbuf);
+        free(kvbuf);
+        free(acc);
     }
     return err ? SS_ENOMEM : SS_OK;
 }

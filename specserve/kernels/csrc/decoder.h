@@ -171,10 +171,13 @@ typedef struct {
     int64_t window;                     /* sliding window (0: none) */
 } SSLayer;
 
-/* one layer's fp32 KV pools [num_blocks, block_size, Hkv, D] */
+/* one layer's KV pools [num_blocks, block_size, Hkv, D] in format fmt (KV_*; int4: D / 2
+   bytes), with scale pools for fp8 / int8 ([..., Hkv]) and int4 ([..., Hkv, D / group, 2]) */
 typedef struct {
-    float *k, *v;
+    void *k, *v;
+    float *k_scales, *v_scales; /* NULL for fp32 / bf16 / f16 */
     int64_t num_blocks, block_size;
+    int32_t fmt, group;         /* group: int4 values per (scale, min) */
 } SSKVPool;
 
 /* model-wide sizes and tables */
@@ -205,6 +208,7 @@ typedef struct {
     float *o;    /* [T, hidden] o / down output */
     float *gu;   /* [T, 2 inter] */
     float *act;  /* [T, inter] */
+    float *kr;   /* [Hkv, D] one roped K row before it is quantized into the cache */
 } SSScratch;
 
 /* out[T, n] (row stride ldo) = x[T, K] (row stride ldx) @ W^T: the call ops.linear makes */
@@ -251,12 +255,21 @@ static int qkv_to_cache(const SSModel *m, const SSLayer *L, const SSKVPool *kv, 
     if ((rc = ss_rope(q, T, Hq, D, ldq, r->positions, m->rope_cos, m->rope_sin, m->rope_max_pos, s->q, qs,
                       nthreads)))
         return rc;
-    for (int64_t t = 0; t < T; t++) { /* K roped straight into its slot, V copied */
+    for (int64_t t = 0; t < T; t++) { /* fp32: K roped straight into its slot, V copied */
         const int64_t slot = r->slots[t];
+        float *kdst = kv->fmt == KV_F32 ? (float *)kv->k + slot * kvs : s->kr;
         if ((rc = ss_rope(k + t * ldk, 1, Hkv, D, kvs, r->positions + t, m->rope_cos, m->rope_sin,
-                          m->rope_max_pos, kv->k + slot * kvs, kvs, 1)))
+                          m->rope_max_pos, kdst, kvs, 1)))
             return rc;
-        memcpy(kv->v + slot * kvs, s->qkv + t * ld + qs + kvs, sizeof(float) * (size_t)kvs);
+        const float *v = s->qkv + t * ld + qs + kvs;
+        if (kv->fmt == KV_F32) {
+            memcpy((float *)kv->v + slot * kvs, v, sizeof(float) * (size_t)kvs);
+            continue;
+        }
+        for (int64_t h = 0; h < Hkv; h++) { /* the quantized formats: the bits of KVCache.write */
+            kv_quant_row(kv->fmt, s->kr + h * D, (int)D, kv->group, kv->k, kv->k_scales, slot * Hkv + h);
+            kv_quant_row(kv->fmt, v + h * D, (int)D, kv->group, kv->v, kv->v_scales, slot * Hkv + h);
+        }
     }
     return SS_OK;
 }
@@ -279,7 +292,8 @@ static int decoder_layer(const SSModel *m, const SSLayer *L, const SSKVPool *kv,
     if ((rc = ss_rms_norm(x, T, H, H, L->attn_norm, m->eps, 0, s->h, H, nthreads))) return rc;
     if ((rc = run_lins(L, LIN_Q, 3, s->h, T, H, s->qkv, ld, nthreads))) return rc;
     if ((rc = qkv_to_cache(m, L, kv, r, s, nthreads))) return rc;
-    if ((rc = paged_attention_core(KV_F32, s->q, kv->k, kv->v, NULL, NULL, 0, kv->num_blocks, kv->block_size,
+    if ((rc = paged_attention_core(kv->fmt, s->q, kv->k, kv->v, kv->k_scales, kv->v_scales, kv->group,
+                                   kv->num_blocks, kv->block_size,
                                    m->n_kv_heads, r->block_tables, r->S, r->max_blocks, r->seq_ids, r->positions,
                                    T, m->n_heads, m->head_dim, m->scale, L->window, m->softcap, s->attn,
                                    nthreads)))
@@ -292,6 +306,14 @@ static int decoder_layer(const SSModel *m, const SSLayer *L, const SSKVPool *kv,
     if ((rc = run_lin(&L->lin[LIN_DOWN], s->act, T, I, I, s->o, H, nthreads))) return rc;
     add_rows(x, s->o, T * H);
     return SS_OK;
+}
+
+/* a pool's format, scales and int4 group are usable for head_dim D */
+static int pool_ok(const SSKVPool *p, int64_t D) {
+    if (p->block_size <= 0 || p->fmt < KV_F32 || p->fmt > KV_I4) return 0;
+    const int scaled = p->fmt == KV_FP8_E4M3 || p->fmt == KV_I8 || p->fmt == KV_I4;
+    if (scaled && (!p->k_scales || !p->v_scales)) return 0;
+    return p->fmt != KV_I4 || (p->group > 0 && p->group % 2 == 0 && D % p->group == 0);
 }
 
 /*
@@ -309,17 +331,18 @@ SS_EXPORT int ss_decoder_layers(const SSModel *m, const SSLayer *layers, const S
     if (l0 < 0 || l1 < l0) return SS_EINVAL;
     if (T == 0 || l0 == l1) return SS_OK;
     const int64_t qs = m->n_heads * D, kvs = m->n_kv_heads * D;
-    const int64_t sizes[8] = {H, qs + 2 * kvs, qs + kvs, qs, qs, H, 2 * I, I}; /* SSScratch order, per row */
-    int64_t total = 0;
+    /* SSScratch order, floats per row (kr: one row in all) */
+    const int64_t sizes[9] = {H, qs + 2 * kvs, qs + kvs, qs, qs, H, 2 * I, I, 0};
+    int64_t total = al64(kvs);
     for (int j = 0; j < 8; j++) total += al64(T * sizes[j]);
     float *buf = (float *)aligned_alloc(64, sizeof(float) * (size_t)total);
     if (!buf) return SS_ENOMEM;
-    float *p[8];
-    for (int64_t j = 0, off = 0; j < 8; off += al64(T * sizes[j]), j++) p[j] = buf + off;
-    const SSScratch s = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+    float *p[9];
+    for (int64_t j = 0, off = 0; j < 9; off += al64(T * sizes[j]), j++) p[j] = buf + off;
+    const SSScratch s = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8]};
     int rc = SS_OK;
     for (int64_t i = l0; i < l1 && rc == SS_OK; i++)
-        rc = pools[i].block_size <= 0 ? SS_EINVAL
+        rc = !pool_ok(pools + i, D) ? SS_EINVAL
              : decoder_layer(m, layers + i, pools + i, layers[i].window && rw ? rw : r, x, &s, nthreads);
     free(buf);
     return rc;
