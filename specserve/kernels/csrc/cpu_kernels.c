@@ -1161,14 +1161,6 @@ static void attn_values_acc(const float *pw, const float *vbase, const int64_t *
     }
 }
 
-/* o[d] = (sum_i p[i] * v_i[d], in increasing i, fused multiply-add) / sum; acc: D floats of scratch */
-static void attn_values(const float *pw, const float *vbase, const int64_t *voff, int64_t L, int D,
-                        float sum, float *o, float *acc) {
-    for (int d = 0; d < D; d++) acc[d] = 0.0f;
-    attn_values_acc(pw, vbase, voff, L, D, acc, 1);
-    for (int d = 0; d < D; d++) o[d] = acc[d] / sum;
-}
-
 /* ------------------------------------------------------------------------ */
 /* KV cache formats (keep in sync with ops.py KV_FORMATS)                   */
 /*   Each (slot, kv head) row of D values is stored as:                     */
@@ -1452,18 +1444,150 @@ SS_EXPORT int ss_kv_quantize(int fmt, const float *x, int64_t n, int64_t D, int6
     return SS_OK;
 }
 
-/*
- * q:            [T, Hq, D]
- * k/v cache:    [NB, BS, Hkv, D]
- * block_tables: [S, max_blocks]
- * seq_ids, positions: [T]
- * out:          [T, Hq, D]
- *
- * Work item = (query, kv head, group of query heads sharing it); the key
- * offsets are resolved once per item. Per (query, head) the arithmetic is
- * fixed: scores in key order, max, exp/sum (exp_sub_sum), V accumulation in
- * key order, division by the sum.
- */
+#define ATT_QV 4 /* query vectors per block of the multi-vector kernels */
+#define ATT_QT 4 /* rows of one sequence per work item of an fp32 cache (with all heads of a kv head) */
+#define ATT_VMAX 64 /* query vectors per such item at most (rows x heads) */
+
+#ifdef SS_AVX2
+/* out[v] = the 8 scores dot8x8(qv[v], kp) for v < NV: per (vector, key) the same lanes, FMAs
+   and hsum8x8 as dot8x8; each K row load serves NV vectors */
+SS_INLINE void dot8x8_multi(const int NV, const float *const *qv, const float *const *kp, int D, __m256 *out) {
+    __m256 a[ATT_QV][8];
+    for (int h = 0; h < 8; h += 4) { /* keys h .. h + 3 (half the accumulators live at a time) */
+        for (int v = 0; v < NV; v++)
+            for (int j = 0; j < 4; j++) a[v][h + j] = _mm256_setzero_ps();
+        int d = 0;
+        for (; d + 8 <= D; d += 8) {
+            const __m256 k0 = _mm256_loadu_ps(kp[h] + d), k1 = _mm256_loadu_ps(kp[h + 1] + d);
+            const __m256 k2 = _mm256_loadu_ps(kp[h + 2] + d), k3 = _mm256_loadu_ps(kp[h + 3] + d);
+            for (int v = 0; v < NV; v++) {
+                const __m256 qd = _mm256_loadu_ps(qv[v] + d);
+                a[v][h] = _mm256_fmadd_ps(qd, k0, a[v][h]);
+                a[v][h + 1] = _mm256_fmadd_ps(qd, k1, a[v][h + 1]);
+                a[v][h + 2] = _mm256_fmadd_ps(qd, k2, a[v][h + 2]);
+                a[v][h + 3] = _mm256_fmadd_ps(qd, k3, a[v][h + 3]);
+            }
+        }
+        if (d < D) {
+            const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(D - d), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            for (int j = 0; j < 4; j++) {
+                const __m256 kd = _mm256_maskload_ps(kp[h + j] + d, mask);
+                for (int v = 0; v < NV; v++)
+                    a[v][h + j] = _mm256_fmadd_ps(_mm256_maskload_ps(qv[v] + d, mask), kd, a[v][h + j]);
+            }
+        }
+    }
+    for (int v = 0; v < NV; v++) out[v] = hsum8x8(a[v]);
+}
+#endif
+
+/* scores of nv vectors qs[v] over keys [0, L) (L % 8 == 0 on AVX2 builds) into scs[v], mx[v] updated:
+   per (vector, key) exactly attn_scores' value */
+static void attn_scores_multi(const float *const *qs, int nv, const float *kbase, const int64_t *koff, int64_t L,
+                              int D, float scale, float softcap, float *const *scs, float *mx, int pf) {
+#ifdef SS_AVX2
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int v0 = 0; v0 < nv; v0 += ATT_QV) {
+        const int n = nv - v0 < ATT_QV ? nv - v0 : ATT_QV;
+        for (int64_t i = 0; i < L; i += 8) {
+            const float *kp[8];
+            for (int64_t j = i + ATT_PF; pf && v0 == 0 && j < i + ATT_PF + 8 && j < L; j++)
+                prefetch_bytes(kbase + koff[j], 4 * D);
+            for (int j = 0; j < 8; j++) kp[j] = kbase + koff[i + j];
+            __m256 r[ATT_QV];
+            switch (n) {
+            case 4: dot8x8_multi(4, qs + v0, kp, D, r); break;
+            case 3: dot8x8_multi(3, qs + v0, kp, D, r); break;
+            case 2: dot8x8_multi(2, qs + v0, kp, D, r); break;
+            default: r[0] = dot8x8(qs[v0], kp, D); break; /* 8 accumulator chains, not 4 */
+            }
+            for (int w = 0; w < n; w++) {
+                float x8[8] SS_ALIGN;
+                _mm256_store_ps(x8, _mm256_mul_ps(r[w], vscale));
+                float *scv = scs[v0 + w] + i, m = mx[v0 + w];
+                for (int j = 0; j < 8; j++) {
+                    float x = x8[j];
+                    if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+                    scv[j] = x;
+                    m = x > m ? x : m;
+                }
+                mx[v0 + w] = m;
+            }
+        }
+    }
+#else
+    for (int v = 0; v < nv; v++) {
+        const float m = attn_scores(qs[v], kbase, koff, L, D, scale, softcap, scs[v], pf);
+        mx[v] = m > mx[v] ? m : mx[v];
+    }
+#endif
+}
+
+/* acc[v][d] += sum_i pw[v][i] * v_i[d] for v < NV over keys [0, L): per element the FMAs of
+   attn_values_acc in key order; each V row load serves NV vectors */
+SS_INLINE void values_multi(const int NV, const float *const *pw, const float *vbase, const int64_t *voff, int64_t L,
+                            int D, float *const *acc, int pf) {
+    int d0 = 0;
+#if defined(SS_AVX512)
+    for (; d0 + 64 <= D; d0 += 64) {
+        __m512 a[ATT_QV][4];
+        for (int v = 0; v < NV; v++)
+            for (int c = 0; c < 4; c++) a[v][c] = _mm512_loadu_ps(acc[v] + d0 + 16 * c);
+        for (int64_t i = 0; i < L; i++) {
+            const float *vr = vbase + voff[i] + d0;
+            if (pf && d0 == 0 && i + ATT_PF < L) prefetch_bytes(vbase + voff[i + ATT_PF], 4 * D);
+            const __m512 x0 = _mm512_loadu_ps(vr), x1 = _mm512_loadu_ps(vr + 16);
+            const __m512 x2 = _mm512_loadu_ps(vr + 32), x3 = _mm512_loadu_ps(vr + 48);
+            for (int v = 0; v < NV; v++) {
+                const __m512 p = _mm512_set1_ps(pw[v][i]);
+                a[v][0] = _mm512_fmadd_ps(p, x0, a[v][0]);
+                a[v][1] = _mm512_fmadd_ps(p, x1, a[v][1]);
+                a[v][2] = _mm512_fmadd_ps(p, x2, a[v][2]);
+                a[v][3] = _mm512_fmadd_ps(p, x3, a[v][3]);
+            }
+        }
+        for (int v = 0; v < NV; v++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc[v] + d0 + 16 * c, a[v][c]);
+    }
+#endif
+#if defined(SS_AVX2)
+    for (; d0 + 16 <= D; d0 += 16) {
+        __m256 a[ATT_QV][2];
+        for (int v = 0; v < NV; v++)
+            for (int c = 0; c < 2; c++) a[v][c] = _mm256_loadu_ps(acc[v] + d0 + 8 * c);
+        for (int64_t i = 0; i < L; i++) {
+            const float *vr = vbase + voff[i] + d0;
+            if (pf && d0 == 0 && i + ATT_PF < L) prefetch_bytes(vbase + voff[i + ATT_PF], 4 * D);
+            const __m256 x0 = _mm256_loadu_ps(vr), x1 = _mm256_loadu_ps(vr + 8);
+            for (int v = 0; v < NV; v++) {
+                const __m256 p = _mm256_set1_ps(pw[v][i]);
+                a[v][0] = _mm256_fmadd_ps(p, x0, a[v][0]);
+                a[v][1] = _mm256_fmadd_ps(p, x1, a[v][1]);
+            }
+        }
+        for (int v = 0; v < NV; v++)
+            for (int c = 0; c < 2; c++) _mm256_storeu_ps(acc[v] + d0 + 8 * c, a[v][c]);
+    }
+#endif
+    for (int64_t i = 0; d0 < D && i < L; i++) {
+        const float *vr = vbase + voff[i];
+        for (int v = 0; v < NV; v++)
+            for (int d = d0; d < D; d++) acc[v][d] = fmaf(pw[v][i], vr[d], acc[v][d]);
+    }
+}
+
+static void attn_values_multi(const float *const *pw, int nv, const float *vbase, const int64_t *voff, int64_t L,
+                              int D, float *const *acc, int pf) {
+    for (int v0 = 0; v0 < nv; v0 += ATT_QV) {
+        switch (nv - v0 < ATT_QV ? nv - v0 : ATT_QV) {
+        case 4: values_multi(4, pw + v0, vbase, voff, L, D, acc + v0, pf); break;
+        case 3: values_multi(3, pw + v0, vbase, voff, L, D, acc + v0, pf); break;
+        case 2: values_multi(2, pw + v0, vbase, voff, L, D, acc + v0, pf); break;
+        default: values_multi(1, pw + v0, vbase, voff, L, D, acc + v0, pf); break;
+        }
+    }
+}
+
 #define ATT_TILE 64 /* keys per dequantized tile (a multiple of 8: the score groups stay the same) */
 
 /* bytes of one stored (slot, kv head) row, and of its scales */
@@ -1482,45 +1606,97 @@ SS_INLINE void kv_prefetch(const void *base, const float *scales, const int64_t 
     if (sb) __builtin_prefetch((const char *)scales + rows[i] * sb, 0, 3);
 }
 
-/* gsub query heads q [gsub, D] (out [gsub, D]) over L keys of one kv head of a quantized
-   cache, rows[i] the keys' rows: the arithmetic of the fp32 path, with K (then V) rows
-   dequantized ATT_TILE at a time. sc: gsub * maxlen scores; kvbuf: ATT_TILE * D; acc: gsub * (D + 2) */
-static void attn_item_quantized(int fmt, const float *q, const void *kc, const void *vc, const float *ksc,
-                                const float *vsc, int64_t G, const int64_t *rows, int64_t L, int D, int64_t gsub,
-                                int64_t maxlen, float scale, float softcap, float *sc, float *kvbuf, float *acc,
-                                float *out) {
-    int64_t toff[ATT_TILE];
-    for (int i = 0; i < ATT_TILE; i++) toff[i] = (int64_t)i * D;
+/* keys [i0, i0 + n) of one pool as fp32 rows: an fp32 cache gives its own rows (*o = off + i0,
+   float offsets into the pool); a quantized one dequantizes them into buf (off: rows; *o: offsets
+   into buf), prefetching the rows ahead */
+static const float *kv_tile(int fmt, const void *pool, const float *scales, int64_t G, const int64_t *off, int64_t i0,
+                            int64_t n, int64_t L, int D, float *buf, const int64_t *toff, const int64_t **o) {
+    if (fmt == KV_F32) {
+        *o = off + i0;
+        return (const float *)pool;
+    }
     const int64_t rb = kv_row_bytes(fmt, D), sb = kv_scale_bytes(fmt, D, G);
-    float *mx = acc + gsub * D, *sum = mx + gsub;
-    for (int64_t g = 0; g < gsub; g++) mx[g] = -INFINITY;
-    for (int64_t i0 = 0; i0 < L; i0 += ATT_TILE) {
-        const int64_t n = L - i0 < ATT_TILE ? L - i0 : ATT_TILE;
-        for (int64_t i = 0; i < n; i++) {
-            kv_prefetch(kc, ksc, rows, i0 + i + ATT_PF, L, rb, sb);
-            kv_deq_row(fmt, kc, ksc, rows[i0 + i], D, (int)G, kvbuf + i * D);
-        }
-        for (int64_t g = 0; g < gsub; g++) {
-            const float m = attn_scores(q + g * D, kvbuf, toff, n, D, scale, softcap, sc + g * maxlen + i0, 0);
-            mx[g] = m > mx[g] ? m : mx[g];
-        }
+    for (int64_t i = 0; i < n; i++) {
+        kv_prefetch(pool, scales, off, i0 + i + ATT_PF, L, rb, sb);
+        kv_deq_row(fmt, pool, scales, off[i0 + i], D, (int)G, buf + i * D);
     }
-    for (int64_t g = 0; g < gsub; g++) {
-        sum[g] = exp_sub_sum(sc + g * maxlen, (int)L, mx[g]);
-        for (int d = 0; d < D; d++) acc[g * D + d] = 0.0f;
-    }
-    for (int64_t i0 = 0; i0 < L; i0 += ATT_TILE) {
-        const int64_t n = L - i0 < ATT_TILE ? L - i0 : ATT_TILE;
-        for (int64_t i = 0; i < n; i++) {
-            kv_prefetch(vc, vsc, rows, i0 + i + ATT_PF, L, rb, sb);
-            kv_deq_row(fmt, vc, vsc, rows[i0 + i], D, (int)G, kvbuf + i * D);
-        }
-        for (int64_t g = 0; g < gsub; g++) attn_values_acc(sc + g * maxlen + i0, kvbuf, toff, n, D, acc + g * D, 0);
-    }
-    for (int64_t g = 0; g < gsub; g++)
-        for (int d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] / sum[g];
+    *o = toff;
+    return buf;
 }
 
+/*
+ * One work item: nv query vectors (rows of one sequence x heads of one kv head); vector v has
+ * query qs[v], keys 0 .. lens[v] - 1 (off[]: see kv_tile), scores in sc + v * maxlen, output
+ * outs[v]. Keys go by tiles of ATT_TILE (dequantized once for all vectors; an fp32 cache: one
+ * tile); in a tile the keys
+ * every vector has (up to the shortest length rounded down to 8) go through the multi-vector
+ * kernels, the rest vector by vector. Per (vector, key) the arithmetic is that of attn_scores /
+ * exp_sub_sum / attn_values for the vector alone (scores per key, V sums in key order), so a row's
+ * output does not depend on the rows it shares an item with. kvbuf: ATT_TILE * D floats
+ * (quantized formats); acc: nv * (D + 2).
+ */
+static void attn_item(int fmt, const float *const *qs, float *const *outs, const int64_t *lens, int nv,
+                      const void *kc, const void *vc, const float *ksc, const float *vsc, int64_t G,
+                      const int64_t *off, int D, float scale, float softcap, float *sc, int64_t maxlen, float *kvbuf,
+                      float *acc) {
+    int64_t toff[ATT_TILE];
+    for (int i = 0; i < ATT_TILE; i++) toff[i] = (int64_t)i * D;
+    const int pf = fmt == KV_F32; /* prefetch the pool's rows (a dequantized tile is in L1) */
+    float *scs[ATT_VMAX], *accs[ATT_VMAX], *tsc[ATT_VMAX];
+    float *mx = acc + (int64_t)nv * D, *sum = mx + nv;
+    int64_t L = 0, lc = lens[0];
+    for (int v = 0; v < nv; v++) {
+        L = lens[v] > L ? lens[v] : L;
+        lc = lens[v] < lc ? lens[v] : lc;
+        scs[v] = sc + v * maxlen, accs[v] = acc + (int64_t)v * D;
+        mx[v] = -INFINITY;
+        for (int d = 0; d < D; d++) accs[v][d] = 0.0f;
+    }
+    lc -= lc % 8;
+    const int64_t *o;
+    const int64_t tile = fmt == KV_F32 ? L : ATT_TILE; /* fp32: one tile, the prefetches run through */
+    for (int64_t i0 = 0; i0 < L; i0 += tile) { /* scores */
+        const int64_t n = L - i0 < tile ? L - i0 : tile, nc = lc - i0 < 0 ? 0 : lc - i0 < n ? lc - i0 : n;
+        const float *kb = kv_tile(fmt, kc, ksc, G, off, i0, n, L, D, kvbuf, toff, &o);
+        for (int v = 0; v < nv; v++) tsc[v] = scs[v] + i0;
+        if (nc > 0) attn_scores_multi(qs, nv, kb, o, nc, D, scale, softcap, tsc, mx, pf);
+        for (int v = 0; v < nv; v++) {
+            const int64_t cnt = (lens[v] < i0 + n ? lens[v] : i0 + n) - (i0 + nc);
+            if (cnt <= 0) continue;
+            const float m = attn_scores(qs[v], kb, o + nc, cnt, D, scale, softcap, tsc[v] + nc, pf);
+            mx[v] = m > mx[v] ? m : mx[v];
+        }
+    }
+    for (int v = 0; v < nv; v++) sum[v] = exp_sub_sum(scs[v], (int)lens[v], mx[v]);
+    for (int64_t i0 = 0; i0 < L; i0 += tile) { /* values */
+        const int64_t n = L - i0 < tile ? L - i0 : tile, nc = lc - i0 < 0 ? 0 : lc - i0 < n ? lc - i0 : n;
+        const float *vb = kv_tile(fmt, vc, vsc, G, off, i0, n, L, D, kvbuf, toff, &o);
+        for (int v = 0; v < nv; v++) tsc[v] = scs[v] + i0;
+        if (nc > 0) attn_values_multi((const float *const *)tsc, nv, vb, o, nc, D, accs, pf);
+        for (int v = 0; v < nv; v++) {
+            const int64_t cnt = (lens[v] < i0 + n ? lens[v] : i0 + n) - (i0 + nc);
+            if (cnt > 0) attn_values_acc(tsc[v] + nc, vb, o + nc, cnt, D, accs[v], pf);
+        }
+    }
+    for (int v = 0; v < nv; v++)
+        for (int d = 0; d < D; d++) outs[v][d] = accs[v][d] / sum[v];
+}
+
+/*
+ * q:            [T, Hq, D]
+ * k/v cache:    [NB, BS, Hkv, D]
+ * block_tables: [S, max_blocks]
+ * seq_ids, positions: [T]
+ * out:          [T, Hq, D]
+ *
+ * Work item = (up to ATT_QT consecutive rows of one sequence (one row with a
+ * sliding window), kv head, the group of query heads sharing it): the key
+ * offsets are resolved once per item, and each K / V row is read (or
+ * dequantized) once for all its query vectors (attn_item). Per (query, head)
+ * the arithmetic is fixed: scores per key, max, exp/sum (exp_sub_sum), V
+ * accumulation in key order, division by the sum; so a row's output does not
+ * depend on the other rows of the call or the thread count.
+ */
 static int paged_attention_core(int fmt, const float *q, const void *kc, const void *vc, const float *ksc,
                                 const float *vsc, int64_t G, int64_t num_blocks, int64_t BS, int64_t Hkv,
                                 const int32_t *block_tables, int64_t S, int64_t max_blocks,
@@ -1548,32 +1724,40 @@ static int paged_attention_core(int fmt, const float *q, const void *kc, const v
     }
     nthreads = resolve_threads(nthreads);
     const int64_t group = Hq / Hkv;
-    /* heads per work item: the whole group (K/V rows read once for all of
-       them) unless that leaves too few items for the threads; a quantized
-       cache always takes the whole group, since each item dequantizes its
-       kv head's rows (one item per q head did that group times over) */
-    const int64_t gsub = (fmt != KV_F32 || T * Hkv >= 2 * (int64_t)nthreads) ? group : 1;
+    /* heads per work item: the whole group, whose vectors share each K / V
+       row (and its dequantization) in the multi-vector kernels; measured
+       faster than one item per q head even when T * Hkv items leave a
+       thread idle (decode, T = 1, 3 kv heads on 2 threads) */
+    const int64_t gsub = group <= ATT_VMAX ? group : 1;
     const int64_t per_kv = group / gsub;
-    const int64_t items = T * Hkv * per_kv;
+    /* rows per work item: without a window, up to ATT_QT consecutive rows of one sequence with
+       the whole group (each K / V row read, or dequantized, once for all of them) */
+    const int64_t qt = window == 0 && gsub == group ? (ATT_VMAX / group < ATT_QT ? ATT_VMAX / group : ATT_QT) : 1;
+    int64_t *tile0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(T + 1)), ntiles = 0;
+    if (!tile0) return SS_ENOMEM;
+    for (int64_t t = 0; t < T; ntiles++) {
+        int64_t n = 1;
+        while (n < qt && t + n < T && seq_ids[t + n] == seq_ids[t]) n++;
+        tile0[ntiles] = t;
+        t += n;
+    }
+    tile0[ntiles] = T;
+    const int64_t items = ntiles * Hkv * per_kv, nvmax = qt * gsub;
     const int par = nthreads > 1 && items > 1 && (double)T * Hq * (double)maxlen * (double)D > 30000.0;
     int err = 0;
 
 #pragma omp parallel num_threads(nthreads) if (par)
     {
-        float *sc = (float *)malloc(sizeof(float) * (size_t)(gsub * maxlen + 16));
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(nvmax * maxlen + 16));
         int64_t *off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(maxlen + 16));
         /* quantized formats: ATT_TILE K or V rows of one kv head dequantized to fp32 at a time
-           (small enough to stay in L1 / L2), and the V sums of the gsub heads */
-        float *kvbuf = NULL, *acc = NULL;
-        if (fmt != KV_F32) {
-            kvbuf = (float *)malloc(sizeof(float) * (size_t)(ATT_TILE * D + 16));
-            acc = (float *)malloc(sizeof(float) * (size_t)(gsub * (D + 2) + 16));
-            if (!kvbuf || !acc) {
-                free(sc);
-                sc = NULL;
-            }
+           (small enough to stay in L1 / L2); the V sums of the item's vectors */
+        float *kvbuf = NULL, *acc = (float *)malloc(sizeof(float) * (size_t)(nvmax * (D + 2) + 16));
+        if (fmt != KV_F32) kvbuf = (float *)malloc(sizeof(float) * (size_t)(ATT_TILE * D + 16));
+        if (!acc || (fmt != KV_F32 && !kvbuf)) {
+            free(sc);
+            sc = NULL;
         }
-        float accbuf[ATT_DMAX] SS_ALIGN;
         if (!sc || !off) {
 #pragma omp atomic write
             err = 1;
@@ -1581,37 +1765,38 @@ static int paged_attention_core(int fmt, const float *q, const void *kc, const v
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             if (!sc || !off) continue;
-            const int64_t t = it / (Hkv * per_kv);
+            const int64_t tile = it / (Hkv * per_kv), t = tile0[tile], nt = tile0[tile + 1] - t;
             const int64_t rem = it % (Hkv * per_kv);
             const int64_t kvh = rem / per_kv;
             const int64_t h0 = kvh * group + (rem % per_kv) * gsub;
-            const int64_t s = seq_ids[t], pos = positions[t];
+            const int64_t s = seq_ids[t];
+            int64_t pos = positions[t];
+            for (int64_t r = 1; r < nt; r++) pos = positions[t + r] > pos ? positions[t + r] : pos;
             const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
-            const int64_t L = pos - start + 1;
+            const int64_t L = pos - start + 1; /* the longest row's keys (nt > 1: no window) */
             const int32_t *bt = block_tables + s * max_blocks;
             for (int64_t i = 0; i < L; i++) { /* fp32: float offsets; quantized: rows */
                 const int64_t p = start + i;
                 off[i] = (((int64_t)bt[p / BS] * BS + p % BS) * Hkv + kvh) * (fmt == KV_F32 ? D : 1);
             }
-            if (fmt == KV_F32) {
-                for (int64_t g = 0; g < gsub; g++) {
-                    const int64_t h = h0 + g;
-                    float *scg = sc + g * maxlen;
-                    const float mx = attn_scores(q + (t * Hq + h) * D, (const float *)kc, off, L, (int)D, scale,
-                                                 softcap, scg, 1);
-                    const float sum = exp_sub_sum(scg, (int)L, mx);
-                    attn_values(scg, (const float *)vc, off, L, (int)D, sum, out + (t * Hq + h) * D, accbuf);
+            const float *qs[ATT_VMAX];
+            float *outs[ATT_VMAX];
+            int64_t lens[ATT_VMAX];
+            for (int64_t r = 0, v = 0; r < nt; r++)
+                for (int64_t g = 0; g < gsub; g++, v++) {
+                    qs[v] = q + ((t + r) * Hq + h0 + g) * D;
+                    outs[v] = out + ((t + r) * Hq + h0 + g) * D;
+                    lens[v] = nt > 1 ? (int64_t)positions[t + r] + 1 : L;
                 }
-            } else {
-                attn_item_quantized(fmt, q + (t * Hq + h0) * D, kc, vc, ksc, vsc, G, off, L, (int)D, gsub, maxlen,
-                                    scale, softcap, sc, kvbuf, acc, out + (t * Hq + h0) * D);
-            }
+            attn_item(fmt, qs, outs, lens, (int)(nt * gsub), kc, vc, ksc, vsc, G, off, (int)D, scale, softcap, sc,
+                      maxlen, kvbuf, acc);
         }
         free(sc);
         free(off);
         free(kvbuf);
         free(acc);
     }
+    free(tile0);
     return err ? SS_ENOMEM : SS_OK;
 }
 
