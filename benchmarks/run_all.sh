@@ -21,6 +21,10 @@ specserve bench --ab " --speculative-config '{\"method\":\"ngram\",\"num_specula
   --out "$out/bench_ab.json" --markdown "$out/bench_ab.md" --chart "$out/bench_ab.png"
 python benchmarks/decode_cost.py --models smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b --formats auto \
   --rows 1,2,4,8 --paths fused,python --min-time 1 --out "$out/decode_cost.json" --markdown "$out/decode_cost.md"
+# the same forward over every KV cache dtype at a 2K-token context (fused vs per-op Python path)
+python benchmarks/decode_cost.py --models smollm2-135m --formats auto --rows 1,8 --context 2048 \
+  --kv-dtypes fp32,bf16,fp16,fp8_e4m3,int8,int4 --paths fused,python --min-time 1 \
+  --out "$out/decode_cost_kv2048.json" --markdown "$out/decode_cost_kv2048.md"
 python benchmarks/weight_quality.py --models smollm2-135m,qwen2.5-coder-1.5b --out "$out/weight_quality.json" \
   --markdown "$out/weight_quality.md"
 python benchmarks/kv_dtypes.py --models smollm2-135m --out "$out/kv_dtypes.json" --markdown "$out/kv_dtypes.md"
