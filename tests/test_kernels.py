@@ -490,7 +490,7 @@ def _dense_reference(q, kc, vc, bt, sid, pos, scale, window=0, softcap=0.0):
 @pytest.mark.parametrize(
     "D,Hq,Hkv,window,cap",
     [(64, 6, 2, 0, 0.0), (128, 4, 4, 0, 0.0), (256, 8, 4, 0, 0.0), (64, 6, 3, 9, 0.0),
-     (36, 4, 1, 0, 5.0), (64, 4, 2, 17, 20.0)],
+     (36, 4, 1, 0, 5.0), (64, 4, 2, 17, 20.0), (32, 130, 1, 0, 0.0)],  # 130 heads per kv head: 3 items
 )
 def test_paged_attention_matches_dense(impl, D, Hq, Hkv, window, cap):
     q, kc, vc, bt, sid, pos = _attention_case(D=D, Hq=Hq, Hkv=Hkv, score_scale=3.0 if cap else 1.0)
@@ -518,7 +518,8 @@ def test_torch_paged_attention_matches_dense(D, Hq, Hkv, window, cap):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("D,Hq,Hkv,cap", [(64, 6, 2, 0.0), (36, 4, 1, 5.0), (100, 8, 2, 0.0), (128, 4, 4, 0.0)])
+@pytest.mark.parametrize("D,Hq,Hkv,cap", [(64, 6, 2, 0.0), (36, 4, 1, 5.0), (100, 8, 2, 0.0), (128, 4, 4, 0.0),
+                                         (32, 130, 1, 0.0)])
 def test_paged_attention_grouping_invariance(impl, D, Hq, Hkv, cap):
     """Prefill-like runs (rows of one sequence share each K / V row between them and the group's
     heads in the C kernel) give every row the bits it gets alone or in any other batch."""

@@ -67,7 +67,7 @@
 #define SS_ALIGN __attribute__((aligned(64)))
 #define SS_INLINE static inline __attribute__((always_inline))
 
-#define SS_ABI_VERSION 3
+#define SS_ABI_VERSION 4
 
 /* weight formats (keep in sync with ops.py) */
 enum {
@@ -1724,15 +1724,9 @@ static int paged_attention_core(int fmt, const float *q, const void *kc, const v
     }
     nthreads = resolve_threads(nthreads);
     const int64_t group = Hq / Hkv;
-    /* heads per work item: the whole group, whose vectors share each K / V
-       row (and its dequantization) in the multi-vector kernels; measured
-       faster than one item per q head even when T * Hkv items leave a
-       thread idle (decode, T = 1, 3 kv heads on 2 threads) */
-    const int64_t gsub = group <= ATT_VMAX ? group : 1;
-    const int64_t per_kv = group / gsub;
-    /* rows per work item: without a window, up to ATT_QT consecutive rows of one sequence with
-       the whole group (each K / V row read, or dequantized, once for all of them) */
-    const int64_t qt = window == 0 && gsub == group ? (ATT_VMAX / group < ATT_QT ? ATT_VMAX / group : ATT_QT) : 1;
+    /* rows per work item: without a window, up to ATT_QT consecutive rows of one sequence (each
+       K / V row is read, or dequantized, once for all of them and their heads) */
+    const int64_t qt = window == 0 && group <= ATT_VMAX ? (ATT_VMAX / group < ATT_QT ? ATT_VMAX / group : ATT_QT) : 1;
     int64_t *tile0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(T + 1)), ntiles = 0;
     if (!tile0) return SS_ENOMEM;
     for (int64_t t = 0; t < T; ntiles++) {
@@ -1742,7 +1736,12 @@ static int paged_attention_core(int fmt, const float *q, const void *kc, const v
         t += n;
     }
     tile0[ntiles] = T;
-    const int64_t items = ntiles * Hkv * per_kv, nvmax = qt * gsub;
+    /* heads per work item: the whole group of a kv head (its vectors share each K / V row), in
+       near-equal parts of at most ATT_VMAX. Which heads share an item does not change any head's
+       arithmetic. Whole groups are faster even when they leave a thread idle part of the time
+       (decode, T = 1, 3 kv heads on 2 threads: measured against splitting the groups). */
+    const int64_t parts = (group + ATT_VMAX - 1) / ATT_VMAX;
+    const int64_t items = ntiles * Hkv * parts, nvmax = qt * ((group + parts - 1) / parts);
     const int par = nthreads > 1 && items > 1 && (double)T * Hq * (double)maxlen * (double)D > 30000.0;
     int err = 0;
 
@@ -1765,10 +1764,9 @@ static int paged_attention_core(int fmt, const float *q, const void *kc, const v
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             if (!sc || !off) continue;
-            const int64_t tile = it / (Hkv * per_kv), t = tile0[tile], nt = tile0[tile + 1] - t;
-            const int64_t rem = it % (Hkv * per_kv);
-            const int64_t kvh = rem / per_kv;
-            const int64_t h0 = kvh * group + (rem % per_kv) * gsub;
+            const int64_t tile = it / (Hkv * parts), t = tile0[tile], nt = tile0[tile + 1] - t;
+            const int64_t kvh = it % (Hkv * parts) / parts, part = it % parts;
+            const int64_t h0 = kvh * group + part * group / parts, nh = kvh * group + (part + 1) * group / parts - h0;
             const int64_t s = seq_ids[t];
             int64_t pos = positions[t];
             for (int64_t r = 1; r < nt; r++) pos = positions[t + r] > pos ? positions[t + r] : pos;
@@ -1783,12 +1781,12 @@ static int paged_attention_core(int fmt, const float *q, const void *kc, const v
             float *outs[ATT_VMAX];
             int64_t lens[ATT_VMAX];
             for (int64_t r = 0, v = 0; r < nt; r++)
-                for (int64_t g = 0; g < gsub; g++, v++) {
+                for (int64_t g = 0; g < nh; g++, v++) {
                     qs[v] = q + ((t + r) * Hq + h0 + g) * D;
                     outs[v] = out + ((t + r) * Hq + h0 + g) * D;
                     lens[v] = nt > 1 ? (int64_t)positions[t + r] + 1 : L;
                 }
-            attn_item(fmt, qs, outs, lens, (int)(nt * gsub), kc, vc, ksc, vsc, G, off, (int)D, scale, softcap, sc,
+            attn_item(fmt, qs, outs, lens, (int)(nt * nh), kc, vc, ksc, vsc, G, off, (int)D, scale, softcap, sc,
                       maxlen, kvbuf, acc);
         }
         free(sc);
