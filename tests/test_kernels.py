@@ -543,6 +543,23 @@ def test_paged_attention_grouping_invariance(impl, D, Hq, Hkv, cap):
 
 
 @needs_c
+@pytest.mark.parametrize("variant", ["c-avx2", "c-scalar"])
+@pytest.mark.parametrize("D,Hq,Hkv", [(64, 8, 2), (100, 6, 3), (36, 4, 4)])
+def test_paged_attention_same_bits_in_every_build(variant, D, Hq, Hkv):
+    """The AVX-512 (two keys per register), AVX2 and scalar attention give the same bits on
+    prefill-like runs (several rows of a sequence per work item) and single rows."""
+    try:
+        ops._select(variant)
+    except ops.KernelError as e:
+        pytest.skip(str(e))
+    q, kc, vc, bt, sid, pos = _attention_case(D=D, Hq=Hq, Hkv=Hkv, lengths=(29, 75), score_scale=3.0)
+    for window, cap in ((0, 0.0), (0, 20.0), (17, 0.0)):
+        native = ops.paged_attention(q, kc, vc, bt, sid, pos, D ** -0.5, window, cap, impl="c")
+        other = ops.paged_attention(q, kc, vc, bt, sid, pos, D ** -0.5, window, cap, impl=variant)
+        assert torch.equal(native, other), (window, cap)
+
+
+@needs_c
 def test_paged_attention_thread_invariance():
     q, kc, vc, bt, sid, pos = _attention_case(D=128, Hq=4, Hkv=2, lengths=(50, 33))
     _set_threads(2)

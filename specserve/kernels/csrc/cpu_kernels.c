@@ -1481,6 +1481,51 @@ SS_INLINE void dot8x8_multi(const int NV, const float *const *qv, const float *c
 }
 #endif
 
+#ifdef SS_AVX512
+/* dot8x8_multi with two keys per 512-bit register (lanes 0-7 key 2p, 8-15 key 2p + 1): the
+   same lanes, FMAs (masked tail included) and hsum8x8 per (vector, key), half the FMAs */
+SS_INLINE __m512 join8x2(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+SS_INLINE void dot8x8_multi512(const int NV, const float *const *qv, const float *const *kp, int D, __m256 *out) {
+    __m512 a[ATT_QV][4];
+    for (int v = 0; v < NV; v++)
+        for (int p = 0; p < 4; p++) a[v][p] = _mm512_setzero_ps();
+    int d = 0;
+    for (; d + 8 <= D; d += 8) {
+        __m512 k[4];
+        for (int p = 0; p < 4; p++) k[p] = join8x2(_mm256_loadu_ps(kp[2 * p] + d), _mm256_loadu_ps(kp[2 * p + 1] + d));
+        for (int v = 0; v < NV; v++) {
+            const __m256 q8 = _mm256_loadu_ps(qv[v] + d);
+            const __m512 qd = join8x2(q8, q8);
+            for (int p = 0; p < 4; p++) a[v][p] = _mm512_fmadd_ps(qd, k[p], a[v][p]);
+        }
+    }
+    if (d < D) {
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(D - d), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m512 k[4];
+        for (int p = 0; p < 4; p++)
+            k[p] = join8x2(_mm256_maskload_ps(kp[2 * p] + d, mask), _mm256_maskload_ps(kp[2 * p + 1] + d, mask));
+        for (int v = 0; v < NV; v++) {
+            const __m256 q8 = _mm256_maskload_ps(qv[v] + d, mask);
+            const __m512 qd = join8x2(q8, q8);
+            for (int p = 0; p < 4; p++) a[v][p] = _mm512_fmadd_ps(qd, k[p], a[v][p]);
+        }
+    }
+    for (int v = 0; v < NV; v++) {
+        __m256 t[8];
+        for (int p = 0; p < 4; p++) {
+            t[2 * p] = _mm512_castps512_ps256(a[v][p]);
+            t[2 * p + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[v][p]), 1));
+        }
+        out[v] = hsum8x8(t);
+    }
+}
+#define DOT8X8_MULTI dot8x8_multi512
+#else
+#define DOT8X8_MULTI dot8x8_multi
+#endif
+
 /* scores of nv vectors qs[v] over keys [0, L) (L % 8 == 0 on AVX2 builds) into scs[v], mx[v] updated:
    per (vector, key) exactly attn_scores' value */
 static void attn_scores_multi(const float *const *qs, int nv, const float *kbase, const int64_t *koff, int64_t L,
@@ -1496,9 +1541,9 @@ static void attn_scores_multi(const float *const *qs, int nv, const float *kbase
             for (int j = 0; j < 8; j++) kp[j] = kbase + koff[i + j];
             __m256 r[ATT_QV];
             switch (n) {
-            case 4: dot8x8_multi(4, qs + v0, kp, D, r); break;
-            case 3: dot8x8_multi(3, qs + v0, kp, D, r); break;
-            case 2: dot8x8_multi(2, qs + v0, kp, D, r); break;
+            case 4: DOT8X8_MULTI(4, qs + v0, kp, D, r); break;
+            case 3: DOT8X8_MULTI(3, qs + v0, kp, D, r); break;
+            case 2: DOT8X8_MULTI(2, qs + v0, kp, D, r); break;
             default: r[0] = dot8x8(qs[v0], kp, D); break; /* 8 accumulator chains, not 4 */
             }
             for (int w = 0; w < n; w++) {
