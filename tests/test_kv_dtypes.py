@@ -182,7 +182,8 @@ def _quantize_inputs(D: int) -> list[torch.Tensor]:
     i4[:, 0::16], i4[:, 1::16] = 0, 15
     codes = torch.arange(0, 0x7E, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     mids = (codes[:-1] + codes[1:]) / 2
-    f8 = mids[torch.randint(0, mids.numel(), (100, D), generator=g)] * torch.where(torch.rand(100, D) < 0.5, -1, 1)
+    signs = torch.where(torch.rand(100, D, generator=g) < 0.5, -1, 1)
+    f8 = mids[torch.randint(0, mids.numel(), (100, D), generator=g)] * signs
     f8[:, 0] = 448
     return [torch.randn(400, D, generator=g) * torch.logspace(-40, 30, 400).unsqueeze(1), i8, i4, f8,
             torch.randint(-2000, 2000, (400, D), generator=g).float() / 8, zeros,

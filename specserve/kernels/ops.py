@@ -675,6 +675,11 @@ def kv_int4_group(head_dim: int) -> int:
     return KV_INT4_GROUP if head_dim % KV_INT4_GROUP == 0 else head_dim
 
 
+def kv_c_group(kv_dtype: str, head_dim: int) -> int:
+    """The group argument of the C KV kernels: int4's group size, 0 for the other formats."""
+    return kv_int4_group(head_dim) if kv_dtype == "int4" else 0
+
+
 def kv_scale_shape(kv_dtype: str, head_dim: int) -> tuple[int, ...] | None:
     """Trailing shape of the scale pool per (slot, kv head): () for fp8/int8, (groups, 2) for int4,
     None for unscaled formats."""
@@ -746,8 +751,7 @@ def kv_quantize_c(x: torch.Tensor, kv_dtype: str, impl: str | None = "c") -> tup
     data = torch.empty(n, kv_store_dim(kv_dtype, d), dtype=dt)
     sshape = kv_scale_shape(kv_dtype, d)
     scales = None if sshape is None else torch.empty(n, *sshape, dtype=torch.float32)
-    group = kv_int4_group(d) if kv_dtype == "int4" else 0
-    _check(lib.ss_kv_quantize(fmt, x.data_ptr(), n, d, group, data.data_ptr(),
+    _check(lib.ss_kv_quantize(fmt, x.data_ptr(), n, d, kv_c_group(kv_dtype, d), data.data_ptr(),
                               None if scales is None else scales.data_ptr()), "kv_quantize_c")
     return data, scales
 
@@ -815,7 +819,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if not (Hkv > 0 and Hq % Hkv == 0):
         raise ValueError(f"paged_attention: Hq={Hq} must be a multiple of Hkv={Hkv}")
     sshape = kv_scale_shape(kv_dtype, D)
-    group = 0
     if sshape is not None:
         want = (NB, BS, Hkv, *sshape)
         for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
@@ -823,7 +826,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     and t.is_contiguous() and t.device.type == "cpu"):
                 raise ValueError(f"paged_attention: {kv_dtype} needs {name}, a contiguous float32 CPU tensor "
                                  f"of shape {want}")
-        group = kv_int4_group(D) if kv_dtype == "int4" else 0
     if not (isinstance(block_tables, torch.Tensor) and block_tables.dtype == torch.int32
             and block_tables.dim() == 2 and block_tables.is_contiguous()):
         raise ValueError("paged_attention: block_tables must be a contiguous int32 [S, max_blocks] tensor")
@@ -848,7 +850,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         else:
             rc = lib.ss_paged_attention_kv(fmt, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                            k_scales.data_ptr() if sshape is not None else None,
-                                           v_scales.data_ptr() if sshape is not None else None, group,
+                                           v_scales.data_ptr() if sshape is not None else None,
+                                           kv_c_group(kv_dtype, D),
                                            NB, BS, Hkv, block_tables.data_ptr(), S, MAXB, seq_ids.data_ptr(),
                                            positions.data_ptr(), T, Hq, D, float(scale), window, cap,
                                            out.data_ptr(), get_num_threads())

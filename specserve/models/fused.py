@@ -157,7 +157,6 @@ class FusedStack:
         fmt, dtype = ops.KV_FORMATS[kv.kv_dtype]
         d = cfg.head_dim
         sshape = ops.kv_scale_shape(kv.kv_dtype, d)
-        group = ops.kv_int4_group(d) if kv.kv_dtype == "int4" else 0
         arr = (ops.SSKVPool * self.num_layers)()
         for i, (k, v) in enumerate(zip(kv.k, kv.v)):
             want = (k.shape[0], k.shape[1], cfg.num_kv_heads, ops.kv_store_dim(kv.kv_dtype, d))
@@ -167,7 +166,8 @@ class FusedStack:
                 raise ValueError(f"fused layers: KV pools of layer {i} must be contiguous {kv.kv_dtype} CPU tensors "
                                  f"{list(want)} (scales {list(want[:3] + (sshape or ()))})")
             sp = [None if s is None else s.data_ptr() for s in scales]
-            arr[i] = ops.SSKVPool(k.data_ptr(), v.data_ptr(), sp[0], sp[1], k.shape[0], k.shape[1], fmt, group)
+            arr[i] = ops.SSKVPool(k.data_ptr(), v.data_ptr(), sp[0], sp[1], k.shape[0], k.shape[1], fmt,
+                                  ops.kv_c_group(kv.kv_dtype, d))
         self._kv_ref, self._pools = weakref.ref(kv), arr
         return arr
 

@@ -1251,13 +1251,6 @@ static void kv_deq_row(int fmt, const void *base, const float *scales, int64_t r
         const float s = scales[row];
 #ifdef SS_AVX2
         const __m256 vs = _mm256_set1_ps(s);
-        for (; d + 16 <= D; d += 16) { /* one 16-byte load per 16 values */
-            const __m128i b = _mm_loadu_si128((const __m128i *)(p + d));
-            const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-            const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-            _mm256_storeu_ps(out + d, _mm256_mul_ps(f0, vs));
-            _mm256_storeu_ps(out + d + 8, _mm256_mul_ps(f1, vs));
-        }
         for (; d + 8 <= D; d += 8) {
             __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + d))));
             _mm256_storeu_ps(out + d, _mm256_mul_ps(f, vs));
@@ -1445,8 +1438,8 @@ SS_EXPORT int ss_kv_quantize(int fmt, const float *x, int64_t n, int64_t D, int6
 }
 
 #define ATT_QV 4 /* query vectors per block of the multi-vector kernels */
-#define ATT_QT 4 /* rows of one sequence per work item of an fp32 cache (with all heads of a kv head) */
-#define ATT_VMAX 64 /* query vectors per such item at most (rows x heads) */
+#define ATT_QT 4 /* rows of one sequence per work item (with the heads of a kv head), without a window */
+#define ATT_VMAX 64 /* query vectors per work item at most (rows x heads) */
 
 #ifdef SS_AVX2
 /* out[v] = the 8 scores dot8x8(qv[v], kp) for v < NV: per (vector, key) the same lanes, FMAs
