@@ -1121,46 +1121,6 @@ static float attn_scores(const float *qv, const float *kbase, const int64_t *kof
     return mx;
 }
 
-/* acc[d] += sum_i p[i] * v_i[d] over d < D, in increasing i (fused multiply-add); the
-   same operations whether the keys come in one call or in consecutive tiles */
-static void attn_values_acc(const float *pw, const float *vbase, const int64_t *voff, int64_t L, int D,
-                            float *acc, int pf) {
-    int d0 = 0;
-    if (pf) /* the keys' rows ahead of the first chunk's loop */
-        for (int64_t i = 0; i < L && i < ATT_PF; i++) prefetch_bytes(vbase + voff[i], 4 * D);
-#if defined(SS_AVX512)
-    for (; d0 + 128 <= D; d0 += 128) {
-        __m512 a[8];
-        for (int c = 0; c < 8; c++) a[c] = _mm512_loadu_ps(acc + d0 + 16 * c);
-        for (int64_t i = 0; i < L; i++) {
-            if (pf && d0 == 0 && i + ATT_PF < L) prefetch_bytes(vbase + voff[i + ATT_PF], 4 * D);
-            const __m512 p = _mm512_set1_ps(pw[i]);
-            const float *v = vbase + voff[i] + d0;
-            for (int c = 0; c < 8; c++) a[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), a[c]);
-        }
-        for (int c = 0; c < 8; c++) _mm512_storeu_ps(acc + d0 + 16 * c, a[c]);
-    }
-#endif
-#if defined(SS_AVX2)
-    for (; d0 + 64 <= D; d0 += 64) {
-        __m256 a[8];
-        for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + d0 + 8 * c);
-        for (int64_t i = 0; i < L; i++) {
-            if (pf && d0 == 0 && i + ATT_PF < L) prefetch_bytes(vbase + voff[i + ATT_PF], 4 * D);
-            const __m256 p = _mm256_set1_ps(pw[i]);
-            const float *v = vbase + voff[i] + d0;
-            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), a[c]);
-        }
-        for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + d0 + 8 * c, a[c]);
-    }
-#endif
-    for (int64_t i = 0; d0 < D && i < L; i++) {
-        const float pv = pw[i];
-        const float *v = vbase + voff[i];
-        for (int d = d0; d < D; d++) acc[d] = fmaf(pv, v[d], acc[d]);
-    }
-}
-
 /* ------------------------------------------------------------------------ */
 /* KV cache formats (keep in sync with ops.py KV_FORMATS)                   */
 /*   Each (slot, kv head) row of D values is stored as:                     */
@@ -1561,8 +1521,9 @@ static void attn_scores_multi(const float *const *qs, int nv, const float *kbase
 #endif
 }
 
-/* acc[v][d] += sum_i pw[v][i] * v_i[d] for v < NV over keys [0, L): per element the FMAs of
-   attn_values_acc in key order; each V row load serves NV vectors */
+/* acc[v][d] += sum_i pw[v][i] * v_i[d] for v < NV over keys [0, L): per element one fused
+   multiply-add per key, in key order (the same whatever the vector width, and whether the keys
+   come in one call or in consecutive ranges); each V row load serves NV vectors */
 SS_INLINE void values_multi(const int NV, const float *const *pw, const float *vbase, const int64_t *voff, int64_t L,
                             int D, float *const *acc, int pf) {
     int d0 = 0;
@@ -1713,7 +1674,8 @@ static void attn_item(int fmt, const float *const *qs, float *const *outs, const
         if (nc > 0) attn_values_multi((const float *const *)tsc, nv, vb, o, nc, D, accs, pf);
         for (int v = 0; v < nv; v++) {
             const int64_t cnt = (lens[v] < i0 + n ? lens[v] : i0 + n) - (i0 + nc);
-            if (cnt > 0) attn_values_acc(tsc[v] + nc, vb, o + nc, cnt, D, accs[v], pf);
+            const float *pw = tsc[v] + nc;
+            if (cnt > 0) values_multi(1, &pw, vb, o + nc, cnt, D, accs + v, pf);
         }
     }
     for (int v = 0; v < nv; v++)
