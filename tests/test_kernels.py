@@ -520,12 +520,14 @@ def test_torch_paged_attention_matches_dense(D, Hq, Hkv, window, cap):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("D,Hq,Hkv,cap", [(64, 6, 2, 0.0), (36, 4, 1, 5.0), (100, 8, 2, 0.0), (128, 4, 4, 0.0),
                                          (32, 130, 1, 0.0)])
-def test_paged_attention_grouping_invariance(impl, D, Hq, Hkv, cap):
+@pytest.mark.parametrize("window", [0, 9])
+def test_paged_attention_grouping_invariance(impl, D, Hq, Hkv, cap, window):
     """Prefill-like runs (rows of one sequence share each K / V row between them and the group's
-    heads in the C kernel) give every row the bits it gets alone or in any other batch."""
+    heads in the C kernel; with a window, rows at consecutive positions) give every row the bits
+    it gets alone or in any other batch."""
     q, kc, vc, bt, sid, pos = _attention_case(D=D, Hq=Hq, Hkv=Hkv, lengths=(29, 45), score_scale=3.0 if cap else 1.0)
     T = q.shape[0]
-    args = dict(scale=D ** -0.5, sliding_window=0, softcap=cap, impl=impl)
+    args = dict(scale=D ** -0.5, sliding_window=window, softcap=cap, impl=impl)
     full = ops.paged_attention(q, kc, vc, bt, sid, pos, **args)
     # one query at a time (decode-like)
     for t in range(T):

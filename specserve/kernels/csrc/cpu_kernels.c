@@ -1398,7 +1398,7 @@ SS_EXPORT int ss_kv_quantize(int fmt, const float *x, int64_t n, int64_t D, int6
 }
 
 #define ATT_QV 4 /* query vectors per block of the multi-vector kernels */
-#define ATT_QT 4 /* rows of one sequence per work item (with the heads of a kv head), without a window */
+#define ATT_QT 4 /* rows of one sequence per work item (with the heads of a kv head) */
 #define ATT_VMAX 64 /* query vectors per work item at most (rows x heads) */
 
 #ifdef SS_AVX2
@@ -1623,59 +1623,81 @@ static const float *kv_tile(int fmt, const void *pool, const float *scales, int6
     return buf;
 }
 
+/* the keys of [lo, hi) in the tile [t0, t1) outside the common range [cs, ce) (none when
+   ce <= cs): seg[0] .. seg[1] before it, seg[2] .. seg[3] after it (empty when end <= start) */
+SS_INLINE void own_segments(int64_t lo, int64_t hi, int64_t cs, int64_t ce, int64_t t0, int64_t t1, int64_t seg[4]) {
+    const int64_t a = lo > t0 ? lo : t0, b = hi < t1 ? hi : t1;
+    if (ce <= cs) {
+        seg[0] = a, seg[1] = b, seg[2] = seg[3] = 0;
+        return;
+    }
+    seg[0] = a, seg[1] = b < cs ? b : cs;
+    seg[2] = a > ce ? a : ce, seg[3] = b;
+}
+
 /*
  * One work item: nv query vectors (rows of one sequence x heads of one kv head); vector v has
- * query qs[v], keys 0 .. lens[v] - 1 (off[]: see kv_tile), scores in sc + v * maxlen, output
- * outs[v]. Keys go by tiles of ATT_TILE (dequantized once for all vectors; an fp32 cache: one
- * tile); in a tile the keys
- * every vector has (up to the shortest length rounded down to 8) go through the multi-vector
- * kernels, the rest vector by vector. Per (vector, key) the arithmetic is that of attn_scores /
- * exp_sub_sum / attn_values for the vector alone (scores per key, V sums in key order), so a row's
- * output does not depend on the rows it shares an item with. kvbuf: ATT_TILE * D floats
- * (quantized formats); acc: nv * (D + 2).
+ * query qs[v], keys lo[v] .. hi[v] - 1 of the item's key range (off[]: see kv_tile), scores in
+ * sc + v * maxlen, output outs[v]. Keys go by tiles of ATT_TILE (dequantized once for all
+ * vectors; an fp32 cache: one tile). The keys every vector has (rounded down to a multiple of 8)
+ * go through the multi-vector kernels, each vector's other keys (before and after them) vector
+ * by vector, in key order. Per (vector, key) the arithmetic is that of the vector alone (scores
+ * per key, exp_sub_sum over its own keys, V sums in key order), so a row's output does not depend
+ * on the rows it shares an item with. kvbuf: ATT_TILE * D floats (quantized formats); acc:
+ * nv * (D + 2).
  */
-static void attn_item(int fmt, const float *const *qs, float *const *outs, const int64_t *lens, int nv,
-                      const void *kc, const void *vc, const float *ksc, const float *vsc, int64_t G,
+static void attn_item(int fmt, const float *const *qs, float *const *outs, const int64_t *lo, const int64_t *hi,
+                      int nv, const void *kc, const void *vc, const float *ksc, const float *vsc, int64_t G,
                       const int64_t *off, int D, float scale, float softcap, float *sc, int64_t maxlen, float *kvbuf,
                       float *acc) {
-    int64_t toff[ATT_TILE];
+    int64_t toff[ATT_TILE], seg[4];
     for (int i = 0; i < ATT_TILE; i++) toff[i] = (int64_t)i * D;
     const int pf = fmt == KV_F32; /* prefetch the pool's rows (a dequantized tile is in L1) */
-    float *scs[ATT_VMAX], *accs[ATT_VMAX], *tsc[ATT_VMAX];
+    float *scv[ATT_VMAX], *accs[ATT_VMAX], *tsc[ATT_VMAX];
     float *mx = acc + (int64_t)nv * D, *sum = mx + nv;
-    int64_t L = 0, lc = lens[0];
+    int64_t L = 0, cs = 0, ce = INT64_MAX;
     for (int v = 0; v < nv; v++) {
-        L = lens[v] > L ? lens[v] : L;
-        lc = lens[v] < lc ? lens[v] : lc;
-        scs[v] = sc + v * maxlen, accs[v] = acc + (int64_t)v * D;
+        L = hi[v] > L ? hi[v] : L;
+        cs = lo[v] > cs ? lo[v] : cs;
+        ce = hi[v] < ce ? hi[v] : ce;
+        scv[v] = sc + v * maxlen, accs[v] = acc + (int64_t)v * D; /* scv[v][i - lo[v]]: key i */
         mx[v] = -INFINITY;
         for (int d = 0; d < D; d++) accs[v][d] = 0.0f;
     }
-    lc -= lc % 8;
+    ce = ce > cs ? cs + (ce - cs) / 8 * 8 : cs; /* the common keys [cs, ce) */
     const int64_t *o;
     const int64_t tile = fmt == KV_F32 ? L : ATT_TILE; /* fp32: one tile, the prefetches run through */
     for (int64_t i0 = 0; i0 < L; i0 += tile) { /* scores */
-        const int64_t n = L - i0 < tile ? L - i0 : tile, nc = lc - i0 < 0 ? 0 : lc - i0 < n ? lc - i0 : n;
+        const int64_t n = L - i0 < tile ? L - i0 : tile, c0 = cs > i0 ? cs : i0, c1 = ce < i0 + n ? ce : i0 + n;
         const float *kb = kv_tile(fmt, kc, ksc, G, off, i0, n, L, D, kvbuf, toff, &o);
-        for (int v = 0; v < nv; v++) tsc[v] = scs[v] + i0;
-        if (nc > 0) attn_scores_multi(qs, nv, kb, o, nc, D, scale, softcap, tsc, mx, pf);
+        if (c1 > c0) {
+            for (int v = 0; v < nv; v++) tsc[v] = scv[v] + (c0 - lo[v]);
+            attn_scores_multi(qs, nv, kb, o + (c0 - i0), c1 - c0, D, scale, softcap, tsc, mx, pf);
+        }
         for (int v = 0; v < nv; v++) {
-            const int64_t cnt = (lens[v] < i0 + n ? lens[v] : i0 + n) - (i0 + nc);
-            if (cnt <= 0) continue;
-            const float m = attn_scores(qs[v], kb, o + nc, cnt, D, scale, softcap, tsc[v] + nc, pf);
-            mx[v] = m > mx[v] ? m : mx[v];
+            own_segments(lo[v], hi[v], cs, ce, i0, i0 + n, seg);
+            for (int j = 0; j < 4; j += 2) {
+                if (seg[j + 1] <= seg[j]) continue;
+                const float m = attn_scores(qs[v], kb, o + (seg[j] - i0), seg[j + 1] - seg[j], D, scale, softcap,
+                                            scv[v] + (seg[j] - lo[v]), pf);
+                mx[v] = m > mx[v] ? m : mx[v];
+            }
         }
     }
-    for (int v = 0; v < nv; v++) sum[v] = exp_sub_sum(scs[v], (int)lens[v], mx[v]);
-    for (int64_t i0 = 0; i0 < L; i0 += tile) { /* values */
-        const int64_t n = L - i0 < tile ? L - i0 : tile, nc = lc - i0 < 0 ? 0 : lc - i0 < n ? lc - i0 : n;
+    for (int v = 0; v < nv; v++) sum[v] = exp_sub_sum(scv[v], (int)(hi[v] - lo[v]), mx[v]);
+    for (int64_t i0 = 0; i0 < L; i0 += tile) { /* values: per vector, its keys in order */
+        const int64_t n = L - i0 < tile ? L - i0 : tile, c0 = cs > i0 ? cs : i0, c1 = ce < i0 + n ? ce : i0 + n;
         const float *vb = kv_tile(fmt, vc, vsc, G, off, i0, n, L, D, kvbuf, toff, &o);
-        for (int v = 0; v < nv; v++) tsc[v] = scs[v] + i0;
-        if (nc > 0) attn_values_multi((const float *const *)tsc, nv, vb, o, nc, D, accs, pf);
-        for (int v = 0; v < nv; v++) {
-            const int64_t cnt = (lens[v] < i0 + n ? lens[v] : i0 + n) - (i0 + nc);
-            const float *pw = tsc[v] + nc;
-            if (cnt > 0) values_multi(1, &pw, vb, o + nc, cnt, D, accs + v, pf);
+        for (int j = 0; j < 4; j += 2) {
+            for (int v = 0; v < nv; v++) {
+                own_segments(lo[v], hi[v], cs, ce, i0, i0 + n, seg);
+                const float *pw = scv[v] + (seg[j] - lo[v]);
+                if (seg[j + 1] > seg[j]) values_multi(1, &pw, vb, o + (seg[j] - i0), seg[j + 1] - seg[j], D, accs + v, pf);
+            }
+            if (j == 0 && c1 > c0) { /* between the keys before and after: the common ones */
+                for (int v = 0; v < nv; v++) tsc[v] = scv[v] + (c0 - lo[v]);
+                attn_values_multi((const float *const *)tsc, nv, vb, o + (c0 - i0), c1 - c0, D, accs, pf);
+            }
         }
     }
     for (int v = 0; v < nv; v++)
@@ -1689,8 +1711,8 @@ static void attn_item(int fmt, const float *const *qs, float *const *outs, const
  * seq_ids, positions: [T]
  * out:          [T, Hq, D]
  *
- * Work item = (up to ATT_QT consecutive rows of one sequence (one row with a
- * sliding window), kv head, the group of query heads sharing it): the key
+ * Work item = (up to ATT_QT rows of one sequence (at consecutive positions
+ * with a sliding window), kv head, the group of query heads sharing it): the key
  * offsets are resolved once per item, and each K / V row is read (or
  * dequantized) once for all its query vectors (attn_item). Per (query, head)
  * the arithmetic is fixed: scores per key, max, exp/sum (exp_sub_sum), V
@@ -1724,14 +1746,23 @@ static int paged_attention_core(int fmt, const float *q, const void *kc, const v
     }
     nthreads = resolve_threads(nthreads);
     const int64_t group = Hq / Hkv;
-    /* rows per work item: without a window, up to ATT_QT consecutive rows of one sequence (each
-       K / V row is read, or dequantized, once for all of them and their heads) */
-    const int64_t qt = window == 0 && group <= ATT_VMAX ? (ATT_VMAX / group < ATT_QT ? ATT_VMAX / group : ATT_QT) : 1;
-    int64_t *tile0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(T + 1)), ntiles = 0;
+    /* rows per work item: up to ATT_QT rows of one sequence (each K / V row is read, or
+       dequantized, once for all of them and their heads); with a window, only rows at
+       consecutive positions, so that the item's keys (the union of theirs, all validated
+       above) have no gap. span: the most keys an item covers. */
+    const int64_t qt = group <= ATT_VMAX ? (ATT_VMAX / group < ATT_QT ? ATT_VMAX / group : ATT_QT) : 1;
+    int64_t *tile0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(T + 1)), ntiles = 0, span = 0;
     if (!tile0) return SS_ENOMEM;
     for (int64_t t = 0; t < T; ntiles++) {
-        int64_t n = 1;
-        while (n < qt && t + n < T && seq_ids[t + n] == seq_ids[t]) n++;
+        int64_t n = 1, lo = positions[t], hi = positions[t];
+        while (n < qt && t + n < T && seq_ids[t + n] == seq_ids[t] &&
+               (window == 0 || positions[t + n] == positions[t + n - 1] + 1)) {
+            lo = positions[t + n] < lo ? positions[t + n] : lo;
+            hi = positions[t + n] > hi ? positions[t + n] : hi;
+            n++;
+        }
+        lo = window > 0 && lo - window + 1 > 0 ? lo - window + 1 : 0;
+        span = hi - lo + 1 > span ? hi - lo + 1 : span;
         tile0[ntiles] = t;
         t += n;
     }
@@ -1748,7 +1779,7 @@ static int paged_attention_core(int fmt, const float *q, const void *kc, const v
 #pragma omp parallel num_threads(nthreads) if (par)
     {
         float *sc = (float *)malloc(sizeof(float) * (size_t)(nvmax * maxlen + 16));
-        int64_t *off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(maxlen + 16));
+        int64_t *off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(span + 16));
         /* quantized formats: ATT_TILE K or V rows of one kv head dequantized to fp32 at a time
            (small enough to stay in L1 / L2); the V sums of the item's vectors */
         float *kvbuf = NULL, *acc = (float *)malloc(sizeof(float) * (size_t)(nvmax * (D + 2) + 16));
@@ -1767,26 +1798,27 @@ static int paged_attention_core(int fmt, const float *q, const void *kc, const v
             const int64_t tile = it / (Hkv * parts), t = tile0[tile], nt = tile0[tile + 1] - t;
             const int64_t kvh = it % (Hkv * parts) / parts, part = it % parts;
             const int64_t h0 = kvh * group + part * group / parts, nh = kvh * group + (part + 1) * group / parts - h0;
-            const int64_t s = seq_ids[t];
-            int64_t pos = positions[t];
-            for (int64_t r = 1; r < nt; r++) pos = positions[t + r] > pos ? positions[t + r] : pos;
-            const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
-            const int64_t L = pos - start + 1; /* the longest row's keys (nt > 1: no window) */
-            const int32_t *bt = block_tables + s * max_blocks;
-            for (int64_t i = 0; i < L; i++) { /* fp32: float offsets; quantized: rows */
-                const int64_t p = start + i;
-                off[i] = (((int64_t)bt[p / BS] * BS + p % BS) * Hkv + kvh) * (fmt == KV_F32 ? D : 1);
+            const int32_t *bt = block_tables + seq_ids[t] * max_blocks;
+            int64_t first = INT64_MAX, last = 0; /* the item's keys: positions first .. last */
+            for (int64_t r = 0; r < nt; r++) {
+                const int64_t pos = positions[t + r], start = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+                first = start < first ? start : first;
+                last = pos > last ? pos : last;
             }
+            for (int64_t p = first; p <= last; p++) /* fp32: float offsets; quantized: rows */
+                off[p - first] = (((int64_t)bt[p / BS] * BS + p % BS) * Hkv + kvh) * (fmt == KV_F32 ? D : 1);
             const float *qs[ATT_VMAX];
             float *outs[ATT_VMAX];
-            int64_t lens[ATT_VMAX];
-            for (int64_t r = 0, v = 0; r < nt; r++)
+            int64_t lo[ATT_VMAX], hi[ATT_VMAX];
+            for (int64_t r = 0, v = 0; r < nt; r++) {
+                const int64_t pos = positions[t + r], start = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
                 for (int64_t g = 0; g < nh; g++, v++) {
                     qs[v] = q + ((t + r) * Hq + h0 + g) * D;
                     outs[v] = out + ((t + r) * Hq + h0 + g) * D;
-                    lens[v] = nt > 1 ? (int64_t)positions[t + r] + 1 : L;
+                    lo[v] = start - first, hi[v] = pos - first + 1;
                 }
-            attn_item(fmt, qs, outs, lens, (int)(nt * nh), kc, vc, ksc, vsc, G, off, (int)D, scale, softcap, sc,
+            }
+            attn_item(fmt, qs, outs, lo, hi, (int)(nt * nh), kc, vc, ksc, vsc, G, off, (int)D, scale, softcap, sc,
                       maxlen, kvbuf, acc);
         }
         free(sc);
