@@ -1388,11 +1388,20 @@ static void kv_quant_row(int fmt, const float *x, int D, int G, void *base, floa
     }
 }
 
+/* a KV format with its scale pools (NULL for the unscaled formats) and int4 group G (values
+   per scale and min: even, dividing D) for head_dim D: SS_OK, SS_EFORMAT or SS_EINVAL */
+static int kv_format_check(int fmt, const void *k_scales, const void *v_scales, int64_t D, int64_t G) {
+    if (fmt < KV_F32 || fmt > KV_I4) return SS_EFORMAT;
+    if ((fmt == KV_FP8_E4M3 || fmt == KV_I8 || fmt == KV_I4) && (!k_scales || !v_scales)) return SS_EINVAL;
+    if (fmt == KV_I4 && (D % 2 != 0 || G <= 0 || G % 2 != 0 || D % G != 0)) return SS_EINVAL;
+    return SS_OK;
+}
+
 /* rows x[n, D] -> dst (row i of the pool layout) and scales; G: the int4 group (else ignored) */
 SS_EXPORT int ss_kv_quantize(int fmt, const float *x, int64_t n, int64_t D, int64_t G, void *dst, float *scales) {
-    if (fmt < KV_F32 || fmt > KV_I4 || n < 0 || D <= 0) return SS_EFORMAT;
-    if ((fmt == KV_FP8_E4M3 || fmt == KV_I8 || fmt == KV_I4) && !scales) return SS_EINVAL;
-    if (fmt == KV_I4 && (D % 2 != 0 || G <= 0 || G % 2 != 0 || D % G != 0)) return SS_EINVAL;
+    if (n < 0 || D <= 0) return SS_EINVAL;
+    const int rc = kv_format_check(fmt, scales, scales, D, G);
+    if (rc) return rc;
     for (int64_t i = 0; i < n; i++) kv_quant_row(fmt, x + i * D, (int)D, (int)G, dst, scales, i);
     return SS_OK;
 }
@@ -1727,9 +1736,8 @@ static int paged_attention_core(int fmt, const float *q, const void *kc, const v
                                 int nthreads) {
     if (T < 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || D > ATT_DMAX || BS <= 0 || Hq % Hkv != 0)
         return SS_EINVAL;
-    if (fmt < KV_F32 || fmt > KV_I4) return SS_EFORMAT;
-    if ((fmt == KV_FP8_E4M3 || fmt == KV_I8 || fmt == KV_I4) && (!ksc || !vsc)) return SS_EINVAL;
-    if (fmt == KV_I4 && (D % 2 != 0 || G <= 0 || D % G != 0)) return SS_EINVAL;
+    const int frc = kv_format_check(fmt, ksc, vsc, D, G);
+    if (frc) return frc;
     if (T == 0) return SS_OK;
     /* validate indices before touching memory */
     int64_t maxlen = 0;

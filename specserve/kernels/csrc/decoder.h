@@ -208,7 +208,7 @@ typedef struct {
     float *o;    /* [T, hidden] o / down output */
     float *gu;   /* [T, 2 inter] */
     float *act;  /* [T, inter] */
-    float *kr;   /* [Hkv, D] one roped K row before it is quantized into the cache */
+    float *kr;   /* [Hkv, D] one roped K row before it is stored (quantized) in the cache */
 } SSScratch;
 
 /* out[T, n] (row stride ldo) = x[T, K] (row stride ldx) @ W^T: the call ops.linear makes */
@@ -255,18 +255,13 @@ static int qkv_to_cache(const SSModel *m, const SSLayer *L, const SSKVPool *kv, 
     if ((rc = ss_rope(q, T, Hq, D, ldq, r->positions, m->rope_cos, m->rope_sin, m->rope_max_pos, s->q, qs,
                       nthreads)))
         return rc;
-    for (int64_t t = 0; t < T; t++) { /* fp32: K roped straight into its slot, V copied */
+    for (int64_t t = 0; t < T; t++) { /* K roped, then K and V stored as KVCache.write stores them */
         const int64_t slot = r->slots[t];
-        float *kdst = kv->fmt == KV_F32 ? (float *)kv->k + slot * kvs : s->kr;
         if ((rc = ss_rope(k + t * ldk, 1, Hkv, D, kvs, r->positions + t, m->rope_cos, m->rope_sin,
-                          m->rope_max_pos, kdst, kvs, 1)))
+                          m->rope_max_pos, s->kr, kvs, 1)))
             return rc;
         const float *v = s->qkv + t * ld + qs + kvs;
-        if (kv->fmt == KV_F32) {
-            memcpy((float *)kv->v + slot * kvs, v, sizeof(float) * (size_t)kvs);
-            continue;
-        }
-        for (int64_t h = 0; h < Hkv; h++) { /* the quantized formats: the bits of KVCache.write */
+        for (int64_t h = 0; h < Hkv; h++) {
             kv_quant_row(kv->fmt, s->kr + h * D, (int)D, kv->group, kv->k, kv->k_scales, slot * Hkv + h);
             kv_quant_row(kv->fmt, v + h * D, (int)D, kv->group, kv->v, kv->v_scales, slot * Hkv + h);
         }
@@ -310,10 +305,7 @@ static int decoder_layer(const SSModel *m, const SSLayer *L, const SSKVPool *kv,
 
 /* a pool's format, scales and int4 group are usable for head_dim D */
 static int pool_ok(const SSKVPool *p, int64_t D) {
-    if (p->block_size <= 0 || p->fmt < KV_F32 || p->fmt > KV_I4) return 0;
-    const int scaled = p->fmt == KV_FP8_E4M3 || p->fmt == KV_I8 || p->fmt == KV_I4;
-    if (scaled && (!p->k_scales || !p->v_scales)) return 0;
-    return p->fmt != KV_I4 || (p->group > 0 && p->group % 2 == 0 && D % p->group == 0);
+    return p->block_size > 0 && kv_format_check(p->fmt, p->k_scales, p->v_scales, D, p->group) == SS_OK;
 }
 
 /*
