@@ -100,9 +100,12 @@ def _attn(q, kv, bt, sid, pos, impl, window=0, cap=0.0):
 
 @needs_c
 @pytest.mark.parametrize("dtype", KV_DTYPES)
-@pytest.mark.parametrize("window,cap", [(0, 0.0), (9, 20.0)])
+@pytest.mark.parametrize("window,cap", [(0, 0.0), (9, 20.0), (100, 0.0)])
 def test_attention_equals_fp32_kernel_on_dequantized_cache(dtype, window, cap):
-    q, kv, bt, sid, pos = _quant_case(dtype)
+    # window 100 over 230 positions: rows past the window start their keys at different places,
+    # so the keys all rows of a work item share begin off a multiple of 8 and cross the
+    # quantized kernel's 64-key tiles there (it read and wrote past its buffers before)
+    q, kv, bt, sid, pos = _quant_case(dtype, lengths=(37, 230) if window == 100 else (37, 70))
     out = _attn(q, kv, bt, sid, pos, "c", window, cap)
     NB, BS = kv.k[0].shape[:2]
     kd, vd = kv.read(0, torch.arange(NB * BS))
@@ -155,13 +158,15 @@ def test_attention_batch_invariant(dtype):
 
 @needs_c
 @pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "int4"])
-def test_quantized_attention_scalar_build_bit_identical(dtype):
+@pytest.mark.parametrize("variant", ["c-avx2", "c-scalar"])
+def test_quantized_attention_other_builds_bit_identical(dtype, variant):
     try:
-        ops._select("c-scalar")
+        ops._select(variant)
     except ops.KernelError as e:
         pytest.skip(str(e))
-    q, kv, bt, sid, pos = _quant_case(dtype, D=96, Hq=4, Hkv=2, seed=2)
-    assert torch.equal(_attn(q, kv, bt, sid, pos, "c"), _attn(q, kv, bt, sid, pos, "c-scalar"))
+    q, kv, bt, sid, pos = _quant_case(dtype, D=96, Hq=4, Hkv=2, seed=2, lengths=(37, 230))
+    for window in (0, 100):
+        assert torch.equal(_attn(q, kv, bt, sid, pos, "c", window), _attn(q, kv, bt, sid, pos, variant, window))
 
 
 def _quantize_inputs(D: int) -> list[torch.Tensor]:

@@ -1675,9 +1675,14 @@ static void attn_item(int fmt, const float *const *qs, float *const *outs, const
     }
     ce = ce > cs ? cs + (ce - cs) / 8 * 8 : cs; /* the common keys [cs, ce) */
     const int64_t *o;
-    const int64_t tile = fmt == KV_F32 ? L : ATT_TILE; /* fp32: one tile, the prefetches run through */
-    for (int64_t i0 = 0; i0 < L; i0 += tile) { /* scores */
-        const int64_t n = L - i0 < tile ? L - i0 : tile, c0 = cs > i0 ? cs : i0, c1 = ce < i0 + n ? ce : i0 + n;
+    /* tiles: fp32 one (the prefetches run through); quantized ATT_TILE keys, starting at keys
+       congruent to cs mod 8 (a first short tile before them), so that the part of the common
+       range in each tile is a multiple of 8 keys, as the multi-vector kernels need */
+    const int64_t tile = fmt == KV_F32 ? L : ATT_TILE, first = fmt == KV_F32 || cs % 8 == 0 ? tile : cs % 8;
+    for (int64_t i0 = 0, n; i0 < L; i0 += n) { /* scores */
+        n = i0 == 0 ? first : tile;
+        n = L - i0 < n ? L - i0 : n;
+        const int64_t c0 = cs > i0 ? cs : i0, c1 = ce < i0 + n ? ce : i0 + n;
         const float *kb = kv_tile(fmt, kc, ksc, G, off, i0, n, L, D, kvbuf, toff, &o);
         if (c1 > c0) {
             for (int v = 0; v < nv; v++) tsc[v] = scv[v] + (c0 - lo[v]);
@@ -1694,8 +1699,10 @@ static void attn_item(int fmt, const float *const *qs, float *const *outs, const
         }
     }
     for (int v = 0; v < nv; v++) sum[v] = exp_sub_sum(scv[v], (int)(hi[v] - lo[v]), mx[v]);
-    for (int64_t i0 = 0; i0 < L; i0 += tile) { /* values: per vector, its keys in order */
-        const int64_t n = L - i0 < tile ? L - i0 : tile, c0 = cs > i0 ? cs : i0, c1 = ce < i0 + n ? ce : i0 + n;
+    for (int64_t i0 = 0, n; i0 < L; i0 += n) { /* values: per vector, its keys in order */
+        n = i0 == 0 ? first : tile;
+        n = L - i0 < n ? L - i0 : n;
+        const int64_t c0 = cs > i0 ? cs : i0, c1 = ce < i0 + n ? ce : i0 + n;
         const float *vb = kv_tile(fmt, vc, vsc, G, off, i0, n, L, D, kvbuf, toff, &o);
         for (int j = 0; j < 4; j += 2) {
             for (int v = 0; v < nv; v++) {
