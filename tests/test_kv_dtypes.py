@@ -117,6 +117,42 @@ def test_attention_equals_fp32_kernel_on_dequantized_cache(dtype, window, cap):
     assert (fallback - out).abs().max() < 1e-5
 
 
+@needs_c
+@pytest.mark.parametrize("seed", range(6))
+def test_attention_random_shapes(seed):
+    """Random caches, windows and row sets (runs of consecutive rows, as verification and prefill
+    chunks give, mixed with single rows of other sequences): each row's output equals the fp32
+    kernel on the dequantized cache and the row computed alone, bit for bit, and the torch path
+    within float error."""
+    g = torch.Generator().manual_seed(100 + seed)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
+    for _ in range(8):
+        dtype, D = pick(KV_DTYPES), pick([32, 64, 96, 128])
+        Hkv, group, BS = pick([1, 2, 3]), pick([1, 2, 3, 5]), pick([4, 8, 16])
+        lengths = tuple(int(x) for x in torch.randint(1, 300, (pick([1, 2, 3]),), generator=g))
+        window, cap = pick([0, 0, 7, 64, 100, 129]), pick([0.0, 20.0])
+        q, kv, bt, sid, pos = _quant_case(dtype, D=D, Hq=Hkv * group, Hkv=Hkv, BS=BS, lengths=lengths,
+                                          seed=int(torch.randint(1 << 30, (1,), generator=g)))
+        rows = torch.randperm(len(sid), generator=g)[:6].tolist()  # single rows
+        start = sum(lengths[:-1])
+        n = min(lengths[-1], pick([2, 4, 5, 8, 16]))
+        run = list(range(start + lengths[-1] - n, start + lengths[-1]))  # the last n of the last sequence
+        idx = torch.tensor(rows + run)
+        args = (q[idx].contiguous(), kv, bt, sid[idx].contiguous(), pos[idx].contiguous())
+        out = _attn(*args, "c", window, cap)
+        case = (dtype, D, Hkv, group, BS, lengths, window, cap)
+        NB = kv.k[0].shape[0]
+        kd, vd = kv.read(0, torch.arange(NB * BS))
+        ref = ops.paged_attention(args[0], kd.reshape(NB, BS, *kd.shape[1:]).contiguous(),
+                                  vd.reshape(NB, BS, *vd.shape[1:]).contiguous(), bt, args[3], args[4],
+                                  D ** -0.5, window, cap, impl="c")
+        assert torch.equal(out, ref), case
+        assert (_attn(*args, "torch", window, cap) - out).abs().max() < 1e-4, case
+        for t in range(len(idx)):
+            one = _attn(args[0][t:t + 1], kv, bt, args[3][t:t + 1], args[4][t:t + 1], "c", window, cap)
+            assert torch.equal(one[0], out[t]), (case, t)
+
+
 @pytest.mark.parametrize("dtype", KV_DTYPES)
 def test_attention_close_to_fp32_cache(dtype):
     """Attention output error vs the same values kept in fp32 (loose, per-dtype tolerance)."""
