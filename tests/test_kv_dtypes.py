@@ -153,6 +153,39 @@ def test_attention_random_shapes(seed):
             assert torch.equal(one[0], out[t]), (case, t)
 
 
+@needs_c
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.parametrize("Hkv,group,D", [(1, 4, 256), (1, 3, 100), (2, 2, 64)])
+def test_decode_rows_shared_by_threads(dtype, Hkv, group, D):
+    """A decode row with fewer kv heads than threads is shared by the threads phase by phase
+    (scores by key chunks, V sums by head-dim parts): the same bits as on one thread, and as the
+    same row in a batch (whose work items each go to one thread)."""
+    q, kv, bt, sid, pos = _quant_case(dtype, D=D, Hq=Hkv * group, Hkv=Hkv, BS=16, lengths=(700, 333), seed=9)
+    rows = [699, 650, 300, 700 + 332, 700 + 3]  # long contexts, one just under the sharing threshold
+    nt = ops.get_num_threads()
+    try:
+        for window in (0, 300):
+            ops.set_num_threads(1)
+            ref = _attn(q, kv, bt, sid, pos, "c", window)
+            for threads in (2, 3, 4):
+                ops.set_num_threads(threads)
+                for t in rows:
+                    one = _attn(q[t:t + 1].contiguous(), kv, bt, sid[t:t + 1].contiguous(), pos[t:t + 1].contiguous(),
+                                "c", window)
+                    assert torch.equal(one[0], ref[t]), (window, threads, t)
+            ops.set_num_threads(2)
+            for variant in ("c-avx2", "c-scalar"):  # the builds with SIMD paths compiled out
+                try:
+                    ops._select(variant)
+                except ops.KernelError:  # e.g. a non-x86 host for c-avx2
+                    continue
+                one = _attn(q[699:700].contiguous(), kv, bt, sid[699:700].contiguous(), pos[699:700].contiguous(),
+                            variant, window)
+                assert torch.equal(one[0], ref[699]), (variant, window)
+    finally:
+        ops.set_num_threads(nt)
+
+
 @pytest.mark.parametrize("dtype", KV_DTYPES)
 def test_attention_close_to_fp32_cache(dtype):
     """Attention output error vs the same values kept in fp32 (loose, per-dtype tolerance)."""
