@@ -161,7 +161,7 @@ def test_decode_rows_shared_by_threads(dtype, Hkv, group, D):
     (scores by key chunks, V sums by head-dim parts): the same bits as on one thread, and as the
     same row in a batch (whose work items each go to one thread)."""
     q, kv, bt, sid, pos = _quant_case(dtype, D=D, Hq=Hkv * group, Hkv=Hkv, BS=16, lengths=(700, 333), seed=9)
-    rows = [699, 650, 300, 700 + 332, 700 + 3]  # long contexts, one just under the sharing threshold
+    rows = [699, 650, 300, 700 + 332, 700 + 3]  # long contexts (shared), and a short one (4 keys: one thread)
     nt = ops.get_num_threads()
     try:
         for window in (0, 300):

@@ -1633,6 +1633,11 @@ static const float *kv_tile(int fmt, const void *pool, const float *scales, int6
     return buf;
 }
 
+/* the first key a query at position pos sees (window 0: every key from 0) */
+SS_INLINE int64_t att_first_key(int64_t pos, int64_t window) {
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
+
 /* the keys of [lo, hi) in the tile [t0, t1) outside the common range [cs, ce) (none when
    ce <= cs): seg[0] .. seg[1] before it, seg[2] .. seg[3] after it (empty when end <= start) */
 SS_INLINE void own_segments(int64_t lo, int64_t hi, int64_t cs, int64_t ce, int64_t t0, int64_t t1, int64_t seg[4]) {
@@ -1673,6 +1678,7 @@ typedef struct {
     int64_t lo[ATT_VMAX], hi[ATT_VMAX];
     float *mx, *sum; /* per vector */
     int64_t L, cs, ce; /* keys [0, L); the common keys [cs, ce) */
+    int64_t toff[ATT_TILE]; /* quantized: offsets of a dequantized tile's rows (kv_tile) */
 } AttItem;
 
 /* the item of (row tile t .. t + nt - 1, heads h0 .. h0 + nh - 1 of kv head kvh); off: span
@@ -1684,7 +1690,7 @@ static void item_setup(AttItem *it, int fmt, const float *q, float *out, const v
                        float *sc, int64_t maxlen, float *acc) {
     int64_t first = INT64_MAX, last = 0; /* the item's keys: positions first .. last */
     for (int64_t r = 0; r < nt; r++) {
-        const int64_t pos = positions[t + r], start = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+        const int64_t pos = positions[t + r], start = att_first_key(pos, window);
         first = start < first ? start : first;
         last = pos > last ? pos : last;
     }
@@ -1693,9 +1699,10 @@ static void item_setup(AttItem *it, int fmt, const float *q, float *out, const v
     *it = (AttItem){.fmt = fmt, .nv = (int)(nt * nh), .D = (int)D, .kc = kc, .vc = vc, .ksc = ksc, .vsc = vsc,
                     .G = G, .off = off, .scale = scale, .softcap = softcap};
     it->mx = acc + (int64_t)it->nv * D, it->sum = it->mx + it->nv;
+    for (int i = 0; fmt != KV_F32 && i < ATT_TILE; i++) it->toff[i] = (int64_t)i * D;
     int64_t cs = 0, ce = INT64_MAX;
     for (int64_t r = 0, v = 0; r < nt; r++) {
-        const int64_t pos = positions[t + r], start = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+        const int64_t pos = positions[t + r], start = att_first_key(pos, window);
         for (int64_t g = 0; g < nh; g++, v++) {
             it->qs[v] = q + ((t + r) * Hq + h0 + g) * D;
             it->outs[v] = out + ((t + r) * Hq + h0 + g) * D;
@@ -1721,8 +1728,7 @@ SS_INLINE int64_t item_tile(const AttItem *it, int64_t i0, int64_t k1) {
 /* scores of the keys [k0, k1) (k0: 0 or congruent to cs mod 8; k1: L or congruent to it), the
    max of each vector's among them into mx[v] */
 static void item_scores(const AttItem *it, int64_t k0, int64_t k1, float *mx, float *kvbuf) {
-    int64_t toff[ATT_TILE], seg[4];
-    for (int i = 0; i < ATT_TILE; i++) toff[i] = (int64_t)i * it->D;
+    int64_t seg[4];
     const int pf = it->fmt == KV_F32; /* prefetch the pool's rows (a dequantized tile is in L1) */
     const int nv = it->nv;
     float *tsc[ATT_VMAX];
@@ -1730,7 +1736,7 @@ static void item_scores(const AttItem *it, int64_t k0, int64_t k1, float *mx, fl
     for (int64_t i0 = k0, n; i0 < k1; i0 += n) {
         n = item_tile(it, i0, k1);
         const int64_t c0 = it->cs > i0 ? it->cs : i0, c1 = it->ce < i0 + n ? it->ce : i0 + n;
-        const float *kb = kv_tile(it->fmt, it->kc, it->ksc, it->G, it->off, i0, n, k1, it->D, kvbuf, toff, &o);
+        const float *kb = kv_tile(it->fmt, it->kc, it->ksc, it->G, it->off, i0, n, k1, it->D, kvbuf, it->toff, &o);
         if (c1 > c0) {
             for (int v = 0; v < nv; v++) tsc[v] = it->scv[v] + (c0 - it->lo[v]);
             attn_scores_multi(it->qs, nv, kb, o + (c0 - i0), c1 - c0, it->D, it->scale, it->softcap, tsc, mx, pf);
@@ -1754,8 +1760,7 @@ static void item_exps(const AttItem *it, int v) {
 
 /* outputs [d0, d1) of every vector: V sums over all keys in key order, divided by the sum */
 static void item_values(const AttItem *it, int d0, int d1, float *kvbuf) {
-    int64_t toff[ATT_TILE], seg[4];
-    for (int i = 0; i < ATT_TILE; i++) toff[i] = (int64_t)i * it->D;
+    int64_t seg[4];
     const int pf = it->fmt == KV_F32, nv = it->nv, nd = d1 - d0;
     float *tsc[ATT_VMAX], *ac[ATT_VMAX];
     for (int v = 0; v < nv; v++) {
@@ -1766,7 +1771,7 @@ static void item_values(const AttItem *it, int d0, int d1, float *kvbuf) {
     for (int64_t i0 = 0, n; i0 < it->L; i0 += n) {
         n = item_tile(it, i0, it->L);
         const int64_t c0 = it->cs > i0 ? it->cs : i0, c1 = it->ce < i0 + n ? it->ce : i0 + n;
-        const float *vb = kv_tile(it->fmt, it->vc, it->vsc, it->G, it->off, i0, n, it->L, it->D, kvbuf, toff, &o) + d0;
+        const float *vb = kv_tile(it->fmt, it->vc, it->vsc, it->G, it->off, i0, n, it->L, it->D, kvbuf, it->toff, &o) + d0;
         for (int j = 0; j < 4; j += 2) {
             for (int v = 0; v < nv; v++) {
                 own_segments(it->lo[v], it->hi[v], it->cs, it->ce, i0, i0 + n, seg);
@@ -1878,7 +1883,7 @@ static int paged_attention_core(int fmt, const float *q, const void *kc, const v
         int64_t s = seq_ids[t], pos = positions[t];
         if (s < 0 || s >= S) return SS_ESEQ;
         if (pos < 0 || pos / BS >= max_blocks) return SS_EPOS;
-        int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+        int64_t start = att_first_key(pos, window);
         for (int64_t b = start / BS; b <= pos / BS; b++) {
             int32_t blk = block_tables[s * max_blocks + b];
             if (blk < 0 || blk >= num_blocks) return SS_EBLOCK;
@@ -1902,7 +1907,7 @@ static int paged_attention_core(int fmt, const float *q, const void *kc, const v
             hi = positions[t + n] > hi ? positions[t + n] : hi;
             n++;
         }
-        lo = window > 0 && lo - window + 1 > 0 ? lo - window + 1 : 0;
+        lo = att_first_key(lo, window);
         span = hi - lo + 1 > span ? hi - lo + 1 : span;
         tile0[ntiles] = t;
         t += n;
