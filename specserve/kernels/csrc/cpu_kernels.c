@@ -1152,21 +1152,23 @@ __attribute__((constructor)) static void init_fp8_e4m3_lut(void) {
 
 SS_EXPORT float ss_fp8_e4m3_to_float(int b) { return fp8_e4m3_lut[b & 255]; }
 
-/* row = (block * BS + offset) * Hkv + kv_head. The SIMD loops do the same
+/* elements [d0, d1) of one stored row into out[d0 .. d1) (int4: d0, d1 multiples of G);
+   row = (block * BS + offset) * Hkv + kv_head. The SIMD loops do the same
    exact conversions and the same single multiply (and add, for int4) per
    element as the scalar tails, so every build gives the same values. */
-static void kv_deq_row(int fmt, const void *base, const float *scales, int64_t row, int D, int G, float *out) {
-    int d = 0;
+static void kv_deq_row(int fmt, const void *base, const float *scales, int64_t row, int D, int G, int d0, int d1,
+                       float *out) {
+    int d = d0;
     switch (fmt) {
     case KV_BF16: {
         const uint16_t *p = (const uint16_t *)base + row * D;
 #ifdef SS_AVX2
-        for (; d + 8 <= D; d += 8) {
+        for (; d + 8 <= d1; d += 8) {
             __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + d)));
             _mm256_storeu_ps(out + d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
         }
 #endif
-        for (; d < D; d++) {
+        for (; d < d1; d++) {
             uint32_t u = (uint32_t)p[d] << 16;
             memcpy(out + d, &u, 4);
         }
@@ -1175,10 +1177,10 @@ static void kv_deq_row(int fmt, const void *base, const float *scales, int64_t r
     case KV_F16: {
         const uint8_t *p = (const uint8_t *)base + row * D * 2;
 #if defined(SS_AVX2) && defined(SS_F16C)
-        for (; d + 8 <= D; d += 8)
+        for (; d + 8 <= d1; d += 8)
             _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * d))));
 #endif
-        for (; d < D; d++) out[d] = h2f(p + 2 * d);
+        for (; d < d1; d++) out[d] = h2f(p + 2 * d);
         break;
     }
     case KV_FP8_E4M3: {
@@ -1189,7 +1191,7 @@ static void kv_deq_row(int fmt, const void *base, const float *scales, int64_t r
         /* exact decode by bit manipulation (the same values as the table) */
         const __m256i c7f = _mm256_set1_epi32(0x7F), bias = _mm256_set1_epi32(120 << 23);
         const __m256 sub_scale = _mm256_set1_ps(1.0f / 512.0f), qnan = _mm256_set1_ps(NAN);
-        for (; d + 8 <= D; d += 8) {
+        for (; d + 8 <= d1; d += 8) {
             const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + d)));
             const __m256i em = _mm256_and_si256(b, c7f);
             const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
@@ -1203,7 +1205,7 @@ static void kv_deq_row(int fmt, const void *base, const float *scales, int64_t r
             _mm256_storeu_ps(out + d, _mm256_mul_ps(v, vs));
         }
 #endif
-        for (; d < D; d++) out[d] = fp8_e4m3_lut[p[d]] * s;
+        for (; d < d1; d++) out[d] = fp8_e4m3_lut[p[d]] * s;
         break;
     }
     case KV_I8: {
@@ -1211,35 +1213,35 @@ static void kv_deq_row(int fmt, const void *base, const float *scales, int64_t r
         const float s = scales[row];
 #ifdef SS_AVX2
         const __m256 vs = _mm256_set1_ps(s);
-        for (; d + 8 <= D; d += 8) {
+        for (; d + 8 <= d1; d += 8) {
             __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + d))));
             _mm256_storeu_ps(out + d, _mm256_mul_ps(f, vs));
         }
 #endif
-        for (; d < D; d++) out[d] = (float)p[d] * s;
+        for (; d < d1; d++) out[d] = (float)p[d] * s;
         break;
     }
     case KV_I4: {
         const uint8_t *p = (const uint8_t *)base + row * (D / 2);
         const int ng = D / G;
         const float *sm = scales + row * ng * 2;
-        for (int g = 0; g < ng; g++) {
+        for (int g = d0 / G; g < d1 / G; g++) {
             const float s = sm[2 * g], m = sm[2 * g + 1];
             int j = 0;
 #ifdef SS_AVX2
             const __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
             const __m128i m4 = _mm_set1_epi8(0x0F);
             for (; j + 32 <= G; j += 32) {
-                const int d0 = g * G + j;
-                __m128i bytes = _mm_loadu_si128((const __m128i *)(p + d0 / 2));
+                const int k0 = g * G + j;
+                __m128i bytes = _mm_loadu_si128((const __m128i *)(p + k0 / 2));
                 __m128i lo = _mm_and_si128(bytes, m4);
                 __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), m4);
-                __m128i e0 = _mm_unpacklo_epi8(lo, hi); /* elements d0 .. d0+15 */
-                __m128i e1 = _mm_unpackhi_epi8(lo, hi); /* elements d0+16 .. d0+31 */
+                __m128i e0 = _mm_unpacklo_epi8(lo, hi); /* elements k0 .. k0+15 */
+                __m128i e1 = _mm_unpackhi_epi8(lo, hi); /* elements k0+16 .. k0+31 */
                 __m128i parts[4] = {e0, _mm_srli_si128(e0, 8), e1, _mm_srli_si128(e1, 8)};
                 for (int c = 0; c < 4; c++) {
                     __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[c]));
-                    _mm256_storeu_ps(out + d0 + 8 * c, _mm256_add_ps(_mm256_mul_ps(f, vs), vm));
+                    _mm256_storeu_ps(out + k0 + 8 * c, _mm256_add_ps(_mm256_mul_ps(f, vs), vm));
                 }
             }
 #endif
@@ -1607,27 +1609,30 @@ static int64_t kv_scale_bytes(int fmt, int64_t D, int64_t G) {
     return fmt == KV_I8 || fmt == KV_FP8_E4M3 ? 4 : fmt == KV_I4 ? 8 * (D / G) : 0;
 }
 
-/* prefetch row rows[i] (when i < L) of a pool and its scales */
+/* prefetch bytes [b0, b0 + nb) of row rows[i] (when i < L) of a pool (rows of rb bytes), and its scales */
 SS_INLINE void kv_prefetch(const void *base, const float *scales, const int64_t *rows, int64_t i, int64_t L,
-                           int64_t rb, int64_t sb) {
+                           int64_t rb, int64_t sb, int64_t b0, int64_t nb) {
     if (i >= L) return;
-    prefetch_bytes((const char *)base + rows[i] * rb, rb);
+    prefetch_bytes((const char *)base + rows[i] * rb + b0, nb);
     if (sb) __builtin_prefetch((const char *)scales + rows[i] * sb, 0, 3);
 }
 
-/* keys [i0, i0 + n) of one pool as fp32 rows: an fp32 cache gives its own rows (*o = off + i0,
-   float offsets into the pool); a quantized one dequantizes them into buf (off: rows; *o: offsets
-   into buf), prefetching the rows ahead */
+/* keys [i0, i0 + n) of one pool as fp32 rows, of which dims [d0, d1) are read: an fp32 cache
+   gives its own rows (*o = off + i0, float offsets into the pool); a quantized one dequantizes
+   those dims into buf (row i at buf + i * D; off: rows; *o: offsets into buf), prefetching the
+   rows ahead */
 static const float *kv_tile(int fmt, const void *pool, const float *scales, int64_t G, const int64_t *off, int64_t i0,
-                            int64_t n, int64_t L, int D, float *buf, const int64_t *toff, const int64_t **o) {
+                            int64_t n, int64_t L, int D, int d0, int d1, float *buf, const int64_t *toff,
+                            const int64_t **o) {
     if (fmt == KV_F32) {
         *o = off + i0;
         return (const float *)pool;
     }
     const int64_t rb = kv_row_bytes(fmt, D), sb = kv_scale_bytes(fmt, D, G);
+    const int64_t b0 = kv_row_bytes(fmt, d0), nb = kv_row_bytes(fmt, d1 - d0);
     for (int64_t i = 0; i < n; i++) {
-        kv_prefetch(pool, scales, off, i0 + i + ATT_PF, L, rb, sb);
-        kv_deq_row(fmt, pool, scales, off[i0 + i], D, (int)G, buf + i * D);
+        kv_prefetch(pool, scales, off, i0 + i + ATT_PF, L, rb, sb, b0, nb);
+        kv_deq_row(fmt, pool, scales, off[i0 + i], D, (int)G, d0, d1, buf + i * D);
     }
     *o = toff;
     return buf;
@@ -1736,7 +1741,7 @@ static void item_scores(const AttItem *it, int64_t k0, int64_t k1, float *mx, fl
     for (int64_t i0 = k0, n; i0 < k1; i0 += n) {
         n = item_tile(it, i0, k1);
         const int64_t c0 = it->cs > i0 ? it->cs : i0, c1 = it->ce < i0 + n ? it->ce : i0 + n;
-        const float *kb = kv_tile(it->fmt, it->kc, it->ksc, it->G, it->off, i0, n, k1, it->D, kvbuf, it->toff, &o);
+        const float *kb = kv_tile(it->fmt, it->kc, it->ksc, it->G, it->off, i0, n, k1, it->D, 0, it->D, kvbuf, it->toff, &o);
         if (c1 > c0) {
             for (int v = 0; v < nv; v++) tsc[v] = it->scv[v] + (c0 - it->lo[v]);
             attn_scores_multi(it->qs, nv, kb, o + (c0 - i0), c1 - c0, it->D, it->scale, it->softcap, tsc, mx, pf);
@@ -1771,7 +1776,7 @@ static void item_values(const AttItem *it, int d0, int d1, float *kvbuf) {
     for (int64_t i0 = 0, n; i0 < it->L; i0 += n) {
         n = item_tile(it, i0, it->L);
         const int64_t c0 = it->cs > i0 ? it->cs : i0, c1 = it->ce < i0 + n ? it->ce : i0 + n;
-        const float *vb = kv_tile(it->fmt, it->vc, it->vsc, it->G, it->off, i0, n, it->L, it->D, kvbuf, it->toff, &o) + d0;
+        const float *vb = kv_tile(it->fmt, it->vc, it->vsc, it->G, it->off, i0, n, it->L, it->D, d0, d1, kvbuf, it->toff, &o) + d0;
         for (int j = 0; j < 4; j += 2) {
             for (int v = 0; v < nv; v++) {
                 own_segments(it->lo[v], it->hi[v], it->cs, it->ce, i0, i0 + n, seg);
@@ -1802,8 +1807,12 @@ static int64_t coop_key(const AttItem *it, int64_t j, int64_t n) {
     return x < r ? 0 : r + (x - r) / 8 * 8;
 }
 
-/* dim j of n near-equal parts of [0, D), at multiples of 16 (whole SIMD chunks) */
-static int coop_dim(int D, int j, int n) { return j >= n ? D : D * j / n / 16 * 16; }
+/* dim j of n near-equal parts of [0, D), at multiples of 16 (whole SIMD chunks) and, for int4,
+   of its group (a thread dequantizes only its own dims) */
+static int coop_dim(const AttItem *it, int j, int n) {
+    const int a = it->fmt == KV_I4 && it->G > 16 ? (int)it->G : 16;
+    return j >= n ? it->D : it->D * j / n / a * a;
+}
 
 /* all items shared by nthreads threads phase by phase (scores by key chunks, exps by vector, V
    sums by head-dim parts); pmx: items * nthreads * ATT_VMAX floats for the chunks' maxima */
@@ -1844,7 +1853,7 @@ static int attn_coop(AttItem *its, int64_t items, int nthreads, float *pmx) {
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < items * nc; task++) {
             const AttItem *it = its + task / nc;
-            if (!err) item_values(it, coop_dim(it->D, (int)(task % nc), (int)nc), coop_dim(it->D, (int)(task % nc) + 1, (int)nc), kvbuf);
+            if (!err) item_values(it, coop_dim(it, (int)(task % nc), (int)nc), coop_dim(it, (int)(task % nc) + 1, (int)nc), kvbuf);
         }
         free(kvbuf);
     }
