@@ -27,7 +27,7 @@ python benchmarks/decode_cost.py --models smollm2-135m --formats auto --rows 1,8
   --out "$out/decode_cost_kv2048.json" --markdown "$out/decode_cost_kv2048.md"
 # one kv head (attention shared by the threads) at an 8K-token context
 python benchmarks/decode_cost.py --models gemma3-270m --formats auto --rows 1,4 --context 8192 \
-  --kv-dtypes fp32,int8 --out "$out/decode_cost_gemma8k.json" --markdown "$out/decode_cost_gemma8k.md"
+  --kv-dtypes fp32,int8,int4 --out "$out/decode_cost_gemma8k.json" --markdown "$out/decode_cost_gemma8k.md"
 python benchmarks/weight_quality.py --models smollm2-135m,qwen2.5-coder-1.5b --out "$out/weight_quality.json" \
   --markdown "$out/weight_quality.md"
 python benchmarks/kv_dtypes.py --models smollm2-135m --out "$out/kv_dtypes.json" --markdown "$out/kv_dtypes.md"
