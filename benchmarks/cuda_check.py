@@ -35,9 +35,9 @@ from specserve.engine.config import EngineConfig  # noqa: E402
 from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 from specserve.engine.types import SamplingParams  # noqa: E402
 from specserve.models.loader import LoadOptions, load_model  # noqa: E402
-from specserve.spec.config import SpecConfig  # noqa: E402
-from specserve.spec.registry import build_drafter  # noqa: E402
-from specserve.spec.train import data as tdata  # noqa: E402
+from specserve.speculative.config import SpeculativeConfig  # noqa: E402
+from specserve.speculative.registry import build_drafter  # noqa: E402
+from specserve.speculative.train import data as tdata  # noqa: E402
 
 DEVICE = {"name": "cuda"}  # --device cpu: a dry run of this script's logic on a machine without a GPU
 
@@ -72,7 +72,7 @@ def check_forward(tiny_dir: Path) -> dict:
     return {"ok": err < 1e-4, "max_rel_err_vs_cpu": err}
 
 
-def check_lossless(target, prompts, drafter_spec: SpecConfig, drafter=None, max_tokens=48) -> dict:
+def check_lossless(target, prompts, drafter_spec: SpeculativeConfig, drafter=None, max_tokens=48) -> dict:
     if drafter is None:
         drafter = build_drafter(drafter_spec, target, dev32(), EngineConfig(), 512)
     plain, t_plain, _ = greedy(target, prompts, max_tokens)
@@ -94,7 +94,7 @@ def check_train(tiny_dir: Path, work: Path) -> dict:
     log = json.loads((out / "train_log.json").read_text())
     losses = [e["loss"] for e in log if "loss" in e]
     target = load_model(str(tiny_dir), dev32())
-    spec = SpecConfig("dflash", num_speculative_tokens=3, model=str(out), adaptive=False)
+    spec = SpeculativeConfig("dflash", num_speculative_tokens=3, model=str(out), adaptive=False)
     drafter = build_drafter(spec, target, None, EngineConfig(), 512)
     examples, _ = tdata.load_dataset(out / "data" / "dataset.pt")
     prompts = [e.ids[:e.prompt_len].tolist() for e in examples[:3]]
@@ -113,9 +113,9 @@ def speed(name: str, dflash: str | None) -> dict:
     greedy(target, prompts[:1], 16)  # warm-up
     plain, t_plain, _ = greedy(target, prompts, 192)
     out["plain_tok_s"] = round(sum(map(len, plain)) / t_plain, 1)
-    specs = {"ngram": SpecConfig("ngram", num_speculative_tokens=5)}
+    specs = {"ngram": SpeculativeConfig("ngram", num_speculative_tokens=5)}
     if dflash:
-        specs["dflash"] = SpecConfig("dflash", num_speculative_tokens=7, model=dflash)
+        specs["dflash"] = SpeculativeConfig("dflash", num_speculative_tokens=7, model=dflash)
     for label, spec in specs.items():
         drafter = build_drafter(spec, target, None, EngineConfig(), 1024)
         got, t, eng = greedy(target, prompts, 192, spec, drafter)
@@ -151,7 +151,7 @@ def main() -> int:
             # the target as its own draft model: every draft is accepted, 5-row verification on CUDA
             "lossless_draft_model": lambda: check_lossless(
                 load_model(str(tiny_dir), dev32()), prompts,
-                SpecConfig("draft_model", num_speculative_tokens=4, model=str(tiny_dir), adaptive=False)),
+                SpeculativeConfig("draft_model", num_speculative_tokens=4, model=str(tiny_dir), adaptive=False)),
             "train_dflash": lambda: check_train(tiny_dir, work),
         }
         if args.model:

@@ -40,11 +40,11 @@ from specserve.engine.types import SamplingParams  # noqa: E402
 from specserve.models.catalog import drafter_location  # noqa: E402
 from specserve.models.chat_template import ChatTemplate  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
-from specserve.spec.config import SpecConfig  # noqa: E402
-from specserve.spec.dflash import DFlashDrafter  # noqa: E402
-from specserve.spec.prefix_store import PrefixStore  # noqa: E402
-from specserve.spec.train import data as tdata  # noqa: E402
-from specserve.spec.train.trainer import FrozenTarget, HParams, Trainer, split  # noqa: E402
+from specserve.speculative.config import SpeculativeConfig  # noqa: E402
+from specserve.speculative.dflash import DFlashDrafter  # noqa: E402
+from specserve.speculative.prefix_store import PrefixStore  # noqa: E402
+from specserve.speculative.train import data as tdata  # noqa: E402
+from specserve.speculative.train.trainer import FrozenTarget, HParams, Trainer, split  # noqa: E402
 
 
 def bench_answers(target, tokens: int, per_suite: int) -> list[tdata.Answer]:
@@ -79,7 +79,7 @@ def decode_check(where: str, target, answers: list[tdata.Answer]) -> dict:
     drafter = DFlashDrafter.load(where, target, weights="float32",
                                  store=PrefixStore(1024, ecfg.block_size))
     k = drafter.cfg.block_size - 1
-    eng = LLMEngine(target, ecfg, SpecConfig("dflash", num_speculative_tokens=k, model=where, adaptive=False),
+    eng = LLMEngine(target, ecfg, SpeculativeConfig("dflash", num_speculative_tokens=k, model=where, adaptive=False),
                     drafter)
     log: list[tuple[int, list[int]]] = []
     propose = drafter.propose

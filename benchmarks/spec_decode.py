@@ -34,8 +34,8 @@ from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 from specserve.engine.types import SamplingParams  # noqa: E402
 from specserve.models.chat_template import ChatTemplate  # noqa: E402
 from specserve.models.loader import LoadOptions, load_model  # noqa: E402
-from specserve.spec.config import parse_spec_config  # noqa: E402
-from specserve.spec.registry import build_drafter  # noqa: E402
+from specserve.speculative.config import parse_speculative_config  # noqa: E402
+from specserve.speculative.registry import build_drafter  # noqa: E402
 
 # the 0.5b draft in 4 bits over a 32K-token draft vocabulary (README: "Draft model")
 FAST_DRAFT = {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5,
@@ -69,7 +69,7 @@ def make_engines(model: str, cfgs: list[tuple[str, dict | None]], a: argparse.Na
     max_len = min(ecfg.max_model_len or target.config.max_position, target.config.max_position)
     engines = {}
     for name, spec_dict in cfgs:
-        spec = parse_spec_config(spec_dict)
+        spec = parse_speculative_config(spec_dict)
         engines[name] = LLMEngine(target, ecfg, spec, build_drafter(spec, target, options, ecfg, max_len))
     return engines
 
@@ -87,8 +87,8 @@ def run_one(engine, ids: list[int], tokens: int) -> dict:
     dec = max(last.decode_time, 1e-9)
     r = {"tokens": out, "decode_tps": (n - 1) / dec if n > 1 else 0.0, "decode_s": last.decode_time,
          "prefill_s": last.prefill_time}
-    if last.spec is not None:
-        r["spec"] = {k: last.spec.to_dict()[k] for k in ("steps", "draft_tokens", "accepted_tokens")}
+    if last.acceptance is not None:
+        r["spec"] = {k: last.acceptance.to_dict()[k] for k in ("steps", "draft_tokens", "accepted_tokens")}
     return r
 
 

@@ -135,8 +135,8 @@ def specserve_worker(argv: list[str]) -> None:
             toks += o.new_token_ids
             last = o
         res = {"tokens": toks, "prefill_s": last.prefill_time, "decode_s": last.decode_time}
-        if last.spec is not None:
-            res["spec"] = {k: last.spec.to_dict()[k] for k in ("steps", "draft_tokens", "accepted_tokens")}
+        if last.acceptance is not None:
+            res["spec"] = {k: last.acceptance.to_dict()[k] for k in ("steps", "draft_tokens", "accepted_tokens")}
         out.write(json.dumps(res) + "\n")
 
 

@@ -22,7 +22,7 @@ import asyncio
 import math
 from typing import AsyncIterator, Callable
 
-from specserve.engine.types import EngineStats, RequestOutput, SamplingParams, SpecStats, TokenLogprob
+from specserve.engine.types import EngineStats, RequestOutput, SamplingParams, AcceptanceStats, TokenLogprob
 from specserve.errors import RequestError
 
 SCRIPT = "Hello there! This is a scripted answer from the fake engine."
@@ -159,7 +159,7 @@ class FakeEngine:
 
     async def _steps(self, prompt_ids, params, request_id) -> AsyncIterator[RequestOutput]:
         script = self._script_ids(prompt_ids, params)
-        spec = SpecStats() if self.spec_enabled else None
+        spec = AcceptanceStats() if self.spec_enabled else None
         text, emitted, produced, step = "", 0, 0, 0
         while True:
             await asyncio.sleep(self.step_delay)
@@ -205,8 +205,8 @@ class FakeEngine:
     def _out(self, request_id, ids, text, lps, finished, reason, prompt_tokens, produced, spec) -> RequestOutput:
         snapshot = None
         if spec is not None:
-            snapshot = SpecStats(spec.steps, spec.draft_tokens, spec.accepted_tokens, list(spec.accepted_per_pos))
+            snapshot = AcceptanceStats(spec.steps, spec.draft_tokens, spec.accepted_tokens, list(spec.accepted_per_pos))
         return RequestOutput(request_id=request_id, new_token_ids=list(ids), new_text=text, new_logprobs=lps,
                              finished=finished, finish_reason=reason, prompt_tokens=prompt_tokens,
-                             completion_tokens=produced, cached_tokens=0, spec=snapshot,
+                             completion_tokens=produced, cached_tokens=0, acceptance=snapshot,
                              first_token_latency=None, prefill_time=0.001, decode_time=0.001 * max(1, produced))

@@ -98,8 +98,8 @@ def _prompt_ids(engine, model: str, n: int) -> list[list[int]]:
 
 def _mtp_args(tmp: Path, seed: int) -> tuple[str, ...]:
     from specserve.models.loader import load_model
-    from specserve.spec.dflash import save_drafter
-    from specserve.spec.train.trainer import make_model
+    from specserve.speculative.dflash import save_drafter
+    from specserve.speculative.train.trainer import make_model
 
     head = make_model("mtp", load_model(SMOL), seed=seed)  # random-init head: drafts, mostly rejected
     save_drafter(head, head.cfg.to_json(), tmp / "mtp")

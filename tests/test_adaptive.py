@@ -3,7 +3,7 @@
 from engine_utils import make_engine
 from specserve.engine.sequence import Sequence
 from specserve.engine.types import SamplingParams
-from specserve.spec.adaptive import CostModel, DraftPolicy, calibrate
+from specserve.speculative.adaptive import CostModel, DraftPolicy, calibrate
 
 
 def _seq(accept: float) -> Sequence:
@@ -117,7 +117,7 @@ def test_acceptance_estimate_counts_a_cut_draft_as_a_miss():
 def test_pick_tokens_reports_the_cut():
     import torch
 
-    from specserve.spec.drafter import pick_tokens
+    from specserve.speculative.drafter import pick_tokens
 
     sure, unsure = torch.tensor([0.0, 9.0, 0.0]), torch.zeros(3)  # top probability ~1 and 1/3
     for params in (SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, presence_penalty=0.5),

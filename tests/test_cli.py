@@ -162,10 +162,10 @@ def test_bad_paths_and_values_fail_before_any_work(make_argv, words, tmp_path, c
 
 def test_speculative_config_null_means_default():
     from specserve.errors import SpecserveError
-    from specserve.spec.config import parse_spec_config
+    from specserve.speculative.config import parse_speculative_config
 
-    spec = parse_spec_config('{"method": "ngram", "num_speculative_tokens": null, "prompt_lookup_max": null}')
+    spec = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": null, "prompt_lookup_max": null}')
     assert (spec.num_speculative_tokens, spec.prompt_lookup_max) == (5, 5)
     for bad, word in [('{"method": null}', "method"), ('{"method": "ngram", "model": "x"}', "ngram")]:
         with pytest.raises(SpecserveError, match=word):
-            parse_spec_config(bad)
+            parse_speculative_config(bad)

@@ -13,8 +13,8 @@ from specserve.engine.llm_engine import LLMEngine
 from specserve.engine.sequence import Sequence
 from specserve.engine.types import SamplingParams
 from specserve.models.loader import LoadOptions, load_model
-from specserve.spec.config import SpecConfig
-from specserve.spec.dflash import DFlashConfig, DFlashDrafter, DFlashModel, save_drafter
+from specserve.speculative.config import SpeculativeConfig
+from specserve.speculative.dflash import DFlashConfig, DFlashDrafter, DFlashModel, save_drafter
 
 FP32 = LoadOptions(device="cpu", quantization="none")
 TINY_VOCAB = 320
@@ -199,7 +199,7 @@ def test_sampling_proposals_carry_probabilities(tiny, tmp_path):
 
 
 def _engine(target, drafter=None, k: int = 3, seed: int = 0) -> LLMEngine:
-    spec = SpecConfig("dflash", num_speculative_tokens=k, model="x", adaptive=False) if drafter else None
+    spec = SpeculativeConfig("dflash", num_speculative_tokens=k, model="x", adaptive=False) if drafter else None
     return LLMEngine(target, EngineConfig(max_num_seqs=4, max_model_len=256, seed=seed), spec, drafter)
 
 
@@ -230,7 +230,7 @@ def _logged_engine(target, drafter, method: str, prefix_caching: bool):
     """An engine whose drafter records every proposal as (anchor position, drafts)."""
     eng = LLMEngine(target, EngineConfig(max_num_seqs=1, max_model_len=256, block_size=8,
                                          enable_prefix_caching=prefix_caching),
-                    SpecConfig(method, num_speculative_tokens=3, model="x", adaptive=False), drafter)
+                    SpeculativeConfig(method, num_speculative_tokens=3, model="x", adaptive=False), drafter)
     eng.log = []
     propose = drafter.propose
 
@@ -248,7 +248,7 @@ def check_prefix_hits_keep_context(target, load, method: str) -> None:
     extends the first one's prompt and answer) drafts exactly as without prefix caching; without
     the drafter's prefix store it drafts differently (blind to the cached blocks).
     load(store) -> a fresh drafter using that PrefixStore (or None)."""
-    from specserve.spec.prefix_store import PrefixStore
+    from specserve.speculative.prefix_store import PrefixStore
 
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, 256, (37,), generator=g).tolist()
@@ -287,7 +287,7 @@ def test_preemption_with_prefix_cache_keeps_outputs(tiny, tmp_path, with_drafter
     (and the drafter from its prefix store) and the outputs stay plain greedy's. A waiting
     sequence must not pin the cached blocks it matched: the running one then preempted itself
     forever."""
-    from specserve.spec.prefix_store import PrefixStore
+    from specserve.speculative.prefix_store import PrefixStore
 
     m = random_drafter(tiny, block_size=4)
     save_drafter(m, m.cfg.to_json(), tmp_path / "d")
@@ -296,7 +296,7 @@ def test_preemption_with_prefix_cache_keeps_outputs(tiny, tmp_path, with_drafter
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     want = _run(_engine(tiny), prompts, params)
     per_token = _engine(tiny).plan.kv_bytes_per_token
-    spec = SpecConfig("dflash", num_speculative_tokens=3, model="x", adaptive=False) if with_drafter else None
+    spec = SpeculativeConfig("dflash", num_speculative_tokens=3, model="x", adaptive=False) if with_drafter else None
     drafter = DFlashDrafter.load(tmp_path / "d", tiny, store=PrefixStore(256, 8)) if with_drafter else None
     eng = LLMEngine(tiny, EngineConfig(max_num_seqs=4, max_model_len=96, block_size=8,
                                        kv_cache_memory=per_token * 8 * 24), spec, drafter)
@@ -315,21 +315,21 @@ def test_preemption_with_prefix_cache_keeps_outputs(tiny, tmp_path, with_drafter
 
 
 def test_spec_config_builds_dflash_through_the_registry(tiny, tmp_path):
-    from specserve.spec.registry import build_drafter
+    from specserve.speculative.registry import build_drafter
 
     m = random_drafter(tiny)
     save_drafter(m, m.cfg.to_json(), tmp_path / "d")
-    d = build_drafter(SpecConfig("dflash", model=str(tmp_path / "d")), tiny, FP32, EngineConfig(), 256)
+    d = build_drafter(SpeculativeConfig("dflash", model=str(tmp_path / "d")), tiny, FP32, EngineConfig(), 256)
     assert isinstance(d, DFlashDrafter) and d.hidden_layers == m.cfg.target_layer_ids
     assert d.store is not None and d.kv_bytes() > 0  # the prefix store, counted by the memory plan
-    off = build_drafter(SpecConfig("dflash", model=str(tmp_path / "d")), tiny, FP32,
+    off = build_drafter(SpeculativeConfig("dflash", model=str(tmp_path / "d")), tiny, FP32,
                         EngineConfig(enable_prefix_caching=False), 256)
     assert off.store is None and off.kv_bytes() == 0
     bad = m.cfg.to_json()
     bad["target"] = {**bad["target"], "hidden_size": 128}
     save_drafter(m, bad, tmp_path / "bad")
     with pytest.raises(Exception, match="hidden_size"):
-        build_drafter(SpecConfig("dflash", model=str(tmp_path / "bad")), tiny, FP32, EngineConfig(), 256)
+        build_drafter(SpeculativeConfig("dflash", model=str(tmp_path / "bad")), tiny, FP32, EngineConfig(), 256)
 
 
 # ---- smollm2-135m: greedy with the drafter is plain greedy ------------------------------------
@@ -346,7 +346,7 @@ def test_lossless_greedy_smollm2_dflash(tmp_path):
     if (SHIPPED / "config.json").is_file():
         where = SHIPPED  # the trained drafter: drafts really get accepted
     else:
-        from specserve.spec.train.trainer import make_model
+        from specserve.speculative.train.trainer import make_model
 
         target = load_model("smollm2-135m")
         m = make_model("dflash", target, layers=1, block_size=8, seed=0)
@@ -392,7 +392,7 @@ def test_drafts_are_distributed_as_their_returned_probabilities(tiny, tmp_path):
 def test_draft_vocabulary_cuts_the_head_and_stays_lossless(tiny, tmp_path):
     """A dflash drafter with a draft vocabulary ranked by its token counts proposes only tokens of
     that set or of the request, gives the full head's logits on the set, and stays lossless."""
-    from specserve.spec.dflash import TOKEN_COUNTS, save_token_counts
+    from specserve.speculative.dflash import TOKEN_COUNTS, save_token_counts
 
     m = random_drafter(tiny, block_size=4)
     save_drafter(m, m.cfg.to_json(), tmp_path / "d")
@@ -438,12 +438,12 @@ def test_draft_vocab_size_above_the_vocabulary_is_an_error(tiny, tmp_path):
 def test_int8_drafter_weights_are_lossless(tiny, tmp_path):
     """"quantization": "int8" runs the drafter's linears in the CPU kernels' int8 format: close to
     the float32 block, lossless in the engine, and any other format is a clear error."""
-    from specserve.spec.dflash import KernelLinear
-    from specserve.spec.registry import build_drafter
+    from specserve.speculative.dflash import KernelLinear
+    from specserve.speculative.registry import build_drafter
 
     m = random_drafter(tiny, block_size=4)
     save_drafter(m, m.cfg.to_json(), tmp_path / "d")
-    spec = SpecConfig("dflash", model=str(tmp_path / "d"), quantization="int8", num_speculative_tokens=3)
+    spec = SpeculativeConfig("dflash", model=str(tmp_path / "d"), quantization="int8", num_speculative_tokens=3)
     d8 = build_drafter(spec, tiny, FP32, EngineConfig(), 256)
     assert isinstance(d8.model.layers[0].q, KernelLinear) and isinstance(d8.model.fc, KernelLinear)
     assert d8.weight_bytes() < DFlashDrafter.load(tmp_path / "d", tiny).weight_bytes() / 3
@@ -461,7 +461,7 @@ def test_int8_drafter_weights_are_lossless(tiny, tmp_path):
     eng = _engine(tiny, build_drafter(spec, tiny, FP32, EngineConfig(), 256))
     assert _run(eng, prompts, greedy) == _run(_engine(tiny), prompts, greedy) and eng.totals.draft_tokens > 0
     with pytest.raises(Exception, match="int8"):
-        build_drafter(SpecConfig("dflash", model=str(tmp_path / "d"), quantization="q4_0"), tiny, FP32,
+        build_drafter(SpeculativeConfig("dflash", model=str(tmp_path / "d"), quantization="q4_0"), tiny, FP32,
                       EngineConfig(), 256)
 
 
@@ -470,7 +470,7 @@ def test_int8_export_rebuilds_the_int8_inference_weights(tiny, tmp_path):
     weights within half a step of the originals, and the int8 inference path rebuilds exactly
     the int8 values it would have made from the float weights."""
     from specserve.kernels import ops
-    from specserve.spec.dflash import load_state
+    from specserve.speculative.dflash import load_state
 
     m = random_drafter(tiny, block_size=4)
     save_drafter(m, m.cfg.to_json(), tmp_path / "f")
@@ -488,7 +488,7 @@ def test_pick_tokens_p_min_stops_at_the_first_unsure_draft():
     """p_min cuts the drafts at the first row whose top probability is under it: the softmax of
     the (processed) logits when greedy, the returned warped rows when sampling; the same rule
     with logit_bias (the per-row path) and after earlier drafts (a chain)."""
-    from specserve.spec.drafter import pick_tokens
+    from specserve.speculative.drafter import pick_tokens
 
     logits = torch.tensor([[5.0, 0.0, 0.0], [0.0, 0.2, 0.0], [9.0, 0.0, 0.0]])  # row 1 is unsure
     greedy = _seq([0, 1], 2)
@@ -512,12 +512,12 @@ def test_an_always_unsure_drafter_is_left_idle_by_the_adaptive_policy(tiny, tmp_
     Such a step verifies nothing, and the acceptance estimate used to stay where it was, so the
     policy kept paying for a drafter forward every step; now a cut counts as a miss and the
     drafter is asked only when the policy probes (cheap costs, so only the estimate decides)."""
-    from specserve.spec.adaptive import PROBE_EVERY
+    from specserve.speculative.adaptive import PROBE_EVERY
 
     m = random_drafter(tiny, block_size=4)
     save_drafter(m, m.cfg.to_json(), tmp_path / "d")
     drafter = DFlashDrafter.load(tmp_path / "d", tiny, p_min=0.999)
-    spec = SpecConfig("dflash", num_speculative_tokens=3, model="x", adaptive=True)
+    spec = SpeculativeConfig("dflash", num_speculative_tokens=3, model="x", adaptive=True)
     eng = LLMEngine(tiny, EngineConfig(max_num_seqs=4, max_model_len=256), spec, drafter)
     eng.cost.table = {w: 0.010 + 0.0001 * w for w in range(1, 5)}
     eng.cost.add = lambda width, seconds: None  # these costs stay

@@ -3,7 +3,7 @@
 import torch
 
 from specserve.models.loader import LoadOptions, load_model
-from specserve.spec.draft_vocab import DraftVocab, frequent_ids, token_counts
+from specserve.speculative.draft_vocab import DraftVocab, frequent_ids, token_counts
 
 
 def _smollm2():
@@ -52,11 +52,11 @@ def test_draft_vocab_and_quantization_keys_are_validated():
     import pytest
 
     from specserve.errors import SpecserveError
-    from specserve.spec.config import parse_spec_config
+    from specserve.speculative.config import parse_speculative_config
 
-    ok = parse_spec_config('{"method": "draft_model", "model": "m", "quantization": "q4_0", "draft_vocab_size": 32768}')
+    ok = parse_speculative_config('{"method": "draft_model", "model": "m", "quantization": "q4_0", "draft_vocab_size": 32768}')
     assert ok.quantization == "q4_0" and ok.draft_vocab_size == 32768 and ok.draft_p_min == 0.0
-    assert parse_spec_config('{"method": "dflash", "model": "m", "draft_p_min": 0.75}').draft_p_min == 0.75
+    assert parse_speculative_config('{"method": "dflash", "model": "m", "draft_p_min": 0.75}').draft_p_min == 0.75
     for bad, says in (('{"method": "ngram", "draft_vocab_size": 1000}', "draft_model"),
                       ('{"method": "draft_model", "model": "m", "draft_vocab_size": 10}', ">= 256"),
                       ('{"method": "draft_model", "model": "m", "draft_vocab_size": "big"}', "draft_vocab_size"),
@@ -66,7 +66,7 @@ def test_draft_vocab_and_quantization_keys_are_validated():
                       ('{"method": "dflash", "model": "m", "draft_p_min": true}', "must be a number"),
                       ('{"method": "ngram", "adaptive": 1}', "must be bool")):
         with pytest.raises(SpecserveError, match=says):
-            parse_spec_config(bad)
+            parse_speculative_config(bad)
 
 
 def test_a_draft_model_vocab_size_above_its_vocabulary_is_an_error():
@@ -75,10 +75,10 @@ def test_a_draft_model_vocab_size_above_its_vocabulary_is_an_error():
 
     from specserve.engine.config import EngineConfig
     from specserve.errors import SpecserveError
-    from specserve.spec.config import SpecConfig
-    from specserve.spec.registry import build_drafter
+    from specserve.speculative.config import SpeculativeConfig
+    from specserve.speculative.registry import build_drafter
 
     target = _smollm2()
-    spec = SpecConfig("draft_model", model="smollm2-135m", quantization="q4_0", draft_vocab_size=60000)
+    spec = SpeculativeConfig("draft_model", model="smollm2-135m", quantization="q4_0", draft_vocab_size=60000)
     with pytest.raises(SpecserveError, match="draft_vocab_size 60000 is larger .*49152 tokens"):
         build_drafter(spec, target, LoadOptions("cpu", "auto", "q4_0"), EngineConfig(), 256)

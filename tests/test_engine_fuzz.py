@@ -13,12 +13,12 @@ import pytest
 from specserve.engine.config import EngineConfig
 from specserve.engine.llm_engine import LLMEngine, plan_for
 from specserve.engine.types import SamplingParams
-from specserve.spec.config import SpecConfig
-from specserve.spec.dflash import DFlashDrafter, save_drafter
-from specserve.spec.draft_model import DraftModelDrafter
-from specserve.spec.mtp import MTPDrafter
-from specserve.spec.ngram import NgramDrafter
-from specserve.spec.prefix_store import PrefixStore
+from specserve.speculative.config import SpeculativeConfig
+from specserve.speculative.dflash import DFlashDrafter, save_drafter
+from specserve.speculative.draft_model import DraftModelDrafter
+from specserve.speculative.mtp import MTPDrafter
+from specserve.speculative.ngram import NgramDrafter
+from specserve.speculative.prefix_store import PrefixStore
 from test_dflash import make_tiny_target, random_drafter
 from test_mtp import random_head
 
@@ -52,7 +52,7 @@ def _random_engine(setup, method: str, rnd: random.Random, kv_dtype: str) -> LLM
     spec, drafter = None, None
     store = PrefixStore(rnd.choice([4, 64]), 8)
     if method != "none":
-        spec = SpecConfig(method, num_speculative_tokens=rnd.choice([1, 3, 5]), model=None if method == "ngram" else "x",
+        spec = SpeculativeConfig(method, num_speculative_tokens=rnd.choice([1, 3, 5]), model=None if method == "ngram" else "x",
                           adaptive=rnd.random() < 0.5)
     if method == "dflash":
         drafter = DFlashDrafter.load(dirs["dflash"], tiny, store=store)

@@ -35,8 +35,8 @@ from specserve.engine.config import EngineConfig, kv_bytes_per_token  # noqa: E4
 from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 from specserve.engine.types import SamplingParams  # noqa: E402
 from specserve.errors import ModelLoadError  # noqa: E402
-from specserve.spec.config import parse_spec_config  # noqa: E402
-from specserve.spec.registry import build_drafter  # noqa: E402
+from specserve.speculative.config import parse_speculative_config  # noqa: E402
+from specserve.speculative.registry import build_drafter  # noqa: E402
 from specserve.models.catalog import resolve_model  # noqa: E402
 from specserve.models.loader import LoadedModel, LoadOptions, load_model  # noqa: E402
 from specserve.models.transformer import ForwardBatch, KVCache  # noqa: E402
@@ -558,7 +558,7 @@ def test_int8_activations_track_fp32_activations(smollm2_quantized, quant):
 
 def _window_engine(lm: LoadedModel, spec: str | None = None, **kw):
     ecfg = EngineConfig(block_size=4, max_model_len=256, max_num_seqs=2, **kw)
-    spec_cfg = parse_spec_config(spec)
+    spec_cfg = parse_speculative_config(spec)
     return LLMEngine(lm, ecfg, spec_cfg, build_drafter(spec_cfg, lm, FP32, ecfg, 256))
 
 

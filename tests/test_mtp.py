@@ -12,9 +12,9 @@ from specserve.engine.config import EngineConfig
 from specserve.engine.llm_engine import LLMEngine
 from specserve.engine.types import SamplingParams
 from specserve.models.loader import load_model
-from specserve.spec.config import SpecConfig
-from specserve.spec.dflash import save_drafter
-from specserve.spec.mtp import MTPConfig, MTPDrafter, MTPModel, read_checkpoint_mtp
+from specserve.speculative.config import SpeculativeConfig
+from specserve.speculative.dflash import save_drafter
+from specserve.speculative.mtp import MTPConfig, MTPDrafter, MTPModel, read_checkpoint_mtp
 from test_dflash import FP32, TINY_VOCAB, _seq, check_prefix_hits_keep_context, make_tiny_target
 
 
@@ -132,7 +132,7 @@ def test_cached_rows_equal_a_full_forward_and_chain(tiny, tmp_path):
     drafter.observe(seq, {L: hid[12:]}, list(range(12, T)))
     g = drafter._catch_up(seq)  # rows 1..T (last token at position T)
     # the same rows in one teacher-forced pass
-    from specserve.spec.dflash import rms
+    from specserve.speculative.dflash import rms
 
     hn = rms(hid, tiny.model.final_norm, tiny.config.rms_eps)
     emb = tiny.model.embed(torch.tensor(ids)).float()[None]
@@ -145,7 +145,7 @@ def test_cached_rows_equal_a_full_forward_and_chain(tiny, tmp_path):
 
 
 def _engine(target, drafter=None, k: int = 3) -> LLMEngine:
-    spec = SpecConfig("mtp", num_speculative_tokens=k, adaptive=False) if drafter else None
+    spec = SpeculativeConfig("mtp", num_speculative_tokens=k, adaptive=False) if drafter else None
     return LLMEngine(target, EngineConfig(max_num_seqs=4, max_model_len=256), spec, drafter)
 
 
@@ -184,7 +184,7 @@ def test_lossless_greedy_smollm2_mtp(tmp_path):
     import json
 
     from engine_utils import chat_ids, make_engine, run_all
-    from specserve.spec.train.trainer import make_model
+    from specserve.speculative.train.trainer import make_model
     from test_dflash import CHAT4
 
     target = load_model("smollm2-135m")

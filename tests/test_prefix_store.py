@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.spec.prefix_store import PrefixStore
+from specserve.speculative.prefix_store import PrefixStore
 
 
 def _rows(i: int) -> list[torch.Tensor]:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from specserve.errors import SpecserveError
-from specserve.spec.train import data as tdata
-from specserve.spec.train.trainer import FrozenTarget, HParams, Trainer, make_model
+from specserve.speculative.train import data as tdata
+from specserve.speculative.train.trainer import FrozenTarget, HParams, Trainer, make_model
 from test_dflash import make_tiny_target
 
 
@@ -137,8 +137,8 @@ def test_cli_end_to_end_tiny(tiny, tmp_path, method):
     from specserve.engine.config import EngineConfig
     from specserve.engine.llm_engine import LLMEngine
     from specserve.engine.types import SamplingParams
-    from specserve.spec.config import SpecConfig
-    from specserve.spec.registry import build_drafter
+    from specserve.speculative.config import SpeculativeConfig
+    from specserve.speculative.registry import build_drafter
 
     out = tmp_path / "drafter"
     argv = ["train-drafter", "--model", str(tiny.resolved.path), "--method", method, "--out", str(out),
@@ -155,7 +155,7 @@ def test_cli_end_to_end_tiny(tiny, tmp_path, method):
     assert any("mean_acceptance_length" in e for e in log)
     assert (out / "checkpoint" / "trainer.pt").is_file() and (out / "data" / "dataset.pt").is_file()
 
-    spec = SpecConfig(method, num_speculative_tokens=3, model=str(out), adaptive=False)
+    spec = SpeculativeConfig(method, num_speculative_tokens=3, model=str(out), adaptive=False)
     drafter = build_drafter(spec, tiny, None, EngineConfig(), 256)
     examples, _ = tdata.load_dataset(out / "data" / "dataset.pt")
     prompts = [e.ids[:e.prompt_len].tolist() for e in examples[:3]] + [list(range(70, 95))]
@@ -172,7 +172,7 @@ def test_answers_resume_and_training_on_saved_answers(tiny, tmp_path):
     missing ones; --use-saved-answers trains on them without the prompt sources, within a time
     budget whose schedule ends on time, and writes the token counts of the training answers."""
     from specserve.cli import main
-    from specserve.spec.dflash import TOKEN_COUNTS, load_token_counts
+    from specserve.speculative.dflash import TOKEN_COUNTS, load_token_counts
 
     prompts = tdata.load_prompts("math:12", seed=0)
     path, meta = tmp_path / "answers.pt", {"k": 1}
@@ -249,7 +249,7 @@ def test_init_from_target_copies_the_last_layers(tiny):
     (compared with the checkpoint's own tensors)."""
     from safetensors.torch import load_file
 
-    from specserve.spec.train.trainer import make_model
+    from specserve.speculative.train.trainer import make_model
 
     c = tiny.config
     m = make_model("dflash", tiny, layers=2, block_size=4, intermediate_size=c.intermediate_size,
@@ -274,8 +274,8 @@ def test_init_from_fine_tunes_a_trained_drafter(tiny, tmp_path, capsys):
     import shutil
 
     from specserve.cli import main
-    from specserve.spec.dflash import load_state, load_token_counts
-    from specserve.spec.train.trainer import model_from_drafter
+    from specserve.speculative.dflash import load_state, load_token_counts
+    from specserve.speculative.train.trainer import model_from_drafter
 
     def argv(out, *extra):
         return ["train-drafter", "--model", str(tiny.resolved.path), "--method", "dflash", "--out", str(out),

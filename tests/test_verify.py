@@ -4,7 +4,7 @@ import torch
 
 from specserve.engine.sampler import make_generator, probs_from_logits, sample_from
 from specserve.engine.types import SamplingParams
-from specserve.spec.verify import verify_greedy, verify_sampling
+from specserve.speculative.verify import verify_greedy, verify_sampling
 
 V = 6
 P = torch.tensor([0.30, 0.25, 0.20, 0.12, 0.08, 0.05], dtype=torch.float64)  # target

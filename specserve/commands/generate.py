@@ -78,12 +78,12 @@ def _report(args, text: str, token_ids: list[int], last, total: float, engine) -
                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out},
                "timings": {"prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
                            "total_s": total}}
-        if last.spec is not None:
-            obj["speculative"] = last.spec.to_dict()
+        if last.acceptance is not None:
+            obj["speculative"] = last.acceptance.to_dict()
         print(json.dumps(obj))
         return
     print()
     print(f"[prompt tokens: {n_prompt}, completion tokens: {n_out}, prefill: {prefill_tps:.1f} tok/s, "
           f"decode: {decode_tps:.1f} tok/s]", file=sys.stderr)
-    if last.spec is not None:
-        print(last.spec.line(), file=sys.stderr)
+    if last.acceptance is not None:
+        print(last.acceptance.line(), file=sys.stderr)

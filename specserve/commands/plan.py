@@ -66,7 +66,7 @@ def compute_plan(args: argparse.Namespace) -> tuple[object, dict]:
     if args.memory is not None and args.memory <= 0:
         raise SpecserveError("--memory must be a positive number of bytes")
     parts = build_parts(args)
-    target, spec, model = parts.target, parts.spec, parts.target.model
+    target, spec, model = parts.target, parts.speculative, parts.target.model
     plan = plan_for(target, parts.ecfg, spec, parts.drafter, total_memory=args.memory)
     formats = sorted({lin.format for layer in model.layers for lin in layer.linears()} | {model.lm_head.format})
     extra = {"model": target.name, "device": str(model.device), "weight_format": ",".join(formats),

@@ -1,6 +1,6 @@
 """``specserve train-drafter``: train a dflash block drafter or an MTP head for a target model.
 
-The target answers prompts itself (self-distillation, see specserve.spec.train.data); the
+The target answers prompts itself (self-distillation, see specserve.speculative.train.data); the
 drafter learns those answers from the target's hidden states with the target frozen. The
 result (OUT/config.json + OUT/model.safetensors) is used with
 ``--speculative-config '{"method": "dflash", "model": "OUT"}'`` (or ``"mtp"``).
@@ -110,7 +110,7 @@ def check_args(args: argparse.Namespace) -> None:
     missing = [f for f in args.more_answers if not Path(f).expanduser().is_file()]
     if missing:
         raise SpecserveError(f"--more-answers {missing[0]}: no such file")
-    from specserve.spec.train.data import parse_data_spec
+    from specserve.speculative.train.data import parse_data_spec
 
     if args.data is None:
         args.data = "" if args.prompts else DEFAULT_DATA
@@ -141,9 +141,9 @@ def run(args: argparse.Namespace) -> int:
     from specserve.engine.builder import set_threads
     from specserve.models.loader import LoadOptions, load_model
     from specserve.models.catalog import drafter_location
-    from specserve.spec.dflash import load_token_counts, save_token_counts, target_identity
-    from specserve.spec.train import data as tdata
-    from specserve.spec.train.trainer import (FrozenTarget, HParams, Trainer, make_model, model_from_checkpoint,
+    from specserve.speculative.dflash import load_token_counts, save_token_counts, target_identity
+    from specserve.speculative.train import data as tdata
+    from specserve.speculative.train.trainer import (FrozenTarget, HParams, Trainer, make_model, model_from_checkpoint,
                                               model_from_drafter, split)
 
     def say(msg: str) -> None:
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _answers(args, target, out: Path, meta: dict, say):
-    from specserve.spec.train import data as tdata
+    from specserve.speculative.train import data as tdata
 
     path = out / "data" / "answers.pt"
     if args.use_saved_answers:
@@ -255,7 +255,7 @@ def _answers(args, target, out: Path, meta: dict, say):
 
 def _examples(args, target, out: Path, answers_meta: dict, layers, final_norm: bool, say):
     """The training examples: the cached dataset if it matches, else answers + hidden capture."""
-    from specserve.spec.train import data as tdata
+    from specserve.speculative.train import data as tdata
 
     data_path = out / "data" / "dataset.pt"
     meta = {**answers_meta, "method": args.method, "layers": list(layers), "final_norm": final_norm}

@@ -29,7 +29,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
-        self.spec_enabled = engine.spec is not None
+        self.spec_enabled = engine.speculative is not None
         self._inbox: queue.Queue = queue.Queue()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None

@@ -12,9 +12,9 @@ from specserve.engine.config import EngineConfig
 from specserve.engine.llm_engine import LLMEngine
 from specserve.kernels import ops
 from specserve.models.loader import LoadedModel, LoadOptions, load_model
-from specserve.spec.config import SpecConfig, parse_spec_config
-from specserve.spec.drafter import Drafter
-from specserve.spec.registry import build_drafter
+from specserve.speculative.config import SpeculativeConfig, parse_speculative_config
+from specserve.speculative.drafter import Drafter
+from specserve.speculative.registry import build_drafter
 
 logger = logging.getLogger("specserve.engine")
 
@@ -35,13 +35,13 @@ class EngineParts:
 
     target: LoadedModel
     ecfg: EngineConfig
-    spec: SpecConfig | None
+    speculative: SpeculativeConfig | None
     drafter: Drafter | None
 
 
 def build_parts(args: argparse.Namespace) -> EngineParts:
     set_threads(getattr(args, "threads", None))
-    spec = parse_spec_config(getattr(args, "speculative_config", None))
+    spec = parse_speculative_config(getattr(args, "speculative_config", None))
     options = LoadOptions(args.device, args.dtype, args.quantization)
     ecfg = EngineConfig.from_args(args)
     target = load_model(args.model, options)
@@ -54,4 +54,4 @@ def build_parts(args: argparse.Namespace) -> EngineParts:
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
     parts = build_parts(args)
-    return LLMEngine(parts.target, parts.ecfg, parts.spec, parts.drafter)
+    return LLMEngine(parts.target, parts.ecfg, parts.speculative, parts.drafter)

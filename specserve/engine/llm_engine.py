@@ -20,14 +20,14 @@ from specserve.engine.block_manager import BlockManager, BlockTable, NoFreeBlock
 from specserve.engine.config import EngineConfig, MemoryPlan, engine_plan
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.sequence import Sequence, Status
-from specserve.engine.types import EngineStats, RequestOutput, SamplingParams, SpecStats
+from specserve.engine.types import EngineStats, RequestOutput, SamplingParams, AcceptanceStats
 from specserve.errors import RequestError
 from specserve.models.loader import LoadedModel
 from specserve.models.transformer import ForwardBatch, KVCache
-from specserve.spec.adaptive import CostModel, DraftPolicy, calibrate
-from specserve.spec.config import SpecConfig
-from specserve.spec.drafter import Drafter, Proposal
-from specserve.spec.verify import verify_greedy, verify_sampling
+from specserve.speculative.adaptive import CostModel, DraftPolicy, calibrate
+from specserve.speculative.config import SpeculativeConfig
+from specserve.speculative.drafter import Drafter, Proposal
+from specserve.speculative.verify import verify_greedy, verify_sampling
 
 log = logging.getLogger("specserve.engine")
 
@@ -48,9 +48,9 @@ class _Row:
 
 
 class LLMEngine:
-    def __init__(self, target: LoadedModel, ecfg: EngineConfig, spec: SpecConfig | None = None,
+    def __init__(self, target: LoadedModel, ecfg: EngineConfig, spec: SpeculativeConfig | None = None,
                  drafter: Drafter | None = None):
-        self.target, self.ecfg, self.spec, self.drafter = target, ecfg, spec, drafter
+        self.target, self.ecfg, self.speculative, self.drafter = target, ecfg, spec, drafter
         self.model, self.tokenizer = target.model, target.tokenizer
         self.device = self.model.device
         mcfg = target.config
@@ -70,7 +70,7 @@ class LLMEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}
-        self.totals = SpecStats()
+        self.totals = AcceptanceStats()
         self.num_preemptions = 0
         self.cost = CostModel()
         k_max = spec.num_speculative_tokens if spec else 0
@@ -120,7 +120,7 @@ class LLMEngine:
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{len(prompt_ids)} tokens and max_tokens is {params.max_tokens}", param="max_tokens",
                 code="context_length_exceeded")
-        lookahead = self.spec.num_speculative_tokens + 1 if self.spec else 1
+        lookahead = self.speculative.num_speculative_tokens + 1 if self.speculative else 1
         if self.blocks.blocks_needed(len(prompt_ids) + params.max_tokens + lookahead) > self.blocks.num_blocks:
             raise RequestError(f"prompt plus max_tokens ({len(prompt_ids) + params.max_tokens} tokens) is more than "
                                f"the KV pool holds ({self.plan.pool_tokens} tokens)", param="max_tokens",
@@ -322,7 +322,7 @@ class LLMEngine:
             computed_before = seq.num_computed if r.drafts or r.count == 1 else seq.num_computed + r.count - 1
             n_acc, new = self._verify(seq, lg, r.drafts, r.draft_probs)
             if r.drafts:
-                seq.spec.record(len(r.drafts), n_acc)
+                seq.acceptance.record(len(r.drafts), n_acc)
                 self.totals.record(len(r.drafts), n_acc)
             DraftPolicy.update(seq, len(r.drafts), n_acc, r.cut)  # no news without drafts or a cut
             first = seq.num_computed
@@ -379,7 +379,7 @@ class LLMEngine:
         out = RequestOutput(
             seq.request_id, seq.pending_ids, text, seq.pending_logprobs if seq.params.logprobs is not None else None,
             seq.finished, seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids), seq.num_cached,
-            seq.spec if self.spec else None,
+            seq.acceptance if self.speculative else None,
             None if seq.first_token_at is None else seq.first_token_at - seq.arrival,
             seq.prefill_time(), seq.decode_time())
         seq.pending_ids, seq.pending_logprobs = [], []
@@ -407,7 +407,7 @@ class LLMEngine:
                         return
 
 
-def plan_for(target: LoadedModel, ecfg: EngineConfig, spec: SpecConfig | None, drafter: Drafter | None,
+def plan_for(target: LoadedModel, ecfg: EngineConfig, spec: SpeculativeConfig | None, drafter: Drafter | None,
              total_memory: int | None = None) -> MemoryPlan:
     """The memory plan of an engine over target with this drafter (``specserve plan`` prints it)."""
     model = target.model

@@ -10,7 +10,7 @@ import torch
 
 from specserve.engine.block_manager import BlockTable
 from specserve.engine.detokenizer import IncrementalDetokenizer
-from specserve.engine.types import SamplingParams, SpecStats, TokenLogprob
+from specserve.engine.types import SamplingParams, AcceptanceStats, TokenLogprob
 
 
 class Status(enum.Enum):
@@ -33,7 +33,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     generator: torch.Generator | None = None
-    spec: SpecStats = field(default_factory=SpecStats)
+    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
     drafter_state: dict = field(default_factory=dict)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     pending_ids: list[int] = field(default_factory=list)

@@ -84,7 +84,7 @@ class SamplingParams:
 
 
 @dataclass
-class SpecStats:
+class AcceptanceStats:
     """Speculative-decoding counters of one request (or of the whole engine).
 
     steps: verification forwards; draft_tokens: tokens proposed; accepted_tokens:
@@ -107,7 +107,7 @@ class SpecStats:
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 
-    def merge(self, other: "SpecStats") -> None:
+    def merge(self, other: "AcceptanceStats") -> None:
         self.steps += other.steps
         self.draft_tokens += other.draft_tokens
         self.accepted_tokens += other.accepted_tokens
@@ -163,7 +163,7 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int  # cumulative
     cached_tokens: int = 0
-    spec: SpecStats | None = None  # cumulative for the request; None without speculation
+    acceptance: AcceptanceStats | None = None  # cumulative for the request; None without speculation
     first_token_latency: float | None = None  # seconds from arrival to first token
     prefill_time: float = 0.0
     decode_time: float = 0.0

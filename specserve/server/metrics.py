@@ -4,7 +4,7 @@ Counters are exported with the ``_total`` suffix (prometheus_client adds it),
 e.g. ``vllm:spec_decode_num_draft_tokens_total{model_name="..."}``. Engine
 gauges (running, waiting, KV usage) and the preemption counter are read from
 ``engine.stats()`` at scrape time. The speculative counters move by exactly the
-per-request SpecStats of finished requests.
+per-request AcceptanceStats of finished requests.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from specserve.engine.types import EngineStats, RequestOutput, SpecStats
+from specserve.engine.types import EngineStats, RequestOutput, AcceptanceStats
 
 logger = logging.getLogger("specserve.server")
 
@@ -110,10 +110,10 @@ class ServerMetrics:
         self.cache_hits.labels(m).inc(last.cached_tokens)
         self.request_success.labels(m, finish_reason).inc()
         self.e2e.labels(m).observe(e2e)
-        if last.spec is not None:
-            self.record_spec(last.spec)
+        if last.acceptance is not None:
+            self.record_spec(last.acceptance)
 
-    def record_spec(self, spec: SpecStats) -> None:
+    def record_spec(self, spec: AcceptanceStats) -> None:
         m = self.model_name
         self.num_drafts.labels(m).inc(spec.steps)
         self.num_draft_tokens.labels(m).inc(spec.draft_tokens)

@@ -10,7 +10,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from specserve.engine.types import INT64_MIN, INT64_MAX, SamplingParams, SpecStats
+from specserve.engine.types import INT64_MIN, INT64_MAX, SamplingParams, AcceptanceStats
 from specserve.errors import RequestError
 from specserve.server.chat import ChatRenderer
 from specserve.server.config import ServerConfig
@@ -217,11 +217,11 @@ def make_choices(prompts: list[list[int]], req: SamplingFields, max_tokens: list
     return choices
 
 
-def summed_spec(choices: list[Choice]) -> SpecStats | None:
-    specs = [c.spec for c in choices if c.spec is not None]
+def summed_spec(choices: list[Choice]) -> AcceptanceStats | None:
+    specs = [c.acceptance for c in choices if c.acceptance is not None]
     if not specs:
         return None
-    total = SpecStats()
+    total = AcceptanceStats()
     for s in specs:
         total.merge(s)
     return total

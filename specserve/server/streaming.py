@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import anyio
 from starlette.responses import Response
 
-from specserve.engine.types import RequestOutput, SamplingParams, SpecStats, TokenLogprob
+from specserve.engine.types import RequestOutput, SamplingParams, AcceptanceStats, TokenLogprob
 from specserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger("specserve.server")
@@ -44,7 +44,7 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    spec: SpecStats | None = None
+    acceptance: AcceptanceStats | None = None
     prefill_time: float = 0.0
     decode_time: float = 0.0
 
@@ -58,7 +58,7 @@ class Choice:
         self.prompt_tokens = out.prompt_tokens or len(self.prompt_ids)
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
-        self.spec = out.spec
+        self.acceptance = out.acceptance
         self.prefill_time = out.prefill_time
         self.decode_time = out.decode_time
 
@@ -69,8 +69,8 @@ def log_finished(choice: Choice) -> None:
     line = (f"request {choice.request_id}: prompt {choice.prompt_tokens} tok (cached {choice.cached_tokens}), "
             f"completion {choice.completion_tokens} tok, prefill {pre:.1f} tok/s, decode {dec:.1f} tok/s, "
             f"finish {choice.finish_reason or 'abort'}")
-    if choice.spec is not None:
-        line += f"; {choice.spec.line()}"
+    if choice.acceptance is not None:
+        line += f"; {choice.acceptance.line()}"
     logger.info(line)
 
 

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from specserve.errors import SpecserveError
-from specserve.spec.dflash import DFlashConfig, DFlashModel, head_logits, save_drafter
-from specserve.spec.mtp import MTPConfig, MTPModel
-from specserve.spec.train.data import Example
+from specserve.speculative.dflash import DFlashConfig, DFlashModel, head_logits, save_drafter
+from specserve.speculative.mtp import MTPConfig, MTPModel
+from specserve.speculative.train.data import Example
 
 log = logging.getLogger("specserve.train")
 
@@ -70,7 +70,7 @@ class FrozenTarget:
 
     @classmethod
     def from_target(cls, target, device: torch.device) -> "FrozenTarget":
-        from specserve.spec.dflash import TargetHead
+        from specserve.speculative.dflash import TargetHead
 
         m = target.model
         table = m.embed_table.float() * (m.cfg.embed_scale if m.cfg.embed_scale != 1.0 else 1.0)
@@ -408,8 +408,8 @@ def model_from_drafter(method: str, where: str, target) -> torch.nn.Module:
     drafter's name) in float32 (int8 exports are dequantized), checked against ``target``. Its
     config records where it started (``training.init_from``)."""
     from specserve.models.catalog import drafter_location
-    from specserve.spec.dflash import load_dflash_model
-    from specserve.spec.mtp import load_mtp_model
+    from specserve.speculative.dflash import load_dflash_model
+    from specserve.speculative.mtp import load_mtp_model
 
     directory = Path(drafter_location(where)).expanduser()
     model = load_dflash_model(directory, target) if method == "dflash" else load_mtp_model(directory, target)

@@ -6,30 +6,30 @@ from collections.abc import Callable
 
 from specserve.errors import SpecserveError
 from specserve.models.loader import LoadedModel, LoadOptions
-from specserve.spec.config import SpecConfig
-from specserve.spec.drafter import Drafter
+from specserve.speculative.config import SpeculativeConfig
+from specserve.speculative.drafter import Drafter
 
 
-def _ngram(spec: SpecConfig, target: LoadedModel, options: LoadOptions, ecfg, max_model_len: int) -> Drafter:
-    from specserve.spec.ngram import NgramDrafter
+def _ngram(spec: SpeculativeConfig, target: LoadedModel, options: LoadOptions, ecfg, max_model_len: int) -> Drafter:
+    from specserve.speculative.ngram import NgramDrafter
 
     return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
 
 
-def _draft_model(spec: SpecConfig, target: LoadedModel, options: LoadOptions, ecfg, max_model_len: int) -> Drafter:
-    from specserve.spec.draft_model import DraftModelDrafter
+def _draft_model(spec: SpeculativeConfig, target: LoadedModel, options: LoadOptions, ecfg, max_model_len: int) -> Drafter:
+    from specserve.speculative.draft_model import DraftModelDrafter
 
     return DraftModelDrafter.build(spec, target, options, ecfg, max_model_len)
 
 
-def _dflash(spec: SpecConfig, target: LoadedModel, options: LoadOptions, ecfg, max_model_len: int) -> Drafter:
-    from specserve.spec.dflash import build
+def _dflash(spec: SpeculativeConfig, target: LoadedModel, options: LoadOptions, ecfg, max_model_len: int) -> Drafter:
+    from specserve.speculative.dflash import build
 
     return build(spec, target, options, ecfg, max_model_len)
 
 
-def _mtp(spec: SpecConfig, target: LoadedModel, options: LoadOptions, ecfg, max_model_len: int) -> Drafter:
-    from specserve.spec.mtp import build
+def _mtp(spec: SpeculativeConfig, target: LoadedModel, options: LoadOptions, ecfg, max_model_len: int) -> Drafter:
+    from specserve.speculative.mtp import build
 
     return build(spec, target, options, ecfg, max_model_len)
 
@@ -38,7 +38,7 @@ BUILDERS: dict[str, Callable[..., Drafter]] = {"ngram": _ngram, "draft_model": _
                                                "mtp": _mtp}
 
 
-def build_drafter(spec: SpecConfig | None, target: LoadedModel, options: LoadOptions, ecfg,
+def build_drafter(spec: SpeculativeConfig | None, target: LoadedModel, options: LoadOptions, ecfg,
                   max_model_len: int) -> Drafter | None:
     if spec is None:
         return None

@@ -50,9 +50,9 @@ from torch import nn
 from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
 from specserve.models.loader import LoadedModel
-from specserve.spec.dflash import CONTEXT_TRIM, DecoderLayer, TargetHead, check_target, load_state, rms, target_identity
-from specserve.spec.drafter import Drafter, Proposal, pick_tokens
-from specserve.spec.prefix_store import PrefixStore
+from specserve.speculative.dflash import CONTEXT_TRIM, DecoderLayer, TargetHead, check_target, load_state, rms, target_identity
+from specserve.speculative.drafter import Drafter, Proposal, pick_tokens
+from specserve.speculative.prefix_store import PrefixStore
 
 
 @dataclass

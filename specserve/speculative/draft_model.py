@@ -22,10 +22,10 @@ from specserve.errors import SpecserveError
 from specserve.models.catalog import cache_root
 from specserve.models.loader import LoadedModel, LoadOptions, load_model
 from specserve.models.transformer import ForwardBatch, KVCache
-from specserve.spec.adaptive import CostModel
-from specserve.spec.config import SpecConfig
-from specserve.spec.draft_vocab import DraftVocab, frequent_ids, head_cut
-from specserve.spec.drafter import Drafter, Proposal, pick_tokens
+from specserve.speculative.adaptive import CostModel
+from specserve.speculative.config import SpeculativeConfig
+from specserve.speculative.draft_vocab import DraftVocab, frequent_ids, head_cut
+from specserve.speculative.drafter import Drafter, Proposal, pick_tokens
 
 DRAFT_POOL_CAP = 1 << 30
 
@@ -57,7 +57,7 @@ class DraftModelDrafter(Drafter):
         self.cost = CostModel()  # seconds per draft forward, by width
 
     @classmethod
-    def build(cls, spec: SpecConfig, target: LoadedModel, options: LoadOptions, ecfg: EngineConfig,
+    def build(cls, spec: SpeculativeConfig, target: LoadedModel, options: LoadOptions, ecfg: EngineConfig,
               max_model_len: int) -> "DraftModelDrafter":
         opts = LoadOptions(options.device, options.dtype, spec.quantization or options.quantization)
         draft = load_model(spec.model, opts)

@@ -60,9 +60,9 @@ from specserve.errors import SpecserveError
 from specserve.kernels import ops
 from specserve.models.catalog import cache_root
 from specserve.models.loader import LoadedModel
-from specserve.spec.draft_vocab import DraftVocab, frequent_ids, head_cut
-from specserve.spec.drafter import Drafter, Proposal, pick_tokens
-from specserve.spec.prefix_store import PrefixStore
+from specserve.speculative.draft_vocab import DraftVocab, frequent_ids, head_cut
+from specserve.speculative.drafter import Drafter, Proposal, pick_tokens
+from specserve.speculative.prefix_store import PrefixStore
 
 CONTEXT_TRIM = 64  # the per-sequence context cache is trimmed in chunks of this many positions
 

@@ -12,7 +12,7 @@ METHODS = ("ngram", "draft_model", "dflash", "mtp")
 
 
 @dataclass(frozen=True)
-class SpecConfig:
+class SpeculativeConfig:
     """Speculative decoding settings (field names follow vLLM's speculative_config)."""
 
     method: str
@@ -61,7 +61,7 @@ _TYPES = {"method": str, "num_speculative_tokens": int, "prompt_lookup_min": int
           "draft_p_min": (int, float)}
 
 
-def parse_spec_config(text: str | dict | None) -> SpecConfig | None:
+def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | None:
     """Parse the JSON of --speculative-config; None or "" means no speculation."""
     if not text:
         return None
@@ -74,7 +74,7 @@ def parse_spec_config(text: str | dict | None) -> SpecConfig | None:
         data = dict(text)
     if not isinstance(data, dict):
         raise SpecserveError("--speculative-config must be a JSON object")
-    known = {f.name for f in fields(SpecConfig)}
+    known = {f.name for f in fields(SpeculativeConfig)}
     for key, value in data.items():
         if key not in known:
             raise SpecserveError(f"speculative config: unknown key {key!r} (known: {', '.join(sorted(known))})")
@@ -84,5 +84,5 @@ def parse_spec_config(text: str | dict | None) -> SpecConfig | None:
             raise SpecserveError(f"speculative config: {key!r} must be {kind}, got {value!r}")
     if data.get("method") is None:
         raise SpecserveError("speculative config: missing key 'method'")
-    defaults = {f.name: f.default for f in fields(SpecConfig)}
-    return SpecConfig(**{k: v for k, v in data.items() if v is not None or defaults.get(k) is None})
+    defaults = {f.name: f.default for f in fields(SpeculativeConfig)}
+    return SpeculativeConfig(**{k: v for k, v in data.items() if v is not None or defaults.get(k) is None})

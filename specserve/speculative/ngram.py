@@ -7,7 +7,7 @@ prompt_lookup_max down to prompt_lookup_min) and propose the tokens that followe
 from __future__ import annotations
 
 from specserve.engine.sequence import Sequence
-from specserve.spec.drafter import Drafter, Proposal
+from specserve.speculative.drafter import Drafter, Proposal
 
 
 def find_continuation(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
