@@ -12,55 +12,10 @@ from specserve.engine.config import EngineConfig
 from specserve.engine.llm_engine import LLMEngine
 from specserve.engine.sequence import Sequence
 from specserve.engine.types import SamplingParams
-from specserve.models.loader import LoadOptions, load_model
+from specserve.models.loader import load_model
 from specserve.speculative.config import SpeculativeConfig
 from specserve.speculative.dflash import DFlashConfig, DFlashDrafter, DFlashModel, save_drafter
-
-FP32 = LoadOptions(device="cpu", quantization="none")
-TINY_VOCAB = 320
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def write_byte_tokenizer(directory: Path) -> None:
-    """A byte-level tokenizer (256 byte tokens + chat specials) with a chat template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None}))
-
-
-def make_tiny_target(directory: Path, seed: int = 0, layers: int = 3):
-    """A tiny random Llama saved with save_pretrained and loaded by our loader (fp32)."""
-    import transformers
-
-    cfg = transformers.LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   num_hidden_layers=layers, max_position_embeddings=1024, rms_norm_eps=1e-6,
-                                   tie_word_embeddings=True, bos_token_id=None, eos_token_id=257, pad_token_id=0)
-    torch.manual_seed(seed)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * r)
-            elif "embed_tokens" in name:
-                p.copy_(r)
-            else:
-                p.copy_(r * (1.2 / p.shape[-1] ** 0.5))
-    directory.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(directory, safe_serialization=True)
-    write_byte_tokenizer(directory)
-    return load_model(str(directory), FP32)
-
+from tiny_models import CHAT_TEMPLATE, FP32, TINY_VOCAB, make_tiny_target, write_byte_tokenizer  # noqa: F401
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -301,14 +256,14 @@ def test_preemption_with_prefix_cache_keeps_outputs(tiny, tmp_path, with_drafter
     eng = LLMEngine(tiny, EngineConfig(max_num_seqs=4, max_model_len=96, block_size=8,
                                        kv_cache_memory=per_token * 8 * 24), spec, drafter)
     preempted = []
-    real = eng._preempt
+    real = eng.scheduler.preempt
 
     def preempt(seq):
         preempted.append(seq.request_id)
         assert len(preempted) < 100, "preemption loop"
         real(seq)
 
-    eng._preempt = preempt
+    eng.scheduler.preempt = preempt
     assert _run(eng, prompts, params) == want
     assert preempted and eng.blocks.num_free == eng.blocks.num_blocks
     assert eng.stats().num_preemptions == len(preempted)  # what /metrics exports

@@ -596,17 +596,19 @@ def test_sliding_window_layers_keep_only_their_window(spec, tiny_models):
 
         def watch(e):
             for seq in e.running:
-                live.append(sum(b != HOLE for b in seq.wtable.blocks))
-                assert len(seq.table.blocks) >= len(seq.wtable.blocks)
+                full, window = seq.cache.tables
+                live.append(sum(b != HOLE for b in window.blocks))
+                assert len(full.blocks) >= len(window.blocks)
 
         got = _engine_greedy(engine, prompt, steps + 1, watch)
         assert got == want, f"window paging differs from full paging ({kw}, spec={spec})"
         # the window (16 tokens = 4 blocks) plus partial blocks and one step's tokens, never the context
         assert live and max(live) <= 16 // 4 + 2
-        assert engine.wblocks.num_free == engine.wblocks.num_blocks
+        wpool = engine.cache.managers[1].pool
+        assert wpool.num_free == wpool.num_blocks and engine.cache.idle()
         assert engine.blocks.num_free == engine.blocks.num_blocks
         engine.blocks.check_invariants()
-        engine.wblocks.check_invariants()
+        wpool.check_invariants()
         if spec:
             assert engine.totals.accepted_tokens > 0
 
@@ -614,7 +616,7 @@ def test_sliding_window_layers_keep_only_their_window(spec, tiny_models):
 def test_window_paging_only_when_the_context_outgrows_the_window(tiny_models):
     lm, _ = tiny_models("gemma3")
     short = LLMEngine(lm, EngineConfig(block_size=4, max_model_len=16))
-    assert short.plan.sliding_window == 0 and short.wblocks is None and short.blocks.prefix_caching
+    assert short.plan.sliding_window == 0 and len(short.cache.managers) == 1 and short.blocks.prefix_caching
     assert short.plan.kv_bytes_per_token == kv_bytes_per_token(lm.config, "fp32")
     mistral, _ = tiny_models("mistral")  # every layer slides: nothing to page apart
     assert LLMEngine(mistral, EngineConfig(block_size=4, max_model_len=64)).plan.sliding_window == 0

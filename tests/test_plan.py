@@ -133,7 +133,7 @@ def test_gemma3_counts_only_growing_layers(capsys):
     assert got["num_blocks"] == 2 * 8192 // 16
     engine = make_engine("--model", "gemma3-270m", *flags)
     assert engine.kv.nbytes() == got["pool_bytes"] == engine.plan.pool_bytes
-    assert engine.wblocks.num_blocks == got["window_blocks"] and engine.blocks.num_blocks == got["num_blocks"]
+    assert engine.cache.managers[1].pool.num_blocks == got["window_blocks"] and engine.blocks.num_blocks == got["num_blocks"]
     assert cli.main(["plan", "--model", "gemma3-270m", *flags]) == 0
     assert "sliding-window layers: window 512 tokens" in capsys.readouterr().out
 

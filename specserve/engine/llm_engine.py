@@ -1,50 +1,41 @@
-"""The synchronous engine: admit requests, run one batched forward per step, verify drafts.
+"""The synchronous engine: one step is schedule -> propose -> one forward -> verify ->
+commit / roll back -> outputs.
 
-A step mixes, in one forward pass, the decode rows of running sequences (each its last
-token plus its draft tokens) and prefill chunks of new prompts (chunked prefill, within
-``max_num_batched_tokens``). Because every kernel is batch-invariant, a sequence's tokens
-do not depend on what else shares the batch, on chunking, or on speculation.
+The scheduler (:mod:`.scheduler`) picks the step's rows and draft lengths, the drafter proposes,
+the model runner (:mod:`.model_runner`) builds the batch and runs it, verification keeps the
+accepted drafts, and the cache coordinator (:mod:`.cache`) commits or rolls back each layer
+group's state. Because every kernel is batch-invariant, a sequence's tokens do not depend on
+what else shares the batch, on chunking, or on speculation.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from specserve.engine import sampler
-from specserve.engine.block_manager import BlockManager, BlockTable, NoFreeBlocks
-from specserve.engine.config import EngineConfig, MemoryPlan, engine_plan
+from specserve.engine.block_manager import BlockManager
+from specserve.engine.cache import CacheCoordinator, layer_cache_specs
+from specserve.engine.config import EngineConfig, MemoryPlan, engine_plan, kv_bytes_per_token
 from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.scheduler import ScheduledRow, Scheduler
 from specserve.engine.sequence import Sequence, Status
-from specserve.engine.types import EngineStats, RequestOutput, SamplingParams, AcceptanceStats
+from specserve.engine.types import AcceptanceStats, EngineStats, RequestOutput, SamplingParams
 from specserve.errors import RequestError
 from specserve.models.loader import LoadedModel
-from specserve.models.transformer import ForwardBatch, KVCache
+from specserve.models.kv_cache import KVCache
 from specserve.speculative.adaptive import CostModel, DraftPolicy, calibrate
 from specserve.speculative.config import SpeculativeConfig
-from specserve.speculative.drafter import Drafter, Proposal
+from specserve.speculative.drafter import Drafter
 from specserve.speculative.verify import verify_greedy, verify_sampling
 
 log = logging.getLogger("specserve.engine")
 
 CALIBRATE_MAX_K = 15  # start-up timing covers draft lengths up to this (wider ones are extrapolated)
-
-
-@dataclass
-class _Row:
-    """The rows one sequence contributes to a forward pass."""
-
-    seq: Sequence
-    start: int  # first row in the batch
-    count: int
-    drafts: list[int]
-    draft_probs: torch.Tensor | None
-    sample: bool  # logits wanted (decode, or the chunk that ends the prompt)
-    cut: bool = False  # the drafter stopped short of the draft length asked for (draft_p_min)
 
 
 class LLMEngine:
@@ -59,26 +50,43 @@ class LLMEngine:
         plan = self.plan
         self.kv = KVCache.allocate(mcfg, plan.num_blocks, ecfg.block_size, plan.kv_dtype, self.device,
                                    window_blocks=plan.window_blocks or None)
-        # sliding-window layers: a fixed pool of their own; blocks that slide out of the window go back
-        self.window = plan.sliding_window
-        self.wblocks = BlockManager(plan.window_blocks, ecfg.block_size, False) if self.window else None
-        prefix_caching = ecfg.enable_prefix_caching and not self.window
-        if ecfg.enable_prefix_caching and self.window:
+        specs = layer_cache_specs(mcfg, ecfg.block_size, kv_bytes_per_token(mcfg, plan.kv_dtype, num_layers=1),
+                                  window_paged=bool(plan.sliding_window))
+        if ecfg.enable_prefix_caching and plan.sliding_window:
             log.warning("prefix caching is off for %s: its sliding-window layers keep only the last %d tokens",
-                        target.name, self.window)
-        self.blocks = BlockManager(plan.num_blocks, ecfg.block_size, prefix_caching, salt=target.identity)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.by_id: dict[str, Sequence] = {}
+                        target.name, plan.sliding_window)
+        self.cache = CacheCoordinator.build(specs, (plan.num_blocks, plan.window_blocks)[:len(specs)],
+                                            ecfg.enable_prefix_caching, salt=target.identity)
         self.totals = AcceptanceStats()
-        self.num_preemptions = 0
         self.cost = CostModel()
         k_max = spec.num_speculative_tokens if spec else 0
         self.policy = DraftPolicy(k_max, bool(spec and spec.adaptive), self.cost,
                                   drafter.draft_cost if drafter else lambda k: 0.0)
-        self._max_blocks = -(-self.max_model_len // ecfg.block_size) + 1
+        self.scheduler = Scheduler(ecfg, self.cache, self.policy, self.max_model_len,
+                                   on_preempt=drafter.on_finished if drafter else lambda seq: None)
+        self.runner = ModelRunner(self.model, self.kv, self.cache, ecfg.block_size,
+                                  -(-self.max_model_len // ecfg.block_size) + 1, self.cost,
+                                  drafter.hidden_layers if drafter else ())
+        self.by_id: dict[str, Sequence] = {}
         if self.policy.adaptive and drafter is not None:
             self._calibrate(k_max)
+
+    @property
+    def blocks(self) -> BlockManager:
+        """The growing full-attention pool (what admission, preemption and the metrics count)."""
+        return self.cache.main.pool
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
 
     def _calibrate(self, k_max: int) -> None:
         """Measure the verification widths 1 .. k_max + 1 (and the drafter's own step) once, so
@@ -94,10 +102,10 @@ class LLMEngine:
 
         def run(width: int) -> None:  # one sequence verifying width - 1 drafts: logits for every row
             seq = scratch()
-            if self._reserve(seq, width):
-                row = _Row(seq, 0, width, [filler] * (width - 1), None, True)
-                self.model.forward(self._build_batch([row]), self.kv)
-            self._free(seq)
+            if self.scheduler.reserve(seq, width):
+                row = ScheduledRow(seq, 0, width, True, num_drafts=width - 1, drafts=[filler] * (width - 1))
+                self.runner.run([row], timed=False)
+            self.cache.free(seq)
 
         calibrate(self.cost, run, widths)
         self.drafter.warm_up(scratch)
@@ -156,187 +164,75 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self._admit()
+        self.scheduler.admit()
         if not self.running:
             return []
-        rows = self._schedule()
+        rows = self.scheduler.schedule(drafting=self.drafter is not None)
         if not rows:
             return []
-        batch = self._build_batch(rows)
-        t0 = time.perf_counter()
-        out = self.model.forward(batch, self.kv)
-        self.cost.add(int(batch.input_ids.shape[0]), time.perf_counter() - t0)
+        self._propose([r for r in rows if r.decode])
+        Scheduler.place(rows)
+        out = self.runner.run(rows)
         return self._process(rows, out.logits, out.hidden)
 
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.ecfg.max_num_seqs:
-            seq = self.waiting[0]
-            if not seq.table.blocks:
-                seq.num_cached = seq.num_computed = self.blocks.match_prefix(seq.table, seq.token_ids)
-            remaining = seq.num_tokens + 1 - len(seq.table.blocks) * self.ecfg.block_size
-            if not self.blocks.can_allocate(self.blocks.blocks_needed(max(remaining, 0)) + 1) and self.running:
-                # wait until running sequences free memory, without pinning the cached blocks it
-                # matched: a running sequence may need them (it would preempt itself forever)
-                self._free(seq)
-                seq.num_cached = seq.num_computed = 0
-                break
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+    def _propose(self, rows: list[ScheduledRow]) -> None:
+        """Fill each decode row's drafts (at most the length the scheduler reserved room for)."""
+        asked = [r for r in rows if r.num_drafts > 0] if self.drafter else []
+        if not asked:
+            return
+        props = self.drafter.propose([r.seq for r in asked], [r.num_drafts for r in asked])
+        for r, p in zip(asked, props):
+            k = r.num_drafts
+            r.drafts, r.draft_probs, r.cut = p.token_ids[:k], None if p.probs is None else p.probs[:k], p.cut
 
-    def _prefill_end(self, seq: Sequence) -> int:
-        return len(seq.prompt_ids) if not seq.output_ids else seq.num_tokens - 1
-
-    def _schedule(self) -> list[_Row]:
-        budget = self.ecfg.max_num_batched_tokens
-        decode = [s for s in self.running if s.num_computed >= self._prefill_end(s)]
-        proposals = self._propose(decode)
-        rows: list[_Row] = []
-        for seq, prop in zip(decode, proposals):
-            if seq.finished or seq.status is not Status.RUNNING:
-                continue
-            if not self._reserve(seq, seq.num_computed + 1 + len(prop.token_ids)):
-                continue
-            rows.append(_Row(seq, 0, 1 + len(prop.token_ids), prop.token_ids, prop.probs, True, prop.cut))
-            budget -= rows[-1].count
-        for seq in [s for s in self.running if s.num_computed < self._prefill_end(s)]:
-            chunk = min(max(budget, 0), self._prefill_end(seq) - seq.num_computed)
-            if chunk <= 0 or not self._reserve(seq, seq.num_computed + chunk + 1):
-                break
-            done = seq.num_computed + chunk == self._prefill_end(seq)
-            rows.append(_Row(seq, 0, chunk, [], None, done and not seq.output_ids))
-            budget -= chunk
-        rows = [r for r in rows if r.seq.status is Status.RUNNING]
-        start = 0
-        for r in rows:
-            r.start, start = start, start + r.count
-        return rows
-
-    def _propose(self, seqs: list[Sequence]) -> list[Proposal]:
-        if not self.drafter or not seqs:
-            return [Proposal([]) for _ in seqs]
-        limits = [min(s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.num_tokens - 1)
-                  for s in seqs]
-        ks = self.policy.lengths(seqs, limits)
-        return [Proposal(p.token_ids[:k], None if p.probs is None else p.probs[:k], p.cut)
-                for p, k in zip(self.drafter.propose(seqs, ks), ks)]
-
-    def _tables(self, seq: Sequence) -> list[tuple[BlockManager, BlockTable]]:
-        """The sequence's block tables, each with its pool (sliding-window layers have their own)."""
-        if self.wblocks is None:
-            return [(self.blocks, seq.table)]
-        return [(self.blocks, seq.table), (self.wblocks, seq.wtable)]
-
-    def _free(self, seq: Sequence) -> None:
-        for blocks, table in self._tables(seq):
-            blocks.free(table)
-
-    def _slide(self, seq: Sequence) -> None:
-        """Release sliding-window blocks no later query can see (keys before pos - window + 1)."""
-        if self.wblocks is not None:
-            self.wblocks.release_before(seq.wtable, seq.num_computed - self.window + 1)
-
-    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        """Make room for num_tokens in seq's blocks, preempting the newest other sequences."""
-        while True:
-            try:
-                for blocks, table in self._tables(seq):
-                    blocks.ensure_capacity(table, num_tokens)
-                return True
-            except NoFreeBlocks:
-                victim = next((s for s in reversed(self.running) if s is not seq), None)
-                if victim is None:
-                    self._preempt(seq)
-                    return False
-                self._preempt(victim)
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Free the sequence's KV and put it back at the head of the queue; it resumes later."""
-        log.info("preempting %s (KV pool full)", seq.request_id)
-        self.num_preemptions += 1
-        if self.drafter:  # before the KV is freed: the drafter may keep state of the cached blocks
-            self.drafter.on_finished(seq)
-        self._free(seq)
-        seq.num_computed = 0
-        seq.status = Status.WAITING
-        self.running.remove(seq)
-        self.waiting.appendleft(seq)
-
-    def _build_batch(self, rows: list[_Row]) -> ForwardBatch:
-        ids, pos, sids, logit_rows = [], [], [], []
-        # one (slots, block tables) pair per pool: the global one, then the sliding-window one if any
-        groups = [([], torch.zeros((len(rows), self._max_blocks), dtype=torch.int32))
-                  for _ in range(1 + (self.wblocks is not None))]
-        bs = self.ecfg.block_size
-        for i, r in enumerate(rows):
-            seq = r.seq
-            toks = (seq.token_ids[seq.num_computed:seq.num_computed + r.count] if not r.drafts
-                    else [seq.token_ids[seq.num_computed]] + r.drafts)
-            p = list(range(seq.num_computed, seq.num_computed + r.count))
-            ids += toks
-            pos += p
-            sids += [i] * r.count
-            for (slots, tables), (_, table) in zip(groups, self._tables(seq)):
-                blocks = table.blocks  # released blocks stay HOLE (-1): the kernel refuses to read them
-                slots += [blocks[x // bs] * bs + x % bs for x in p]
-                tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-            if r.sample:
-                logit_rows += range(r.start + (r.count - 1 if not r.drafts and r.count > 1 else 0),
-                                    r.start + r.count)
-        dev = self.device
-        paging = [(tables.to(dev), torch.tensor(slots, dtype=torch.int64, device=dev)) for slots, tables in groups]
-        window = paging[1] if len(paging) > 1 else (None, None)
-        return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(pos, dtype=torch.int32, device=dev),
-            seq_ids=torch.tensor(sids, dtype=torch.int32, device=dev),
-            block_tables=paging[0][0],
-            slot_mapping=paging[0][1],
-            logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
-            hidden_layers=self.drafter.hidden_layers if self.drafter else (),
-            window_block_tables=window[0],
-            window_slot_mapping=window[1],
-        )
-
-    def _observe(self, r: _Row, start: int, count: int, hidden: dict[int, torch.Tensor]) -> None:
+    def _observe(self, r: ScheduledRow, start: int, count: int, hidden: dict[int, torch.Tensor]) -> None:
         """Hand the drafter the target's hidden states of the rows whose K/V were kept."""
         if self.drafter and self.drafter.hidden_layers and count:
             rows = slice(r.start, r.start + count)
             self.drafter.observe(r.seq, {k: v[rows] for k, v in hidden.items()}, list(range(start, start + count)))
 
     # ---- after the forward -----------------------------------------------------------------
-    def _process(self, rows: list[_Row], logits: torch.Tensor,
+    def _process(self, rows: list[ScheduledRow], logits: torch.Tensor,
                  hidden: dict[int, torch.Tensor]) -> list[RequestOutput]:
         outputs, cursor = [], 0
         for r in rows:
-            seq = r.seq
-            n_logits = (1 + len(r.drafts)) if r.sample else 0
-            lg = logits[cursor:cursor + n_logits]
-            cursor += n_logits
-            if not r.drafts and not r.sample:  # a prefill chunk that does not end the prompt
-                self._observe(r, seq.num_computed, r.count, hidden)
-                seq.num_computed += r.count
-                self.blocks.commit(seq.table, seq.token_ids, seq.num_computed)
-                self._slide(seq)
+            if not r.sample:  # a prefill chunk that does not end the prompt
+                self._commit_chunk(r, hidden)
                 continue
-            computed_before = seq.num_computed if r.drafts or r.count == 1 else seq.num_computed + r.count - 1
-            n_acc, new = self._verify(seq, lg, r.drafts, r.draft_probs)
-            if r.drafts:
-                seq.acceptance.record(len(r.drafts), n_acc)
-                self.totals.record(len(r.drafts), n_acc)
-            DraftPolicy.update(seq, len(r.drafts), n_acc, r.cut)  # no news without drafts or a cut
-            first = seq.num_computed
-            seq.num_computed = computed_before + 1 + n_acc
-            self._observe(r, first, seq.num_computed - first, hidden)
-            for blocks, table in self._tables(seq):
-                blocks.truncate(table, seq.num_computed + 1)
-            self._slide(seq)
-            if self.drafter:
-                self.drafter.on_verified(seq, n_acc)
-            out = self._append(seq, new, lg)
+            drafts = r.drafts or []
+            lg = logits[cursor:cursor + 1 + len(drafts)]
+            cursor += 1 + len(drafts)
+            out = self._verify_row(r, drafts, lg, hidden)
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _commit_chunk(self, r: ScheduledRow, hidden: dict[int, torch.Tensor]) -> None:
+        seq = r.seq
+        self._observe(r, seq.num_computed, r.count, hidden)
+        seq.num_computed += r.count
+        self.cache.commit(seq)
+        self.cache.advance(seq)
+
+    def _verify_row(self, r: ScheduledRow, drafts: list[int], lg: torch.Tensor,
+                    hidden: dict[int, torch.Tensor]) -> RequestOutput | None:
+        """Verify a decode row (or the chunk that ends a prompt), keep the accepted tokens and
+        roll every cache group back to them."""
+        seq = r.seq
+        computed_before = seq.num_computed if drafts or r.count == 1 else seq.num_computed + r.count - 1
+        n_acc, new = self._verify(seq, lg, drafts, r.draft_probs)
+        if drafts:
+            seq.acceptance.record(len(drafts), n_acc)
+            self.totals.record(len(drafts), n_acc)
+        DraftPolicy.update(seq, len(drafts), n_acc, r.cut)  # no news without drafts or a cut
+        first = seq.num_computed
+        seq.num_computed = computed_before + 1 + n_acc
+        self._observe(r, first, seq.num_computed - first, hidden)
+        self.cache.rollback(seq)
+        self.cache.advance(seq)
+        if self.drafter:
+            self.drafter.on_verified(seq, n_acc)
+        return self._append(seq, new, lg)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int],
                 draft_probs: torch.Tensor | None) -> tuple[int, list[int]]:
@@ -367,7 +263,7 @@ class LLMEngine:
         if p.logprobs is not None:
             seq.pending_logprobs += sampler.top_logprobs(logits[:len(kept)], kept, p.logprobs)
         seq.pending_ids += kept
-        self.blocks.commit(seq.table, seq.token_ids, seq.num_computed)
+        self.cache.commit(seq)
         if reason:
             return self._finish(seq, reason)
         return self._delta(seq)
@@ -391,7 +287,7 @@ class LLMEngine:
             self.running.remove(seq)
         if self.drafter:  # before the KV is freed: the drafter may keep state of the cached blocks
             self.drafter.on_finished(seq)
-        self._free(seq)
+        self.cache.free(seq)
         self.by_id.pop(seq.request_id, None)
         return self._delta(seq, final=True)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.engine.block_manager import BlockTable
+from specserve.engine.cache.coordinator import SequenceCache
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.types import SamplingParams, AcceptanceStats, TokenLogprob
 
@@ -28,8 +28,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached: int = 0  # prompt tokens served by the prefix cache
-    table: BlockTable = field(default_factory=BlockTable)
-    wtable: BlockTable = field(default_factory=BlockTable)  # sliding-window layers' blocks, when paged apart
+    cache: SequenceCache = field(default_factory=SequenceCache)  # a table per cache group (engine.cache)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     generator: torch.Generator | None = None
@@ -45,6 +44,11 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def block_hashes(self) -> list[int]:
+        """Prefix-cache hashes of the sequence's full, computed blocks in the growing pool."""
+        return self.cache.tables[0].hashes if self.cache.tables else []
 
     @property
     def num_tokens(self) -> int:

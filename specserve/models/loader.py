@@ -14,6 +14,7 @@ from specserve.models import config as mconfig
 from specserve.models import tokenizer as mtok
 from specserve.models import weights as mweights
 from specserve.models.catalog import ResolvedModel, cache_root, resolve_model
+from specserve.models.families import family
 from specserve.models.transformer import Transformer
 
 log = logging.getLogger("specserve.models")
@@ -107,10 +108,7 @@ def load_model(spec: str, options: LoadOptions = LoadOptions()) -> LoadedModel:
 def _read_gguf(path: Path, identity: str):
     reader = mweights.open_gguf(path)
     meta = mweights.gguf_metadata(reader)
-    arch = meta.get("general.architecture")
-    if arch not in mconfig.SUPPORTED_ARCHS:
-        raise ModelLoadError(f"unsupported architecture {arch!r} in {path.name} "
-                             f"(supported: {', '.join(mconfig.SUPPORTED_ARCHS)})")
+    arch = family(meta.get("general.architecture"), path.name).arch
     mweights.check_tensor_types(reader)
     vocab = _gguf_vocab_size(reader, meta)
     cfg = mconfig.from_gguf_metadata(meta, vocab)
@@ -135,7 +133,7 @@ def _read_hf(directory: Path):
     tensors = mweights.read_safetensors(directory, cfg.arch)
     _check_shapes(cfg, tensors, directory)
     tok = mtok.from_hf_dir(directory)
-    return cfg, tensors, tok, (1.0 if cfg.arch == "gemma3" else 0.0)
+    return cfg, tensors, tok, family(cfg.arch).hf_norm_offset
 
 
 def _check_shapes(cfg: mconfig.ModelConfig, tensors: dict, where: Path) -> None:

@@ -17,22 +17,8 @@ import numpy as np
 import torch
 
 from specserve.errors import ModelLoadError
-
-_GGUF_LAYER = {
-    "attn_norm": "attn_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
-    "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "post_attention_norm": "post_attn_norm",
-    "ffn_norm": "ffn_norm", "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
-    "post_ffw_norm": "post_ffn_norm",
-}
-_GGUF_TOP = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}
-
-_HF_LAYER = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "q", "self_attn.k_proj": "k",
-    "self_attn.v_proj": "v", "self_attn.o_proj": "o", "self_attn.q_norm": "q_norm",
-    "self_attn.k_norm": "k_norm", "mlp.gate_proj": "gate", "mlp.up_proj": "up", "mlp.down_proj": "down",
-    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffn_norm",
-}
-_HF_TOP = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "lm_head"}
+from specserve.models.families import ModelFamily, family
+from specserve.models.families.base import GGUF_LAYER, GGUF_TOP, HF_TOP
 
 # quant types the gguf package can dequantize and we accept
 SUPPORTED_GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
@@ -121,9 +107,9 @@ def _gguf_name(name: str) -> str | None:
     base = name.removesuffix(".weight").removesuffix(".bias")
     suffix = "_bias" if name.endswith(".bias") else ""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in _GGUF_LAYER:
-        return f"layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}{suffix}"
-    return _GGUF_TOP.get(base)
+    if m and m.group(2) in GGUF_LAYER:
+        return f"layers.{m.group(1)}.{GGUF_LAYER[m.group(2)]}{suffix}"
+    return GGUF_TOP.get(base)
 
 
 def check_tensor_types(reader) -> None:
@@ -136,6 +122,7 @@ def check_tensor_types(reader) -> None:
 
 
 def read_gguf_tensors(reader, arch: str, num_heads: int, num_kv_heads: int) -> dict[str, RawTensor]:
+    permute_qk = family(arch).gguf_permute_qk
     out: dict[str, RawTensor] = {}
     for t in reader.tensors:
         name = _gguf_name(t.name)
@@ -146,26 +133,22 @@ def read_gguf_tensors(reader, arch: str, num_heads: int, num_kv_heads: int) -> d
             raise ModelLoadError(f"unsupported GGUF quantization type {qtype} (tensor {t.name})")
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         perm = None
-        if arch == "llama" and re.search(r"\.(q|k)(_bias)?$", name):
+        if permute_qk and re.search(r"\.(q|k)(_bias)?$", name):
             perm = _unpermute_rows(shape[0], num_heads if name.endswith((".q", ".q_bias")) else num_kv_heads)
         out[name] = RawTensor(name, shape, qtype, t.data, perm)
     return out
 
 
-def _hf_name(name: str, arch: str) -> str | None:
+def _hf_name(name: str, fam: ModelFamily) -> str | None:
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
     if m:
-        part = m.group(2)
-        if part == "post_attention_layernorm":
-            local = "post_attn_norm" if arch == "gemma3" else "ffn_norm"
-        else:
-            local = _HF_LAYER.get(part)
+        local = fam.hf_layer_name(m.group(2))
         if local is None:
             return None
         return f"layers.{m.group(1)}.{local}" + ("_bias" if m.group(3) == "bias" else "")
     base = name.removesuffix(".weight")
     base = base.replace("model.language_model.", "model.")
-    return _HF_TOP.get(base)
+    return HF_TOP.get(base)
 
 
 def read_safetensors(directory: Path, arch: str) -> dict[str, RawTensor]:
@@ -175,11 +158,12 @@ def read_safetensors(directory: Path, arch: str) -> dict[str, RawTensor]:
     if not files:
         raise ModelLoadError(f"no *.safetensors files in {directory}")
     out: dict[str, RawTensor] = {}
+    fam = family(arch)
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:
                 for key in st.keys():
-                    name = _hf_name(key, arch)
+                    name = _hf_name(key, fam)
                     if name is not None:
                         t = st.get_tensor(key)
                         out[name] = RawTensor(name, tuple(t.shape), "torch", t)

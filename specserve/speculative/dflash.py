@@ -563,7 +563,7 @@ class DFlashDrafter(Drafter):
             return
         bs = self.store.block_size
         want = -(-self.cfg.context_window // bs)
-        lo, rows = self.store.chain(seq.table.hashes, seq.token_ids, first // bs, want)
+        lo, rows = self.store.chain(seq.block_hashes, seq.token_ids, first // bs, want)
         if rows:
             n = len(self.model.layers)
             st.k = [torch.cat([r[i] for r in rows]) for i in range(n)]
@@ -576,10 +576,10 @@ class DFlashDrafter(Drafter):
         if self.store is None:
             return
         bs = self.store.block_size
-        last = min(len(seq.table.hashes), st.end // bs)
+        last = min(len(seq.block_hashes), st.end // bs)
         for i in range(max(st.stored, -(-st.start // bs)), last):
             r = i * bs - st.start
-            self.store.put(seq.table.hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]),
+            self.store.put(seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]),
                            [k[r:r + bs].clone() for k in st.k] + [v[r:r + bs].clone() for v in st.v])
         st.stored = max(st.stored, last)
 

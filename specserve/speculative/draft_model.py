@@ -21,7 +21,8 @@ from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
 from specserve.models.catalog import cache_root
 from specserve.models.loader import LoadedModel, LoadOptions, load_model
-from specserve.models.transformer import ForwardBatch, KVCache
+from specserve.engine.model_runner import BatchEntry, build_forward_batch
+from specserve.models.transformer import KVCache
 from specserve.speculative.adaptive import CostModel
 from specserve.speculative.config import SpeculativeConfig
 from specserve.speculative.draft_vocab import DraftVocab, frequent_ids, head_cut
@@ -117,30 +118,19 @@ class DraftModelDrafter(Drafter):
 
     def _forward(self, rows: list[tuple[Sequence, list[int]]]) -> list[torch.Tensor]:
         """Run the draft model over each sequence's pending tokens; logits of each last row."""
-        ids, pos, sids, slots, last = [], [], [], [], []
-        tables = torch.zeros((len(rows), self.max_blocks), dtype=torch.int32)
-        bs = self.block_size
-        for i, (seq, toks) in enumerate(rows):
+        entries, last = [], []
+        for seq, toks in rows:
             st = self._state(seq)
-            start = st.num_computed
-            self.blocks.ensure_capacity(st.table, start + len(toks))
-            p = list(range(start, start + len(toks)))
-            ids += toks
-            pos += p
-            sids += [i] * len(toks)
-            slots += [st.table.blocks[x // bs] * bs + x % bs for x in p]
-            tables[i, :len(st.table.blocks)] = torch.tensor(st.table.blocks, dtype=torch.int32)
+            self.blocks.ensure_capacity(st.table, st.num_computed + len(toks))
+            entries.append(BatchEntry(toks, st.num_computed, [st.table.blocks]))
             st.num_computed += len(toks)
-            last.append(len(ids) - 1)
-        dev = self.model.device
+            last.append(sum(len(e.tokens) for e in entries) - 1)
         wanted = [] if self.vocab is not None else last  # a draft vocabulary: logits from its own heads
-        batch = ForwardBatch(torch.tensor(ids, device=dev), torch.tensor(pos, dtype=torch.int32, device=dev),
-                             torch.tensor(sids, dtype=torch.int32, device=dev), tables.to(dev),
-                             torch.tensor(slots, device=dev), torch.tensor(wanted, dtype=torch.int64, device=dev))
+        batch = build_forward_batch(entries, self.block_size, self.max_blocks, wanted, self.model.device)
         t0 = time.perf_counter()
         out = self.model.forward(batch, self.kv)
         logits = out.logits if self.vocab is None else self.vocab.logits(out.final_hidden[last])
-        self.cost.add(len(ids), time.perf_counter() - t0)
+        self.cost.add(int(batch.input_ids.shape[0]), time.perf_counter() - t0)
         return [logits[i:i + 1] for i in range(len(rows))]
 
     def on_verified(self, seq: Sequence, num_accepted: int) -> None:

@@ -50,6 +50,8 @@ from torch import nn
 from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
 from specserve.models.loader import LoadedModel
+from specserve.models.families import families
+from specserve.models.families.base import GGUF_LAYER, HF_LAYER
 from specserve.speculative.dflash import CONTEXT_TRIM, DecoderLayer, TargetHead, check_target, load_state, rms, target_identity
 from specserve.speculative.drafter import Drafter, Proposal, pick_tokens
 from specserve.speculative.prefix_store import PrefixStore
@@ -155,20 +157,16 @@ class MTPModel(nn.Module):
 
 
 # ---- loading MTP weights from checkpoints -----------------------------------------------------
-_HF_LAYER = {
-    "input_layernorm": "layer.attn_norm", "post_attention_layernorm": "layer.ffn_norm",
-    "self_attn.q_proj": "layer.q", "self_attn.k_proj": "layer.k", "self_attn.v_proj": "layer.v",
-    "self_attn.o_proj": "layer.o", "self_attn.q_norm": "layer.q_norm", "self_attn.k_norm": "layer.k_norm",
-    "mlp.gate_proj": "layer.gate", "mlp.up_proj": "layer.up", "mlp.down_proj": "layer.down",
-}
+# the MTP layer's parameters, named as the target's layers are (the family maps, prefixed "layer.")
+_LAYER_PARAMS = ("attn_norm", "ffn_norm", "q", "k", "v", "o", "q_norm", "k_norm", "gate", "up", "down")
+_HF_LAYER = {k: f"layer.{v}" for k, v in HF_LAYER.items()
+             if v in _LAYER_PARAMS and k not in ("pre_feedforward_layernorm", "post_feedforward_layernorm")}
 _HF_TOP = {
     "fc": "eh_proj", "eh_proj": "eh_proj", "pre_fc_norm_embedding": "enorm", "enorm": "enorm",
     "pre_fc_norm_hidden": "hnorm", "hnorm": "hnorm", "norm": "norm", "shared_head.norm": "norm",
 }
 _GGUF_LAYER = {
-    "attn_norm": "layer.attn_norm", "ffn_norm": "layer.ffn_norm", "attn_q": "layer.q", "attn_k": "layer.k",
-    "attn_v": "layer.v", "attn_output": "layer.o", "attn_q_norm": "layer.q_norm", "attn_k_norm": "layer.k_norm",
-    "ffn_gate": "layer.gate", "ffn_up": "layer.up", "ffn_down": "layer.down",
+    **{k: f"layer.{v}" for k, v in GGUF_LAYER.items() if v in _LAYER_PARAMS},
     "nextn.eh_proj": "eh_proj", "nextn.enorm": "enorm", "nextn.hnorm": "hnorm", "nextn.shared_head_norm": "norm",
 }
 _UNSUPPORTED = re.compile(r"(q_a_proj|kv_a_proj|kv_b_proj|experts|mlp\.gate\.weight$|shared_expert|_exps\b|"
@@ -244,7 +242,8 @@ def _read_gguf_mtp(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
             continue
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         perm = None
-        if arch == "llama" and name in ("layer.q", "layer.k") and heads:  # undo llama.cpp's q/k permutation
+        fam = families().get(arch)
+        if fam and fam.gguf_permute_qk and name in ("layer.q", "layer.k") and heads:  # undo llama.cpp's permutation
             perm = mweights._unpermute_rows(shape[0], heads if name == "layer.q" else kv_heads)
         w = mweights.RawTensor(t.name, shape, t.tensor_type.name, t.data, perm).dequantize()
         if m.group(2) == "bias":
@@ -409,7 +408,7 @@ class MTPDrafter(Drafter):
         if self.store is None or first == 0 or first % self.store.block_size:
             return
         bs = self.store.block_size
-        lo, rows = self.store.chain(seq.table.hashes, seq.token_ids, first // bs, -(-self.cfg.context_window // bs))
+        lo, rows = self.store.chain(seq.block_hashes, seq.token_ids, first // bs, -(-self.cfg.context_window // bs))
         st.stored = first // bs
         if rows:
             st.k, st.v = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
@@ -421,13 +420,13 @@ class MTPDrafter(Drafter):
         if self.store is None or st.k is None:
             return
         bs = self.store.block_size
-        last = min(len(seq.table.hashes), st.k_end // bs)
+        last = min(len(seq.block_hashes), st.k_end // bs)
         for i in range(st.stored, last):
             lo = max(i * bs, 1)
             if st.k_start > lo or i not in st.last_h:  # rows missing (a gap start): cannot keep it
                 continue
             r = slice(lo - st.k_start, (i + 1) * bs - st.k_start)
-            self.store.put(seq.table.hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]),
+            self.store.put(seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]),
                            [st.k[r].clone(), st.v[r].clone(), st.last_h[i]])
         for i in [i for i in st.last_h if i < last]:
             del st.last_h[i]

@@ -434,7 +434,8 @@ def capture_hidden(target, seqs: list[list[int]], layers: tuple[int, ...], final
     ``dtype``, on ``device``) for every token of each sequence; with final_norm, the target's
     final norm is applied (one layer). progress: called with a line at every tenth of the tokens."""
     from specserve.models.layers import rms_norm
-    from specserve.models.transformer import ForwardBatch, KVCache
+    from specserve.engine.model_runner import BatchEntry, build_forward_batch
+    from specserve.models.transformer import KVCache
 
     model, cfg = target.model, target.config
     dev = model.device
@@ -450,21 +451,12 @@ def capture_hidden(target, seqs: list[list[int]], layers: tuple[int, ...], final
             i += 1
         blocks = [-(-len(seqs[g]) // bs) for g in group]
         kv = KVCache.allocate(cfg, sum(blocks), bs, model.dtype, dev)
-        tables = torch.zeros((len(group), max(blocks)), dtype=torch.int32)
-        ids, pos, sids, slots = [], [], [], []
-        base = 0
-        for r, (g, nb) in enumerate(zip(group, blocks)):
-            toks = seqs[g]
-            tables[r, :nb] = torch.arange(base, base + nb, dtype=torch.int32)
-            ids += toks
-            pos += range(len(toks))
-            sids += [r] * len(toks)
-            slots += [(base + p // bs) * bs + p % bs for p in range(len(toks))]
+        entries, base = [], 0
+        for g, nb in zip(group, blocks):  # each sequence's blocks follow the previous one's
+            entries.append(BatchEntry(seqs[g], 0, [list(range(base, base + nb))]))
             base += nb
-        batch = ForwardBatch(torch.tensor(ids, device=dev), torch.tensor(pos, dtype=torch.int32, device=dev),
-                             torch.tensor(sids, dtype=torch.int32, device=dev), tables.to(dev),
-                             torch.tensor(slots, device=dev), torch.tensor([len(ids) - 1], device=dev),
-                             hidden_layers=tuple(layers))
+        batch = build_forward_batch(entries, bs, max(blocks), [sum(len(seqs[g]) for g in group) - 1], dev,
+                                    hidden_layers=tuple(layers))
         res = model.forward(batch, kv)
         feats = torch.cat([res.hidden[layer].float() for layer in layers], dim=-1)
         if final_norm:

@@ -1,0 +1,96 @@
+"""The model runner: the one place a forward batch is built, and the forward pass itself.
+
+``build_forward_batch`` turns per-sequence entries (tokens, first position, block ids of each
+paged cache group) into a :class:`ForwardBatch`; the engine's :class:`ModelRunner`, the draft
+model and the training-data capture all build their batches with it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.cache import CacheCoordinator
+from specserve.engine.scheduler import ScheduledRow
+from specserve.models.transformer import ForwardBatch, ForwardOutput, KVCache
+from specserve.speculative.adaptive import CostModel
+
+
+@dataclass
+class BatchEntry:
+    """One sequence's rows in a forward pass."""
+
+    tokens: list[int]
+    start: int  # position of tokens[0]
+    tables: list[list[int]]  # block ids of each paged cache group (group 0: the growing pool)
+
+
+def build_forward_batch(entries: list[BatchEntry], block_size: int, max_blocks: int, logit_rows: list[int],
+                        device: torch.device, hidden_layers: tuple[int, ...] = ()) -> ForwardBatch:
+    """The batch of ``entries`` in order; logits are computed for ``logit_rows``. The first paged
+    group fills ``block_tables`` / ``slot_mapping``, a second (the sliding-window layers' own
+    pool) the ``window_*`` fields."""
+    ids, pos, sids = [], [], []
+    num_groups = len(entries[0].tables) if entries else 1
+    groups = [([], torch.zeros((len(entries), max_blocks), dtype=torch.int32)) for _ in range(num_groups)]
+    bs = block_size
+    for i, e in enumerate(entries):
+        p = range(e.start, e.start + len(e.tokens))
+        ids += e.tokens
+        pos += p
+        sids += [i] * len(e.tokens)
+        for (slots, tables), blocks in zip(groups, e.tables, strict=True):
+            slots += [blocks[x // bs] * bs + x % bs for x in p]  # HOLE (-1) entries are never written
+            tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    paging = [(tables.to(device), torch.tensor(slots, dtype=torch.int64, device=device)) for slots, tables in groups]
+    window = paging[1] if len(paging) > 1 else (None, None)
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(pos, dtype=torch.int32, device=device),
+        seq_ids=torch.tensor(sids, dtype=torch.int32, device=device),
+        block_tables=paging[0][0],
+        slot_mapping=paging[0][1],
+        logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=device),
+        hidden_layers=hidden_layers,
+        window_block_tables=window[0],
+        window_slot_mapping=window[1],
+    )
+
+
+def logit_rows(rows: list[ScheduledRow]) -> list[int]:
+    """Rows whose logits verification needs: every row of a decode (the last token and each
+    draft), the last row of the chunk that ends a prompt."""
+    out: list[int] = []
+    for r in rows:
+        if r.sample:
+            out += range(r.start + (r.count - 1 if not r.decode and r.count > 1 else 0), r.start + r.count)
+    return out
+
+
+class ModelRunner:
+    """Runs the target over a step's scheduled rows and times each pass into ``cost``."""
+
+    def __init__(self, model, kv: KVCache, cache: CacheCoordinator, block_size: int, max_blocks: int,
+                 cost: CostModel, hidden_layers: tuple[int, ...] = ()):
+        self.model, self.kv, self.cache = model, kv, cache
+        self.block_size, self.max_blocks = block_size, max_blocks
+        self.cost, self.hidden_layers = cost, hidden_layers
+
+    def entry(self, r: ScheduledRow) -> BatchEntry:
+        seq = r.seq
+        toks = ([seq.token_ids[seq.num_computed]] + r.drafts if r.decode
+                else seq.token_ids[seq.num_computed:seq.num_computed + r.count])
+        return BatchEntry(toks, seq.num_computed, self.cache.block_tables(seq))
+
+    def batch(self, rows: list[ScheduledRow]) -> ForwardBatch:
+        return build_forward_batch([self.entry(r) for r in rows], self.block_size, self.max_blocks,
+                                   logit_rows(rows), self.model.device, self.hidden_layers)
+
+    def run(self, rows: list[ScheduledRow], timed: bool = True) -> ForwardOutput:
+        batch = self.batch(rows)
+        t0 = time.perf_counter()
+        out = self.model.forward(batch, self.kv)
+        if timed:
+            self.cost.add(int(batch.input_ids.shape[0]), time.perf_counter() - t0)
+        return out

@@ -1,0 +1,33 @@
+"""Fixtures shared by the test modules.
+
+``tiny_target``: a tiny random Llama with a byte-level tokenizer, built in the test process
+(no download), for tests of the scheduler, the cache coordinator and speculation that need a
+real model but not a real checkpoint. ``tiny_engine``: an engine over it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny_models import make_tiny_target  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp("tiny_target"))
+
+
+@pytest.fixture
+def tiny_engine(tiny_target):
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.llm_engine import LLMEngine
+
+    def make(spec=None, drafter=None, **ecfg):
+        ecfg.setdefault("max_model_len", 256)
+        return LLMEngine(tiny_target, EngineConfig(**ecfg), spec, drafter)
+
+    return make

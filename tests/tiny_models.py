@@ -1,0 +1,56 @@
+"""Tiny random models built in the test process (no download): a byte-level tokenizer and a
+3-layer Llama saved with transformers and loaded by our loader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specserve.models.loader import LoadOptions, load_model
+
+FP32 = LoadOptions(device="cpu", quantization="none")
+TINY_VOCAB = 320
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_byte_tokenizer(directory: Path) -> None:
+    """A byte-level tokenizer (256 byte tokens + chat specials) with a chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None}))
+
+
+def make_tiny_target(directory: Path, seed: int = 0, layers: int = 3):
+    """A tiny random Llama saved with save_pretrained and loaded by our loader (fp32)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   num_hidden_layers=layers, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                                   tie_word_embeddings=True, bos_token_id=None, eos_token_id=257, pad_token_id=0)
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * r)
+            elif "embed_tokens" in name:
+                p.copy_(r)
+            else:
+                p.copy_(r * (1.2 / p.shape[-1] ** 0.5))
+    directory.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(directory, safe_serialization=True)
+    write_byte_tokenizer(directory)
+    return load_model(str(directory), FP32)
