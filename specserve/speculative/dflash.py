@@ -44,7 +44,6 @@ layer ids, block size, ...) and ``model.safetensors``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -52,7 +51,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.engine.sequence import Sequence
@@ -63,142 +61,10 @@ from specserve.models.loader import LoadedModel
 from specserve.speculative.draft_vocab import DraftVocab, frequent_ids, head_cut
 from specserve.speculative.drafter import Drafter, Proposal, pick_tokens
 from specserve.speculative.prefix_store import PrefixStore
+from specserve.speculative.layers import (DecoderLayer, TargetHead, apply_rope, check_target, head_logits,  # noqa: F401
+                                          rms, rope_tables, spread_layers, target_identity, vocab_hash)
 
 CONTEXT_TRIM = 64  # the per-sequence context cache is trimmed in chunks of this many positions
-
-
-# ---- building blocks shared with the MTP head -------------------------------------------------
-def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Differentiable RMS norm in float32 (x: [..., H])."""
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-
-
-def rope_tables(head_dim: int, theta: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    freqs = positions.float()[..., None] * inv.to(positions.device)  # [..., D/2]
-    return freqs.cos(), freqs.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., T, heads, D]; cos/sin: [..., T, D/2] (half-split layout, as the target)."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP; attention over (extra keys/values ++ own rows) with a mask."""
-
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
-                 theta: float, qk_norm: bool = False, qkv_bias: bool = False):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.eps, self.theta = heads, kv_heads, head_dim, eps, theta
-        self.attn_norm = nn.Parameter(torch.ones(hidden))
-        self.q = nn.Linear(hidden, heads * head_dim, bias=qkv_bias)
-        self.k = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
-        self.v = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
-        self.o = nn.Linear(heads * head_dim, hidden, bias=False)
-        self.qk_norm = qk_norm
-        if qk_norm:
-            self.q_norm = nn.Parameter(torch.ones(head_dim))
-            self.k_norm = nn.Parameter(torch.ones(head_dim))
-        self.ffn_norm = nn.Parameter(torch.ones(hidden))
-        self.gate = nn.Linear(hidden, inter, bias=False)
-        self.up = nn.Linear(hidden, inter, bias=False)
-        self.down = nn.Linear(inter, hidden, bias=False)
-
-    def kv(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h: [..., T, H] (already normed) -> rotated k, v: [..., T, kv_heads, D]."""
-        k = self.k(h).unflatten(-1, (self.kv_heads, self.head_dim))
-        v = self.v(h).unflatten(-1, (self.kv_heads, self.head_dim))
-        if self.qk_norm:
-            k = rms(k, self.k_norm, self.eps)
-        cos, sin = rope_tables(self.head_dim, self.theta, positions)
-        return apply_rope(k, cos, sin), v
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, extra_k: torch.Tensor | None,
-                extra_v: torch.Tensor | None, mask: torch.Tensor | None, return_kv: bool = False):
-        """x: [b, T, H]; positions: [b, T]; extra_k/v: [b, C, kvh, D] or None;
-        mask: [b, T, C + T] bool (True = may attend) or None (everything).
-        Returns x [b, T, H], plus the rows' own (k, v) with return_kv."""
-        h = rms(x, self.attn_norm, self.eps)
-        q = self.q(h).unflatten(-1, (self.heads, self.head_dim))
-        if self.qk_norm:
-            q = rms(q, self.q_norm, self.eps)
-        cos, sin = rope_tables(self.head_dim, self.theta, positions)
-        q = apply_rope(q, cos, sin)
-        k, v = self.kv(h, positions)
-        own = (k, v)
-        if extra_k is not None:
-            k, v = torch.cat([extra_k, k], dim=1), torch.cat([extra_v, v], dim=1)
-        rep = self.heads // self.kv_heads
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, T, D]
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None])
-        x = x + self.o(attn.transpose(1, 2).flatten(-2))
-        h = rms(x, self.ffn_norm, self.eps)
-        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
-        return (x, own) if return_kv else x
-
-
-def spread_layers(num_layers: int, k: int) -> tuple[int, ...]:
-    """k target layers spread from early to late (e.g. 30 layers, k=3 -> (1, 15, 28))."""
-    if k <= 1:
-        return (num_layers - 2 if num_layers > 2 else num_layers - 1,)
-    first, last = (1, num_layers - 2) if num_layers > 4 else (0, num_layers - 1)
-    return tuple(sorted({round(first + i * (last - first) / (k - 1)) for i in range(k)}))
-
-
-def vocab_hash(target: LoadedModel) -> str:
-    tok = target.tokenizer
-    return hashlib.sha256("\x00".join(tok.vocab_fingerprint()).encode()).hexdigest()[:16]
-
-
-def target_identity(target: LoadedModel) -> dict:
-    c = target.config
-    return {"name": target.name, "arch": c.arch, "hidden_size": c.hidden_size, "num_layers": c.num_layers,
-            "vocab_size": c.vocab_size, "vocab_hash": vocab_hash(target)}
-
-
-def check_target(cfg_target: dict, target: LoadedModel, where: str) -> None:
-    """A trained drafter only makes sense on the target it was trained for."""
-    have = target_identity(target)
-    for key in ("hidden_size", "num_layers", "vocab_size"):
-        if key in cfg_target and cfg_target[key] != have[key]:
-            raise SpecserveError(f"drafter {where} was trained for {cfg_target.get('name')!r} ({key} "
-                                 f"{cfg_target[key]}), but the target {target.name!r} has {key} {have[key]}")
-    if cfg_target.get("vocab_hash") and cfg_target["vocab_hash"] != have["vocab_hash"]:
-        raise SpecserveError(f"drafter {where} was trained for {cfg_target.get('name')!r}, whose vocabulary "
-                             f"differs from that of {target.name!r}")
-
-
-class TargetHead:
-    """The frozen target pieces a drafter uses: embedding, final norm weight, LM head.
-
-    At inference the drafter calls the target's own ``embed``/``logits`` (its kernels); for
-    training, ``float_head()`` gives a differentiable float copy of the LM head weight.
-    """
-
-    def __init__(self, target: LoadedModel):
-        self.model = target.model
-        self.cfg = target.config
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(ids).float()
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(h.to(self.model.dtype).contiguous())
-
-    def float_head(self) -> torch.Tensor:
-        return self.model.lm_head.float_weight()
-
-
-def head_logits(h: torch.Tensor, head_w: torch.Tensor, softcap: float) -> torch.Tensor:
-    """Differentiable LM head (training): h [.., H] normed -> [.., V]."""
-    out = F.linear(h, head_w)
-    return torch.tanh(out / softcap) * softcap if softcap else out
 
 
 # ---- config + model ---------------------------------------------------------------------------

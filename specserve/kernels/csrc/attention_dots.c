@@ -1,0 +1,193 @@
+/* Part of cpu_kernels.c (paged attention: multi-vector dot products and value sums): not compiled alone, cpu_kernels.c includes it
+ * in order (one translation unit; build.py hashes every csrc file). */
+
+#define ATT_QV 4 /* query vectors per block of the multi-vector kernels */
+#define ATT_QT 4 /* rows of one sequence per work item (with the heads of a kv head) */
+#define ATT_VMAX 64 /* query vectors per work item at most (rows x heads) */
+
+#ifdef SS_AVX2
+/* out[v] = the 8 scores dot8x8(qv[v], kp) for v < NV: per (vector, key) the same lanes, FMAs
+   and hsum8x8 as dot8x8; each K row load serves NV vectors */
+SS_INLINE void dot8x8_multi(const int NV, const float *const *qv, const float *const *kp, int D, __m256 *out) {
+    __m256 a[ATT_QV][8];
+    for (int h = 0; h < 8; h += 4) { /* keys h .. h + 3 (half the accumulators live at a time) */
+        for (int v = 0; v < NV; v++)
+            for (int j = 0; j < 4; j++) a[v][h + j] = _mm256_setzero_ps();
+        int d = 0;
+        for (; d + 8 <= D; d += 8) {
+            const __m256 k0 = _mm256_loadu_ps(kp[h] + d), k1 = _mm256_loadu_ps(kp[h + 1] + d);
+            const __m256 k2 = _mm256_loadu_ps(kp[h + 2] + d), k3 = _mm256_loadu_ps(kp[h + 3] + d);
+            for (int v = 0; v < NV; v++) {
+                const __m256 qd = _mm256_loadu_ps(qv[v] + d);
+                a[v][h] = _mm256_fmadd_ps(qd, k0, a[v][h]);
+                a[v][h + 1] = _mm256_fmadd_ps(qd, k1, a[v][h + 1]);
+                a[v][h + 2] = _mm256_fmadd_ps(qd, k2, a[v][h + 2]);
+                a[v][h + 3] = _mm256_fmadd_ps(qd, k3, a[v][h + 3]);
+            }
+        }
+        if (d < D) {
+            const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(D - d), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            for (int j = 0; j < 4; j++) {
+                const __m256 kd = _mm256_maskload_ps(kp[h + j] + d, mask);
+                for (int v = 0; v < NV; v++)
+                    a[v][h + j] = _mm256_fmadd_ps(_mm256_maskload_ps(qv[v] + d, mask), kd, a[v][h + j]);
+            }
+        }
+    }
+    for (int v = 0; v < NV; v++) out[v] = hsum8x8(a[v]);
+}
+#endif
+
+#ifdef SS_AVX512
+/* dot8x8_multi with two keys per 512-bit register (lanes 0-7 key 2p, 8-15 key 2p + 1): the
+   same lanes, FMAs (masked tail included) and hsum8x8 per (vector, key), half the FMAs */
+SS_INLINE __m512 join8x2(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+SS_INLINE void dot8x8_multi512(const int NV, const float *const *qv, const float *const *kp, int D, __m256 *out) {
+    __m512 a[ATT_QV][4];
+    for (int v = 0; v < NV; v++)
+        for (int p = 0; p < 4; p++) a[v][p] = _mm512_setzero_ps();
+    int d = 0;
+    for (; d + 8 <= D; d += 8) {
+        __m512 k[4];
+        for (int p = 0; p < 4; p++) k[p] = join8x2(_mm256_loadu_ps(kp[2 * p] + d), _mm256_loadu_ps(kp[2 * p + 1] + d));
+        for (int v = 0; v < NV; v++) {
+            const __m256 q8 = _mm256_loadu_ps(qv[v] + d);
+            const __m512 qd = join8x2(q8, q8);
+            for (int p = 0; p < 4; p++) a[v][p] = _mm512_fmadd_ps(qd, k[p], a[v][p]);
+        }
+    }
+    if (d < D) {
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(D - d), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m512 k[4];
+        for (int p = 0; p < 4; p++)
+            k[p] = join8x2(_mm256_maskload_ps(kp[2 * p] + d, mask), _mm256_maskload_ps(kp[2 * p + 1] + d, mask));
+        for (int v = 0; v < NV; v++) {
+            const __m256 q8 = _mm256_maskload_ps(qv[v] + d, mask);
+            const __m512 qd = join8x2(q8, q8);
+            for (int p = 0; p < 4; p++) a[v][p] = _mm512_fmadd_ps(qd, k[p], a[v][p]);
+        }
+    }
+    for (int v = 0; v < NV; v++) {
+        __m256 t[8];
+        for (int p = 0; p < 4; p++) {
+            t[2 * p] = _mm512_castps512_ps256(a[v][p]);
+            t[2 * p + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[v][p]), 1));
+        }
+        out[v] = hsum8x8(t);
+    }
+}
+#define DOT8X8_MULTI dot8x8_multi512
+#else
+#define DOT8X8_MULTI dot8x8_multi
+#endif
+
+/* scores of nv vectors qs[v] over keys [0, L) (L % 8 == 0 on AVX2 builds) into scs[v], mx[v] updated:
+   per (vector, key) exactly attn_scores' value */
+static void attn_scores_multi(const float *const *qs, int nv, const float *kbase, const int64_t *koff, int64_t L,
+                              int D, float scale, float softcap, float *const *scs, float *mx, int pf) {
+#ifdef SS_AVX2
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int v0 = 0; v0 < nv; v0 += ATT_QV) {
+        const int n = nv - v0 < ATT_QV ? nv - v0 : ATT_QV;
+        for (int64_t i = 0; i < L; i += 8) {
+            const float *kp[8];
+            for (int64_t j = i + ATT_PF; pf && v0 == 0 && j < i + ATT_PF + 8 && j < L; j++)
+                prefetch_bytes(kbase + koff[j], 4 * D);
+            for (int j = 0; j < 8; j++) kp[j] = kbase + koff[i + j];
+            __m256 r[ATT_QV];
+            switch (n) {
+            case 4: DOT8X8_MULTI(4, qs + v0, kp, D, r); break;
+            case 3: DOT8X8_MULTI(3, qs + v0, kp, D, r); break;
+            case 2: DOT8X8_MULTI(2, qs + v0, kp, D, r); break;
+            default: r[0] = dot8x8(qs[v0], kp, D); break; /* 8 accumulator chains, not 4 */
+            }
+            for (int w = 0; w < n; w++) {
+                float x8[8] SS_ALIGN;
+                _mm256_store_ps(x8, _mm256_mul_ps(r[w], vscale));
+                float *scv = scs[v0 + w] + i, m = mx[v0 + w];
+                for (int j = 0; j < 8; j++) {
+                    float x = x8[j];
+                    if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+                    scv[j] = x;
+                    m = x > m ? x : m;
+                }
+                mx[v0 + w] = m;
+            }
+        }
+    }
+#else
+    for (int v = 0; v < nv; v++) {
+        const float m = attn_scores(qs[v], kbase, koff, L, D, scale, softcap, scs[v], pf);
+        mx[v] = m > mx[v] ? m : mx[v];
+    }
+#endif
+}
+
+/* acc[v][d] += sum_i pw[v][i] * v_i[d] for v < NV over keys [0, L): per element one fused
+   multiply-add per key, in key order (the same whatever the vector width, and whether the keys
+   come in one call or in consecutive ranges); each V row load serves NV vectors */
+SS_INLINE void values_multi(const int NV, const float *const *pw, const float *vbase, const int64_t *voff, int64_t L,
+                            int D, float *const *acc, int pf) {
+    int d0 = 0;
+#if defined(SS_AVX512)
+    for (; d0 + 64 <= D; d0 += 64) {
+        __m512 a[ATT_QV][4];
+        for (int v = 0; v < NV; v++)
+            for (int c = 0; c < 4; c++) a[v][c] = _mm512_loadu_ps(acc[v] + d0 + 16 * c);
+        for (int64_t i = 0; i < L; i++) {
+            const float *vr = vbase + voff[i] + d0;
+            if (pf && d0 == 0 && i + ATT_PF < L) prefetch_bytes(vbase + voff[i + ATT_PF], 4 * D);
+            const __m512 x0 = _mm512_loadu_ps(vr), x1 = _mm512_loadu_ps(vr + 16);
+            const __m512 x2 = _mm512_loadu_ps(vr + 32), x3 = _mm512_loadu_ps(vr + 48);
+            for (int v = 0; v < NV; v++) {
+                const __m512 p = _mm512_set1_ps(pw[v][i]);
+                a[v][0] = _mm512_fmadd_ps(p, x0, a[v][0]);
+                a[v][1] = _mm512_fmadd_ps(p, x1, a[v][1]);
+                a[v][2] = _mm512_fmadd_ps(p, x2, a[v][2]);
+                a[v][3] = _mm512_fmadd_ps(p, x3, a[v][3]);
+            }
+        }
+        for (int v = 0; v < NV; v++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc[v] + d0 + 16 * c, a[v][c]);
+    }
+#endif
+#if defined(SS_AVX2)
+    for (; d0 + 16 <= D; d0 += 16) {
+        __m256 a[ATT_QV][2];
+        for (int v = 0; v < NV; v++)
+            for (int c = 0; c < 2; c++) a[v][c] = _mm256_loadu_ps(acc[v] + d0 + 8 * c);
+        for (int64_t i = 0; i < L; i++) {
+            const float *vr = vbase + voff[i] + d0;
+            if (pf && d0 == 0 && i + ATT_PF < L) prefetch_bytes(vbase + voff[i + ATT_PF], 4 * D);
+            const __m256 x0 = _mm256_loadu_ps(vr), x1 = _mm256_loadu_ps(vr + 8);
+            for (int v = 0; v < NV; v++) {
+                const __m256 p = _mm256_set1_ps(pw[v][i]);
+                a[v][0] = _mm256_fmadd_ps(p, x0, a[v][0]);
+                a[v][1] = _mm256_fmadd_ps(p, x1, a[v][1]);
+            }
+        }
+        for (int v = 0; v < NV; v++)
+            for (int c = 0; c < 2; c++) _mm256_storeu_ps(acc[v] + d0 + 8 * c, a[v][c]);
+    }
+#endif
+    for (int64_t i = 0; d0 < D && i < L; i++) {
+        const float *vr = vbase + voff[i];
+        for (int v = 0; v < NV; v++)
+            for (int d = d0; d < D; d++) acc[v][d] = fmaf(pw[v][i], vr[d], acc[v][d]);
+    }
+}
+
+static void attn_values_multi(const float *const *pw, int nv, const float *vbase, const int64_t *voff, int64_t L,
+                              int D, float *const *acc, int pf) {
+    for (int v0 = 0; v0 < nv; v0 += ATT_QV) {
+        switch (nv - v0 < ATT_QV ? nv - v0 : ATT_QV) {
+        case 4: values_multi(4, pw + v0, vbase, voff, L, D, acc + v0, pf); break;
+        case 3: values_multi(3, pw + v0, vbase, voff, L, D, acc + v0, pf); break;
+        case 2: values_multi(2, pw + v0, vbase, voff, L, D, acc + v0, pf); break;
+        default: values_multi(1, pw + v0, vbase, voff, L, D, acc + v0, pf); break;
+        }
+    }
+}
+

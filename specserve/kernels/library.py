@@ -1,0 +1,215 @@
+"""Loading the C kernel library, choosing its build (native / AVX2 / scalar / torch), threads."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any
+
+import torch
+
+from . import build as _build
+
+
+class KernelError(RuntimeError):
+    pass
+
+
+# format ids shared with the C file
+_FMT_F32, _FMT_I8, _FMT_Q8_0, _FMT_Q4_0, _FMT_Q4_1, _FMT_Q4_K, _FMT_Q6_K = range(7)
+
+# qtype -> (format id, elements per block, bytes per block)
+GGUF_QTYPES: dict[str, tuple[int, int, int]] = {
+    "Q8_0": (_FMT_Q8_0, 32, 34),
+    "Q4_0": (_FMT_Q4_0, 32, 18),
+    "Q4_1": (_FMT_Q4_1, 32, 20),
+    "Q4_K": (_FMT_Q4_K, 256, 144),
+    "Q6_K": (_FMT_Q6_K, 256, 210),
+}
+
+# activation block (values per fp32 scale) of the integer-dot path, per weight format
+ACT_BLOCK: dict[int, int] = {_FMT_I8: 32, _FMT_Q8_0: 32, _FMT_Q4_0: 32, _FMT_Q4_1: 32, _FMT_Q4_K: 256, _FMT_Q6_K: 256}
+_ACT_AMIN = 1e-30  # blocks with max |x| below this quantize to zero (keeps 1 / dx finite)
+
+_ERRORS = {
+    -1: (ValueError, "invalid arguments"),
+    -2: (ValueError, "unknown weight format"),
+    -3: (IndexError, "block table entry out of range of the kv cache"),
+    -4: (IndexError, "position beyond the block table (or negative)"),
+    -5: (IndexError, "seq id out of range of block_tables"),
+    -6: (MemoryError, "out of memory in kernel"),
+    -7: (IndexError, "position beyond the rope table (or negative)"),
+    -8: (IndexError, "kv slot out of range of the kv cache"),
+}
+
+# --------------------------------------------------------------------------
+# library loading / dispatch
+# --------------------------------------------------------------------------
+
+_lib_lock = threading.Lock()
+_lib_cache: dict[str, ctypes.CDLL | None] = {}
+_num_threads_override: int | None = None
+
+_vp, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.set_num_threads.argtypes = [_i32]
+    lib.set_num_threads.restype = None
+    for name in ("ss_get_max_threads", "ss_abi_version", "ss_has_avx2", "ss_has_avx512", "ss_has_openmp",
+                 "ss_has_f16c", "ss_int_dot_isa"):
+        getattr(lib, name).argtypes = []
+        getattr(lib, name).restype = _i32
+    lib.ss_dequantize.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp, _i32]
+    lib.ss_dequantize.restype = _i32
+    lib.ss_linear.argtypes = [_vp, _i64, _i64, _i64, _vp, _i32, _i64, _vp, _vp, _vp, _i64, _i64, _i32]
+    lib.ss_linear.restype = _i32
+    lib.ss_linear_q8.argtypes = lib.ss_linear.argtypes
+    lib.ss_linear_q8.restype = _i32
+    lib.ss_quantize_act.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp, _vp]
+    lib.ss_quantize_act.restype = _i32
+    lib.ss_paged_attention.argtypes = [_vp, _vp, _vp, _i64, _i64, _i64, _vp, _i64, _i64, _vp, _vp,
+                                       _i64, _i64, _i64, _f32, _i64, _f32, _vp, _i32]
+    lib.ss_paged_attention.restype = _i32
+    lib.ss_paged_attention_kv.argtypes = [_i32, _vp, _vp, _vp, _vp, _vp, _i64, _i64, _i64, _i64, _vp, _i64, _i64,
+                                          _vp, _vp, _i64, _i64, _i64, _f32, _i64, _f32, _vp, _i32]
+    lib.ss_paged_attention_kv.restype = _i32
+    lib.ss_kv_quantize.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp, _vp]
+    lib.ss_kv_quantize.restype = _i32
+    lib.ss_fp8_e4m3_to_float.argtypes = [_i32]
+    lib.ss_fp8_e4m3_to_float.restype = _f32
+    lib.ss_rms_norm.argtypes = [_vp, _i64, _i64, _i64, _vp, _f32, _i32, _vp, _i64, _i32]
+    lib.ss_rms_norm.restype = _i32
+    lib.ss_add_rms_norm.argtypes = [_vp, _vp, _i64, _i64, _vp, _f32, _i32, _vp, _vp, _i32]
+    lib.ss_add_rms_norm.restype = _i32
+    lib.ss_rope.argtypes = [_vp, _i64, _i64, _i64, _i64, _vp, _vp, _vp, _i64, _vp, _i64, _i32]
+    lib.ss_rope.restype = _i32
+    lib.ss_act_mul.argtypes = [_vp, _vp, _i64, _i64, _i64, _i64, _i32, _vp, _i64, _i32]
+    lib.ss_act_mul.restype = _i32
+    lib.ss_decoder_layers.argtypes = [_vp, _vp, _vp, _i64, _i64, _vp, _vp, _vp, _i32]
+    lib.ss_decoder_layers.restype = _i32
+    return lib
+
+
+def _get_lib(variant: str = "native") -> ctypes.CDLL | None:
+    lib = _lib_cache.get(variant, False)
+    if lib is not False:
+        return lib  # type: ignore[return-value]
+    with _lib_lock:
+        if variant not in _lib_cache:
+            lib = _build.load_library(variant)
+            _lib_cache[variant] = _declare(lib) if lib is not None else None
+        return _lib_cache[variant]
+
+
+def kernels_available() -> bool:
+    """True when the compiled C kernels can be used (builds them on first call)."""
+    return _get_lib() is not None
+
+
+_default_impl: str | None = None  # None: read SPECSERVE_KERNELS on next use
+
+
+def set_default_impl(impl: str | None) -> None:
+    """Implementation used when a call passes no ``impl``: "auto" (C when
+    available), "c" (C or error) or "torch" (fallback). None re-reads the
+    SPECSERVE_KERNELS environment variable (it is read once, on first use)."""
+    global _default_impl
+    if impl is not None:
+        _select(impl)  # validate
+    _default_impl = impl.lower() if impl is not None else None
+
+
+def _select(impl: str | None) -> ctypes.CDLL | None:
+    """The C library to use, or None for the torch fallback."""
+    global _default_impl
+    if impl is None:
+        if _default_impl is None:
+            _default_impl = (os.environ.get("SPECSERVE_KERNELS", "auto") or "auto").lower()
+        impl = _default_impl
+    impl = impl.lower()
+    if impl in ("torch", "fallback", "python"):
+        return None
+    if impl in ("auto", ""):
+        return _get_lib()
+    if impl == "c":
+        lib = _get_lib()
+        if lib is None:
+            raise KernelError(f"C kernels requested but unavailable: {_build.get_build().error}")
+        return lib
+    if impl in ("c-scalar", "c-avx2"):  # test builds with SIMD paths compiled out
+        variant = impl[2:]
+        lib = _get_lib(variant)
+        if lib is None:
+            raise KernelError(f"{variant} C kernels unavailable: {_build.get_build(variant).error}")
+        return lib
+    raise ValueError(f"unknown kernel implementation {impl!r} (expected auto, c, torch)")
+
+
+def set_num_threads(n: int | None) -> None:
+    """Threads used by the C kernels; None (default) = torch.get_num_threads().
+
+    The count is passed to every kernel call (OpenMP ``num_threads``), so it
+    does not touch torch's own setting. Results never depend on it."""
+    global _num_threads_override
+    if n is not None and n < 1:
+        raise ValueError("thread count must be >= 1")
+    _num_threads_override = int(n) if n is not None else None
+
+
+def get_num_threads() -> int:
+    return _num_threads_override if _num_threads_override is not None else torch.get_num_threads()
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        exc, msg = _ERRORS.get(rc, (KernelError, f"error {rc}"))
+        raise exc(f"{what}: {msg}")
+
+
+def kernels_info() -> dict[str, Any]:
+    res = _build.get_build()
+    lib = res.lib
+    info: dict[str, Any] = {
+        "available": lib is not None,
+        "library": res.path,
+        "flags": list(res.flags),
+        "compiler": res.compiler,
+        "compiler_version": (res.compiler_version or "").splitlines()[0] if res.compiler_version else None,
+        "error": res.error,
+        "impl_env": os.environ.get("SPECSERVE_KERNELS", "auto"),
+        "default_impl": _default_impl or "auto",
+        "num_threads": get_num_threads(),
+    }
+    if lib is not None:
+        lib = _get_lib()
+        info.update(
+            avx2=bool(lib.ss_has_avx2()),
+            avx512=bool(lib.ss_has_avx512()),
+            f16c=bool(lib.ss_has_f16c()),
+            openmp=bool(lib.ss_has_openmp()),
+            abi_version=int(lib.ss_abi_version()),
+            int_dot=("scalar", "avx2", "avx-vnni", "avx512", "avx512-vnni")[int(lib.ss_int_dot_isa())],
+            omp_max_threads=int(lib.ss_get_max_threads()),
+        )
+    else:
+        info.update(avx2=False, avx512=False, f16c=False, openmp=False)
+    return info
+
+
+# --------------------------------------------------------------------------
+# weight containers
+# --------------------------------------------------------------------------
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_2d_float(w: torch.Tensor, name: str) -> None:
+    _require(isinstance(w, torch.Tensor), f"{name} must be a torch.Tensor, got {type(w).__name__}")
+    _require(w.dim() == 2, f"{name} must be 2-D [N, K], got shape {tuple(w.shape)}")
+    _require(w.dtype == torch.float32, f"{name} must be float32, got {w.dtype}")
+    _require(w.device.type == "cpu", f"{name} must be on the CPU, got {w.device}")
