@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Match, Route
 
 from specserve import __version__
 from specserve.errors import RequestError
@@ -119,14 +120,22 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
         return request_error_response(validation_error(list(exc.errors())))
 
-    async def on_http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         response = error_response(exc.status_code, str(exc.detail), kind)
-        response.headers.update(exc.headers or {})  # a 405's Allow
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:  # Allow: every method of the path (Starlette names the first route's only)
+            response.headers["allow"] = ", ".join(allowed_methods(request))
         return response
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """The methods some route serves at the request's path."""
+    return sorted({m for route in request.app.routes if isinstance(route, Route)
+                   and route.matches(request.scope)[0] == Match.PARTIAL for m in route.methods or ()})
 
 
 # ---------------------------------------------------------------- small routes
