@@ -37,6 +37,14 @@ SUMMARIES = {
     "/health": "Liveness", "/version": "Server version", "/metrics": "Prometheus metrics (vLLM's names)",
     "/tokenize": "Prompt or messages to token ids", "/detokenize": "Token ids to text",
 }
+# a valid request per body: /docs fills "Try it out" with it, and fuzzers start from it
+EXAMPLES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 16},
+    "/v1/completions": {"prompt": "Once upon a time", "max_tokens": 16},
+    "/v1/responses": {"input": "Hi!", "instructions": "Answer briefly.", "max_output_tokens": 16},
+    "/tokenize": {"prompt": "Hello world"},
+    "/detokenize": {"tokens": [1, 2, 3]},
+}
 STREAMING = {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
 ERROR_SCHEMA = {
     "type": "object", "required": ["error"],
@@ -98,5 +106,8 @@ def _operation(path: str, method: str, body: dict | None) -> dict[str, Any]:
     if params:
         op["parameters"] = params
     if body is not None:
-        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+        media = {"schema": body}
+        if path in EXAMPLES:
+            media["example"] = EXAMPLES[path]
+        op["requestBody"] = {"required": True, "content": {"application/json": media}}
     return op
