@@ -202,6 +202,7 @@ def test_fingerprint_follows_the_configuration():
     assert base != system_fingerprint(describe(FakeEngine(spec=False)))
     assert base != system_fingerprint(describe(FakeEngine(model_name="other")))
     assert base != system_fingerprint(describe(FakeEngine(max_model_len=1024)))
+    assert base != system_fingerprint(describe(FakeEngine(), "{{ messages }}"))
 
 
 # ---------------------------------------------------------------- timings

@@ -49,7 +49,7 @@ def create_app(engine, cfg: ServerConfig) -> FastAPI:
     source = renderer.template.source if renderer.template is not None else None
     ctx = ServingContext(engine=engine, cfg=cfg, metrics=metrics, renderer=renderer, served_model_name=served,
                          tool_parser=resolve_parser(cfg.tool_call_parser, source),
-                         system_fingerprint=system_fingerprint(describe(engine)))
+                         system_fingerprint=system_fingerprint(describe(engine, source)))
     logger.info("tool-call parser: %s; system_fingerprint %s", ctx.tool_parser, ctx.system_fingerprint)
 
     @asynccontextmanager

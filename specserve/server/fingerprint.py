@@ -2,8 +2,8 @@
 
 A hash of the model's identity (its weights' content hash, not its path) and the engine
 configuration that shapes outputs or speed: activation dtype, weight formats, KV cache dtype,
-speculative config (and the drafter's weights), engine limits and seed, and the specserve
-version. The same flags on the same files give the same fingerprint after a restart; changing
+speculative config (and the drafter's weights), engine limits and seed, the chat template, and
+the specserve version. The same flags on the same files give the same fingerprint after a restart; changing
 the speculative config or the KV dtype changes it. Nothing that varies from run to run (free
 memory, the pool size derived from it, timings, paths) goes in.
 """
@@ -18,10 +18,12 @@ from typing import Any
 from specserve import __version__
 
 
-def describe(engine: Any) -> dict[str, Any]:
-    """What the fingerprint hashes, for an AsyncEngine (or a stand-in with the server's interface)."""
+def describe(engine: Any, chat_template: str | None = None) -> dict[str, Any]:
+    """What the fingerprint hashes, for an AsyncEngine (or a stand-in with the server's interface) and
+    the chat template in use (its text decides the prompts)."""
+    template = hashlib.sha256(chat_template.encode()).hexdigest()[:16] if chat_template else None
     out: dict[str, Any] = {"specserve": __version__, "model": engine.model_name,
-                           "max_model_len": engine.max_model_len,
+                           "max_model_len": engine.max_model_len, "chat_template": template,
                            "speculative": bool(getattr(engine, "spec_enabled", False))}
     core = getattr(engine, "engine", None)  # the LLMEngine behind an AsyncEngine
     if core is None:
