@@ -189,7 +189,8 @@ def test_system_fingerprint_on_every_response_and_chunk():
         assert {ch.system_fingerprint for ch in chunks} == {fp}
         again = make_server()  # the same configuration: the same fingerprint
         try:
-            assert again.client().completions.create(model="fake-model", prompt="x", max_tokens=1).system_fingerprint == fp
+            r = again.client().completions.create(model="fake-model", prompt="x", max_tokens=1)
+            assert r.system_fingerprint == fp
         finally:
             again.close()
     finally:

@@ -105,8 +105,8 @@ class ResponsesAPI:
         if not ids:
             raise RequestError("the rendered prompt is empty", param="input")
         max_tokens = resolve_max_tokens(ctx, req.max_output_tokens, None, len(ids), "input", "max_output_tokens")
-        turn = Turn(req, item_id("resp"), conversation, Splitter(ctx.cfg.reasoning_parser, prompt_opens_think(prompt),
-                                                                  plan))
+        split = Splitter(ctx.cfg.reasoning_parser, prompt_opens_think(prompt), plan)
+        turn = Turn(req, item_id("resp"), conversation, split)
         choices = make_choices([ids], sampling_fields(req), [max_tokens], None, turn.id)
         fan = Fanout(ctx.engine, ctx.metrics, choices)
         await start_fanout(request.receive, fan, drain=not req.stream)
