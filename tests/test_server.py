@@ -954,9 +954,20 @@ def test_tool_choice_none_and_no_parser(tool_srv, srv, engine):
                                                   tool_choice="none")
     assert r.choices[0].message.content == CALL and r.choices[0].message.tool_calls is None
     assert not tool_srv.engine.prompts[-1].startswith("<tools>")  # not offered to the model
-    engine.responder = lambda prompt, params: CALL  # FAKE_TEMPLATE has no <tool_call>: auto is off
-    r = srv.client().chat.completions.create(model="fake-model", messages=MSGS, tools=TOOLS)
+    engine.responder = lambda prompt, params: CALL  # FAKE_TEMPLATE does not render tools: a 400 that says so
+    for path, body in (("/v1/chat/completions", {"messages": MSGS}), ("/tokenize", {"messages": MSGS})):
+        r = srv.http.post(path, json={**body, "tools": TOOLS})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "tools_not_supported", r.text
+        assert r.json()["error"]["param"] == "tools" and "--chat-template" in r.json()["error"]["message"]
+    r = srv.client().chat.completions.create(model="fake-model", messages=MSGS, tools=TOOLS, tool_choice="none")
     assert r.choices[0].message.content == CALL and r.choices[0].finish_reason == "stop"
+    s = make_server(chat_template=TOOL_TEMPLATE, tool_call_parser="none")  # offered, but calls stay text
+    try:
+        s.engine.responder = lambda prompt, params: CALL
+        r = s.client().chat.completions.create(model="fake-model", messages=MSGS, tools=TOOLS)
+        assert r.choices[0].message.content == CALL and s.engine.prompts[-1].startswith("<tools>")
+    finally:
+        s.close()
 
 
 @pytest.mark.parametrize("body,param", [

@@ -111,6 +111,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--max-n", type=int, default=8, help="largest n a request may ask for")
+    p.add_argument("--max-stored-responses", type=int, default=1000,
+                   help="/v1/responses kept in memory for previous_response_id (least recently used go first)")
+    p.add_argument("--allowed-origins", default='["*"]', help="CORS: JSON list of origins allowed to call the API")
+    p.add_argument("--allowed-methods", default='["*"]', help="CORS: JSON list of allowed methods")
+    p.add_argument("--allowed-headers", default='["*"]', help="CORS: JSON list of allowed request headers")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and auth headers")
+    p.add_argument("--disable-fastapi-docs", action="store_true", help="serve no /openapi.json and no /docs")
     p.add_argument("--lock", default=None, help="deployment lock file to verify before starting")
     p.add_argument("--lock-allow", action="append", default=[], help="lock field allowed to drift")
     p.add_argument("--log-level", default="info")

@@ -11,22 +11,27 @@ from contextlib import asynccontextmanager
 from typing import Awaitable, Callable
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Match, Route
 
 from specserve import __version__
 from specserve.errors import RequestError
 from specserve.server.chat import ChatRenderer
 from specserve.server.config import ServerConfig
+from specserve.server.fingerprint import describe, system_fingerprint
 from specserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from specserve.server.middleware import GuardMiddleware
+from specserve.server.openapi import install_openapi
 from specserve.server.protocol import (ApiError, DetokenizeRequest, TokenizeRequest, error_response, parse_body,
                                        request_error_response, validation_error)
 from specserve.server.serving import ServingContext, now
 from specserve.server.serving_chat import create_chat_completion
 from specserve.server.serving_completion import create_completion
+from specserve.server.serving_responses import ResponsesAPI, ResponseStore
 from specserve.server.streaming import ClientGone
 from specserve.server.tools import plan_tools, resolve_parser
 
@@ -43,8 +48,9 @@ def create_app(engine, cfg: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(served, engine.stats, spec_enabled=bool(getattr(engine, "spec_enabled", False)))
     source = renderer.template.source if renderer.template is not None else None
     ctx = ServingContext(engine=engine, cfg=cfg, metrics=metrics, renderer=renderer, served_model_name=served,
-                         tool_parser=resolve_parser(cfg.tool_call_parser, source))
-    logger.info("tool-call parser: %s", ctx.tool_parser)
+                         tool_parser=resolve_parser(cfg.tool_call_parser, source),
+                         system_fingerprint=system_fingerprint(describe(engine, source)))
+    logger.info("tool-call parser: %s; system_fingerprint %s", ctx.tool_parser, ctx.system_fingerprint)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -54,12 +60,19 @@ def create_app(engine, cfg: ServerConfig) -> FastAPI:
         finally:
             await engine.shutdown()
 
-    app = FastAPI(title="specserve", version=__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    docs = cfg.enable_docs
+    app = FastAPI(title="specserve", version=__version__, lifespan=lifespan, redoc_url=None,
+                  docs_url="/docs" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.ctx = ctx
     app.add_middleware(GuardMiddleware, api_key=cfg.api_key, max_request_bytes=cfg.max_request_bytes)
+    # added last, so outermost: a preflight (which carries no API key) is answered before the key check,
+    # and the guard's own 401/413 answers get the CORS headers a browser needs to read them
+    app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
+                       allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),
+                       allow_credentials=cfg.allow_credentials)
     _install_error_handlers(app)
-    _add_routes(app, ctx)
+    _add_routes(app, ctx, ResponsesAPI(ResponseStore(cfg.max_stored_responses)))
+    install_openapi(app, api_key=bool(cfg.api_key))
     return app
 
 
@@ -84,11 +97,15 @@ def _guard(ctx: ServingContext, handler: Handler):
     return endpoint
 
 
-def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
+def _add_routes(app: FastAPI, ctx: ServingContext, responses: ResponsesAPI) -> None:
     routes: list[tuple[str, str, Handler]] = [
         ("POST", "/v1/chat/completions", create_chat_completion),
         ("POST", "/v1/completions", create_completion),
+        ("POST", "/v1/responses", responses.create),
+        ("GET", "/v1/responses/{response_id}", responses.retrieve),
+        ("DELETE", "/v1/responses/{response_id}", responses.delete),
         ("GET", "/v1/models", list_models),
+        ("GET", "/v1/models/{model:path}", retrieve_model),
         ("GET", "/health", health),
         ("GET", "/version", version),
         ("GET", "/metrics", metrics_page),
@@ -103,20 +120,39 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
         return request_error_response(validation_error(list(exc.errors())))
 
-    async def on_http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), kind)
+        response = error_response(exc.status_code, str(exc.detail), kind)
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:  # Allow: every method of the path (Starlette names the first route's only)
+            response.headers["allow"] = ", ".join(allowed_methods(request))
+        return response
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
 
 
+def allowed_methods(request: Request) -> list[str]:
+    """The methods some route serves at the request's path."""
+    return sorted({m for route in request.app.routes if isinstance(route, Route)
+                   and route.matches(request.scope)[0] == Match.PARTIAL for m in route.methods or ()})
+
+
 # ---------------------------------------------------------------- small routes
 
-async def list_models(ctx: ServingContext, _request: Request) -> dict:
-    card = {"id": ctx.served_model_name, "object": "model", "created": now(), "owned_by": "specserve",
+def model_card(ctx: ServingContext) -> dict:
+    return {"id": ctx.served_model_name, "object": "model", "created": now(), "owned_by": "specserve",
             "root": ctx.engine.model_name, "parent": None, "max_model_len": ctx.engine.max_model_len}
-    return {"object": "list", "data": [card]}
+
+
+async def list_models(ctx: ServingContext, _request: Request) -> dict:
+    return {"object": "list", "data": [model_card(ctx)]}
+
+
+async def retrieve_model(ctx: ServingContext, request: Request) -> dict:
+    """GET /v1/models/{id}: the card under its served name or the engine's (404 for any other)."""
+    ctx.check_model(request.path_params["model"])
+    return model_card(ctx)
 
 
 async def health(_ctx: ServingContext, _request: Request) -> dict:

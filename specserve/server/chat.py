@@ -21,6 +21,13 @@ RESERVED_KWARGS = ("messages", "tools", "bos_token", "eos_token")
 CONTINUE_MARK = "\ue000continue\ue000"  # private-use characters: where an open assistant turn's text ends
 THINK_OPEN = "<think>"
 
+# a tool no template would print by accident: its name in the rendering shows the template writes tools
+PROBE_TOOL = {"type": "function", "function": {"name": "specserve_probe_tool_7f3a", "description": "probe",
+                                               "parameters": {"type": "object", "properties": {}}}}
+NO_TOOLS_MESSAGE = ("the chat template of {model!r} does not render tools, so the model would never see them; "
+                    "start the server with --chat-template FILE naming a template that renders `tools`, or "
+                    "send tool_choice \"none\"")
+
 NO_TEMPLATE_MESSAGE = ("model {model!r} has no chat template, so /v1/chat/completions cannot build a prompt; "
                        "start the server with --chat-template FILE or send raw text to /v1/completions")
 
@@ -49,6 +56,27 @@ class ChatRenderer:
             except TemplateError as exc:
                 self.broken = str(exc)
                 logger.warning("the model's chat template does not compile (%s); chat is disabled", exc)
+        self.renders_tools = self._renders_tools()
+        if self.template is not None and not self.renders_tools:
+            logger.info("the chat template does not render tools: requests with tools get a 400")
+
+    def _renders_tools(self) -> bool:
+        """Whether the template writes a request's ``tools`` into the prompt: render one user turn with a
+        probe tool, once at start-up (by what the template does, not by its name). A template that
+        fails on the probe but not without it cannot render tools either."""
+        if self.template is None:
+            return False
+        msgs = [{"role": "user", "content": "Hi"}]
+        kwargs = {k: v for k, v in self.defaults.items() if k not in (*RESERVED_KWARGS, "add_generation_prompt")}
+        try:
+            self.template.render(msgs, add_generation_prompt=True, tools=None, **kwargs)
+        except Exception:  # noqa: BLE001 - cannot tell: do not refuse tools for it
+            return True
+        try:
+            text = self.template.render(msgs, add_generation_prompt=True, tools=[PROBE_TOOL], **kwargs)
+        except Exception:  # noqa: BLE001
+            return False
+        return PROBE_TOOL["function"]["name"] in text
 
     def render(self, messages: list[ChatMessage], request_kwargs: Mapping[str, Any] | None = None,
                add_generation_prompt: bool = True, tools: list[dict] | None = None,
@@ -83,6 +111,9 @@ class ChatRenderer:
                                    code="chat_template_error")
             raise RequestError(NO_TEMPLATE_MESSAGE.format(model=self.model_name), param="messages",
                                code="no_chat_template")
+        if tools and not self.renders_tools:
+            raise RequestError(NO_TOOLS_MESSAGE.format(model=self.model_name), param="tools",
+                               code="tools_not_supported")
         kwargs = merge_kwargs(self.defaults, request_kwargs)
         add_generation_prompt = bool(kwargs.pop("add_generation_prompt", add_generation_prompt))
         msgs = normalize_messages(messages)

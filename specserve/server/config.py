@@ -25,6 +25,13 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = 4 * 1024 * 1024
     max_n: int = 8
+    # CORS (vLLM's flags): a browser page on another origin may call the API
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    enable_docs: bool = True  # /openapi.json and /docs (off: --disable-fastapi-docs)
+    max_stored_responses: int = 1000  # /v1/responses kept for previous_response_id (least recently used go)
 
     def __post_init__(self) -> None:
         if self.reasoning_parser not in REASONING_PARSERS:
@@ -37,6 +44,10 @@ class ServerConfig:
             raise SpecserveError(f"--max-n must be >= 1, got {self.max_n}")
         if self.max_request_bytes < 1:
             raise SpecserveError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
+        if self.max_stored_responses < 0:
+            raise SpecserveError(f"--max-stored-responses must be >= 0, got {self.max_stored_responses}")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            object.__setattr__(self, name, string_list(getattr(self, name), "--" + name.replace("_", "-")))
         if not isinstance(self.default_chat_template_kwargs, MappingProxyType):
             object.__setattr__(self, "default_chat_template_kwargs",
                                MappingProxyType(dict(self.default_chat_template_kwargs)))
@@ -52,6 +63,12 @@ class ServerConfig:
             api_key=args.api_key or None,
             max_request_bytes=args.max_request_bytes,
             max_n=args.max_n,
+            allowed_origins=args.allowed_origins,
+            allowed_methods=args.allowed_methods,
+            allowed_headers=args.allowed_headers,
+            allow_credentials=args.allow_credentials,
+            enable_docs=not args.disable_fastapi_docs,
+            max_stored_responses=args.max_stored_responses,
         )
 
 
@@ -81,3 +98,15 @@ def parse_template_kwargs(text: str | None) -> dict[str, object]:
         raise SpecserveError("--default-chat-template-kwargs must be a JSON object, "
                              f"got {type(value).__name__}")
     return value
+
+
+def string_list(value: object, flag: str) -> tuple[str, ...]:
+    """A list of strings (a JSON list on the command line, as vLLM's CORS flags), or SpecserveError."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise SpecserveError(f"{flag} is not valid JSON: {exc}") from exc
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise SpecserveError(f'{flag} must be a JSON list of strings, e.g. \'["http://localhost:3000"]\'')
+    return tuple(value)

@@ -31,6 +31,7 @@ class ServingContext:
     renderer: ChatRenderer
     served_model_name: str
     tool_parser: str = "none"  # resolved: "hermes" or "none"
+    system_fingerprint: str | None = None  # specserve.server.fingerprint: model + engine configuration
 
     @property
     def model_names(self) -> set[str]:
@@ -254,21 +255,33 @@ def usage(choices: list[Choice]) -> dict:
 
 
 def timings(choices: list[Choice]) -> dict:
-    """llama.cpp-style timings (choices run concurrently: times are the longest choice's)."""
-    u = usage(choices)
+    """llama.cpp's ``timings`` (llama-server's field names and order). ``prompt_n`` counts the prompt
+    tokens the engine processed, ``cache_n`` those it found in the prefix cache; over n choices both
+    are summed (each choice is its own sequence). Choices run concurrently, so the times are the
+    longest choice's. ``draft_n`` / ``draft_n_accepted`` appear when the request ran with speculation
+    (llama-server omits them when nothing was drafted; here a speculative deployment always says how
+    much it drafted, 0 included, so the keys do not depend on one request's luck)."""
     spec = summed_spec(choices)
-    prompt_s = max((c.prefill_time for c in choices), default=0.0)
-    decode_s = max((c.decode_time for c in choices), default=0.0)
-    return {
-        "prompt_n": u["prompt_tokens"],
-        "prompt_ms": round(prompt_s * 1000, 3),
-        "prompt_per_second": round(u["prompt_tokens"] / prompt_s, 3) if prompt_s > 0 else 0.0,
-        "predicted_n": u["completion_tokens"],
-        "predicted_ms": round(decode_s * 1000, 3),
-        "predicted_per_second": round(u["completion_tokens"] / decode_s, 3) if decode_s > 0 else 0.0,
-        "draft_n": spec.draft_tokens if spec else 0,
-        "draft_n_accepted": spec.accepted_tokens if spec else 0,
+    cached = sum(c.cached_tokens for c in choices)
+    processed = sum(max(0, (c.prompt_tokens or len(c.prompt_ids)) - c.cached_tokens) for c in choices)
+    predicted = sum(c.completion_tokens for c in choices)
+    prompt_ms = max((c.prefill_time for c in choices), default=0.0) * 1000
+    predicted_ms = max((c.decode_time for c in choices), default=0.0) * 1000
+    out = {
+        "cache_n": cached,
+        "prompt_n": processed,
+        "prompt_ms": round(prompt_ms, 3),
+        "prompt_per_token_ms": round(prompt_ms / processed, 3) if processed else 0.0,
+        "prompt_per_second": round(1000 * processed / prompt_ms, 3) if prompt_ms > 0 else 0.0,
+        "predicted_n": predicted,
+        "predicted_ms": round(predicted_ms, 3),
+        "predicted_per_token_ms": round(predicted_ms / predicted, 3) if predicted else 0.0,
+        "predicted_per_second": round(1000 * predicted / predicted_ms, 3) if predicted_ms > 0 else 0.0,
     }
+    if spec is not None:
+        out["draft_n"] = spec.draft_tokens
+        out["draft_n_accepted"] = spec.accepted_tokens
+    return out
 
 
 def clean_logprob(value: float) -> float:

@@ -131,6 +131,7 @@ def chat_response(ctx: ServingContext, request_id: str, choices: list[Choice], s
         "object": "chat.completion",
         "created": now(),
         "model": ctx.served_model_name,
+        "system_fingerprint": ctx.system_fingerprint,
         "choices": out,
         "usage": usage(choices),
         "timings": timings(choices),
@@ -139,7 +140,9 @@ def chat_response(ctx: ServingContext, request_id: str, choices: list[Choice], s
 
 # ---------------------------------------------------------------- streaming
 
-def _delta(parsers: tuple[ReasoningParser | None, ToolCallParser | None], out: RequestOutput) -> dict:
+def chat_delta(parsers: tuple[ReasoningParser | None, ToolCallParser | None], out: RequestOutput) -> dict:
+    """One engine output through a choice's parsers: the chat delta (reasoning, content, tool calls;
+    the keys with something in them). Also what /v1/responses builds its output items from."""
     reasoner, tooler = parsers
     if reasoner is None:
         reasoning, content = "", out.new_text
@@ -169,7 +172,8 @@ def _delta(parsers: tuple[ReasoningParser | None, ToolCallParser | None], out: R
 async def chat_events(ctx: ServingContext, request_id: str, fan: Fanout, split: Splitter,
                       include_usage: bool) -> AsyncIterator[str]:
     created, model = now(), ctx.served_model_name
-    base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+    base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": ctx.system_fingerprint}
     if include_usage:
         base["usage"] = None
     parsers = {c.index: split.streams() for c in fan.choices}
@@ -180,7 +184,7 @@ async def chat_events(ctx: ServingContext, request_id: str, fan: Fanout, split: 
                      "finish_reason": None}
             yield sse({**base, "choices": [first]})
         async for choice, out in fan:
-            delta = _delta(parsers[choice.index], out)
+            delta = chat_delta(parsers[choice.index], out)
             lps = _logprobs_field(ctx, choice, out.new_logprobs) if out.new_logprobs else None
             if not delta and lps is None and not out.finished:
                 continue

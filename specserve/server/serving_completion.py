@@ -96,6 +96,7 @@ def completion_response(ctx: ServingContext, request_id: str, choices: list[Choi
         "object": "text_completion",
         "created": now(),
         "model": ctx.served_model_name,
+        "system_fingerprint": ctx.system_fingerprint,
         "choices": [one(c) for c in choices],
         "usage": usage(choices),
         "timings": timings(choices),
@@ -104,7 +105,8 @@ def completion_response(ctx: ServingContext, request_id: str, choices: list[Choi
 
 async def completion_events(ctx: ServingContext, request_id: str, fan: Fanout, echo: list[str] | None,
                             include_usage: bool) -> AsyncIterator[str]:
-    base = {"id": request_id, "object": "text_completion", "created": now(), "model": ctx.served_model_name}
+    base = {"id": request_id, "object": "text_completion", "created": now(), "model": ctx.served_model_name,
+            "system_fingerprint": ctx.system_fingerprint}
     if include_usage:
         base["usage"] = None
     offsets = {c.index: 0 for c in fan.choices}
