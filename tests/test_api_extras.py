@@ -11,7 +11,7 @@ import pytest
 from openapi_spec_validator import validate
 
 from fake_engine import FakeEngine
-from specserve.engine.types import SamplingParams, SpecStats
+from specserve.engine.types import SamplingParams, AcceptanceStats
 from specserve.errors import SpecserveError
 from specserve.server.chat import ChatRenderer
 from specserve.server.config import ServerConfig
@@ -213,10 +213,10 @@ LLAMA_TIMINGS = ["cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "pro
 
 
 def _choice(index: int, prompt: int, cached: int, completion: int, prefill: float, decode: float,
-            spec: SpecStats | None) -> Choice:
+            spec: AcceptanceStats | None) -> Choice:
     return Choice(index=index, prompt_index=0, prompt_ids=[5] * prompt, params=SamplingParams(), request_id=str(index),
                   prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion, prefill_time=prefill,
-                  decode_time=decode, spec=spec)
+                  decode_time=decode, acceptance=spec)
 
 
 def test_timings_are_llama_cpps():
@@ -226,8 +226,8 @@ def test_timings_are_llama_cpps():
     assert t["prompt_ms"] == 18.0 and t["prompt_per_token_ms"] == 0.5 and t["prompt_per_second"] == 2000.0
     assert t["predicted_n"] == 20 and t["predicted_ms"] == 500.0
     assert t["predicted_per_token_ms"] == 25.0 and t["predicted_per_second"] == 40.0
-    spec = SpecStats(steps=5, draft_tokens=20, accepted_tokens=11, accepted_per_pos=[4, 3, 2, 2])
-    t = timings([_choice(0, 10, 0, 16, 0.01, 0.2, spec), _choice(1, 10, 8, 4, 0.02, 0.1, SpecStats(1, 4, 0, [0]))])
+    spec = AcceptanceStats(steps=5, draft_tokens=20, accepted_tokens=11, accepted_per_pos=[4, 3, 2, 2])
+    t = timings([_choice(0, 10, 0, 16, 0.01, 0.2, spec), _choice(1, 10, 8, 4, 0.02, 0.1, AcceptanceStats(1, 4, 0, [0]))])
     assert list(t) == LLAMA_TIMINGS + ["draft_n", "draft_n_accepted"]
     assert (t["draft_n"], t["draft_n_accepted"]) == (24, 11)
     assert (t["prompt_n"], t["cache_n"], t["predicted_n"]) == (12, 8, 20)  # summed over the choices
