@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -156,6 +157,22 @@ def set_num_threads(n: int | None) -> None:
     if n is not None and n < 1:
         raise ValueError("thread count must be >= 1")
     _num_threads_override = int(n) if n is not None else None
+
+
+@contextlib.contextmanager
+def torch_one_thread():
+    """Run torch's own ops on one thread: on some CPUs (seen with Intel's oneDNN/MKL GEMV) torch
+    splits one dot product over its threads, so a fallback row's bits would depend on the thread
+    count. The fallback is the slow path anyway."""
+    prev = torch.get_num_threads()
+    if prev == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 def get_num_threads() -> int:

@@ -18,6 +18,7 @@ from .library import (
     _require,
     _select,
     get_num_threads,
+    torch_one_thread,
 )
 
 
@@ -349,7 +350,7 @@ def linear(x: torch.Tensor, w: Any, bias: torch.Tensor | None = None, *, impl: s
                 _check(rc, "linear")
     else:
         wf = _fallback_weight(w)
-        with torch.no_grad():
+        with torch.no_grad(), torch_one_thread():
             for i in range(M):
                 xi = x2[i:i + 1]
                 if block is not None:  # the same int8 activations as the C kernel
