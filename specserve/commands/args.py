@@ -111,6 +111,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--max-n", type=int, default=8, help="largest n a request may ask for")
+    p.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                   help="seconds a structured-outputs grammar (JSON schema, regex, ...) may take to compile; "
+                        "longer is a 400")
     p.add_argument("--lock", default=None, help="deployment lock file to verify before starting")
     p.add_argument("--lock-allow", action="append", default=[], help="lock field allowed to drift")
     p.add_argument("--log-level", default="info")

@@ -17,6 +17,7 @@ import torch
 
 from specserve.engine import sampler
 from specserve.engine.block_manager import BlockManager, BlockTable, NoFreeBlocks
+from specserve.engine.constraint import Constraint, cut_proposal
 from specserve.engine.config import EngineConfig, MemoryPlan, engine_plan
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.sequence import Sequence, Status
@@ -134,6 +135,8 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.min_tokens,
                                        params.include_stop_str_in_output, params.skip_special_tokens)
         seq = Sequence(request_id, list(prompt_ids), params, detok)
+        if params.structured is not None:  # structured outputs: the sequence's grammar state
+            seq.constraint = Constraint(params.structured)
         if not params.greedy:
             seq.generator = sampler.make_generator(params.seed, hash((self.ecfg.seed, request_id)) & 0xFFFFFFFF)
         self.waiting.append(seq)
@@ -218,8 +221,9 @@ class LLMEngine:
         limits = [min(s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.num_tokens - 1)
                   for s in seqs]
         ks = self.policy.lengths(seqs, limits)
-        return [Proposal(p.token_ids[:k], None if p.probs is None else p.probs[:k], p.cut)
-                for p, k in zip(self.drafter.propose(seqs, ks), ks)]
+        props = [Proposal(p.token_ids[:k], None if p.probs is None else p.probs[:k], p.cut)
+                 for p, k in zip(self.drafter.propose(seqs, ks), ks)]
+        return [cut_proposal(s, p) for s, p in zip(seqs, props)]  # structured outputs: drafts stay legal
 
     def _tables(self, seq: Sequence) -> list[tuple[BlockManager, BlockTable]]:
         """The sequence's block tables, each with its pool (sliding-window layers have their own)."""
@@ -341,7 +345,8 @@ class LLMEngine:
     def _verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int],
                 draft_probs: torch.Tensor | None) -> tuple[int, list[int]]:
         p = seq.params
-        lg = sampler.penalize(logits, p, seq.prompt_ids, seq.output_ids, drafts)
+        allowed = seq.constraint.masks(drafts, logits.shape[-1]) if seq.constraint else None  # structured outputs
+        lg = sampler.penalize(logits, p, seq.prompt_ids, seq.output_ids, drafts, allowed)
         if p.greedy:
             return verify_greedy(lg, drafts)
         probs = sampler.probs_from_logits(lg, p)
@@ -367,6 +372,8 @@ class LLMEngine:
         if p.logprobs is not None:
             seq.pending_logprobs += sampler.top_logprobs(logits[:len(kept)], kept, p.logprobs)
         seq.pending_ids += kept
+        if seq.constraint is not None:  # structured outputs: the grammar moves past the kept tokens
+            seq.constraint.commit(kept)
         self.blocks.commit(seq.table, seq.token_ids, seq.num_computed)
         if reason:
             return self._finish(seq, reason)

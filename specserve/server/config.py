@@ -25,6 +25,7 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = 4 * 1024 * 1024
     max_n: int = 8
+    grammar_compile_timeout: float = 10.0  # seconds a structured-outputs grammar may take to compile
 
     def __post_init__(self) -> None:
         if self.reasoning_parser not in REASONING_PARSERS:
@@ -35,6 +36,8 @@ class ServerConfig:
                                  f"choose one of {', '.join(TOOL_PARSERS)}")
         if self.max_n < 1:
             raise SpecserveError(f"--max-n must be >= 1, got {self.max_n}")
+        if not self.grammar_compile_timeout > 0:
+            raise SpecserveError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
         if self.max_request_bytes < 1:
             raise SpecserveError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
         if not isinstance(self.default_chat_template_kwargs, MappingProxyType):
@@ -52,6 +55,7 @@ class ServerConfig:
             api_key=args.api_key or None,
             max_request_bytes=args.max_request_bytes,
             max_n=args.max_n,
+            grammar_compile_timeout=getattr(args, "grammar_compile_timeout", 10.0),
         )
 
 
