@@ -115,8 +115,13 @@ class Constraint:
         rows = [self.mask_after(drafts[:j], width) for j in range(len(drafts) + 1)]
         if all(r is None for r in rows):
             return None
-        full = torch.ones(width, dtype=torch.bool)
-        return torch.stack([full if r is None else r for r in rows])
+        if len(rows) == 1:
+            return rows[0][None]
+        out = np.ones((len(rows), width), dtype=np.bool_)  # numpy: no thread pool for a small copy
+        for j, r in enumerate(rows):
+            if r is not None:
+                out[j] = r.numpy()
+        return torch.from_numpy(out)
 
     def legal_prefix(self, tokens: list[int]) -> int:
         """How many leading ``tokens`` the grammar allows."""

@@ -20,13 +20,12 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int]
     vLLM's order."""
     if not params.modifies_logits and allowed is None:
         return logits
-    out = logits.clone()
+    # the grammar's ban first, in the copy itself (one pass): -inf stays -inf under what follows
+    out = logits.clone() if allowed is None else torch.where(allowed, logits, float("-inf"))
     vocab = logits.shape[-1]
     if params.logit_bias:
         ids, bias = zip(*params.logit_bias)
         out[:, list(ids)] += torch.tensor(bias, dtype=out.dtype)
-    if allowed is not None:
-        out.masked_fill_(~allowed, float("-inf"))
     early = params.min_tokens - len(output_ids)  # rows 0 .. early - 1 come before min_tokens
     if early > 0 and params.end_token_ids:
         _ban_end(out, early, list(params.end_token_ids), allowed)

@@ -91,7 +91,7 @@ def pick_tokens(seq: Sequence, logits: torch.Tensor, generator: torch.Generator 
     verification stays exact. Under structured outputs each row is masked by the sequence's
     grammar after the earlier drafts, as the target's verification row is (engine/constraint.py)."""
     p = seq.params
-    if p.greedy and not p.modifies_logits:  # every row at once: the same argmax per row
+    if p.greedy and not p.modifies_logits and seq.constraint is None:  # every row at once: the argmax per row
         drafts = logits.argmax(dim=-1).tolist()
         if p_min:
             sure = (torch.softmax(logits.float(), -1).amax(-1) >= p_min).long().cumprod(0)
