@@ -169,3 +169,58 @@ REGEXES: list[tuple[str, str, str]] = [
     ("sentence", "Say something short.", r"[A-Z][a-z ,]{2,40}[.!?]"),
     ("key_value", "Give a setting as key=value.", r"[a-z_]{1,12}=[a-z0-9]{1,12}"),
 ]
+
+
+def cases(suffix: str = " Answer in JSON.") -> list[tuple[str, str, str, object]]:
+    """(kind, name, prompt, schema or regex): the schemas (their prompts ask for JSON), then the regexes."""
+    return ([("json", n, p + suffix, s) for n, p, s in SCHEMAS]
+            + [("regex", n, p, r) for n, p, r in REGEXES])
+
+
+def valid(kind: str, value, text: str) -> bool:
+    """Whether ``text`` matches: a JSON document valid under the schema (formats checked), or a
+    full match of the regex."""
+    import json
+    import re
+
+    import jsonschema
+
+    if kind == "regex":
+        return re.fullmatch(value, text) is not None
+    try:
+        jsonschema.validate(json.loads(text), value, format_checker=jsonschema.FormatChecker())
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def run_cases(engine, lltok, todo, params, constrained: bool = True) -> list[tuple[list[int], str]]:
+    """Submit every case to the engine at once (it runs --max-num-seqs of them together), each with
+    its grammar (or none); returns each one's (tokens, finish reason)."""
+    from dataclasses import replace
+
+    from specserve.engine.constraint import ConstraintSpec
+    from specserve.models.chat_template import ChatTemplate
+    from specserve.server.structured import compile_grammar, grammar_source
+
+    tok = engine.tokenizer
+    template = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
+    rids = []
+    for i, (kind, _name, prompt, value) in enumerate(todo):
+        p = params
+        if constrained:
+            grammar = compile_grammar(lltok, grammar_source(kind, value).grammar)
+            if isinstance(grammar, str):
+                raise ValueError(f"case {_name}: {grammar}")
+            p = replace(params, structured=ConstraintSpec(grammar))
+        rid = f"case-{i}-{id(todo)}"
+        engine.add_request(rid, tok.encode(template.render([{"role": "user", "content": prompt}])), p)
+        rids.append(rid)
+    got: dict[str, list[int]] = {r: [] for r in rids}
+    finish: dict[str, str] = {}
+    while engine.has_work():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+            if out.finished:
+                finish[out.request_id] = out.finish_reason
+    return [(got[r], finish[r]) for r in rids]

@@ -100,31 +100,33 @@ class Constraint:
         must be legal: a proposal is cut first); None when every token is allowed (reasoning)."""
         if self._sync(tokens) < len(tokens):
             raise ValueError("mask_after: the tokens leave the grammar (cut the draft first)")
-        cached = self.stack[-1].mask if self.stack else self.base_mask
-        if cached is _UNSET:
-            cached = self._mask_here()
-            if self.stack:
-                self.stack[-1].mask = cached
-            else:
-                self.base_mask = cached
-        return None if cached is None else _fit(cached, width)
+        mask = self._here()
+        return None if mask is None else _fit(mask, width)
 
     def masks(self, drafts: list[int], width: int) -> torch.Tensor | None:
         """Masks of the rows of a verification block over ``drafts``: [len(drafts) + 1, width],
         row j after the first j drafts; None when no row is constrained."""
-        rows = [self.mask_after(drafts[:j], width) for j in range(len(drafts) + 1)]
+        if self._sync(drafts) < len(drafts):
+            raise ValueError("masks: the drafts leave the grammar (cut the draft first)")
+        known = [self.base_mask] + [e.mask for e in self.stack]
+        if _UNSET in known:  # back to the first row not yet computed, then forward row by row
+            first = known.index(_UNSET)
+            self._sync(drafts[:first])
+            for tok in drafts[first:]:
+                self._here()
+                self._push(tok)
+            self._here()
+        rows = [self.base_mask] + [e.mask for e in self.stack]
         if all(r is None for r in rows):
             return None
-        if len(rows) == 1:
-            return rows[0][None]
         out = np.ones((len(rows), width), dtype=np.bool_)  # numpy: no thread pool for a small copy
         for j, r in enumerate(rows):
             if r is not None:
-                out[j] = r.numpy()
+                out[j] = _fit(r, width).numpy()
         return torch.from_numpy(out)
 
     def legal_prefix(self, tokens: list[int]) -> int:
-        """How many leading ``tokens`` the grammar allows."""
+        """How many leading ``tokens`` the grammar allows (each in its row's mask)."""
         return self._sync(tokens)
 
     def commit(self, tokens: list[int]) -> None:
@@ -150,7 +152,21 @@ class Constraint:
                 break
         return len(self.stack)
 
+    def _here(self) -> torch.Tensor | None:
+        """The mask at the top of the stack (tokenizer-wide), computed once."""
+        mask = self.stack[-1].mask if self.stack else self.base_mask
+        if mask is _UNSET:
+            mask = self._mask_here()
+            if self.stack:
+                self.stack[-1].mask = mask
+            else:
+                self.base_mask = mask
+        return mask
+
     def _push(self, tok: int) -> bool:
+        """Advance over ``tok`` if the mask here allows it (the mask, not the matcher's own check,
+        decides: llguidance's masks allow only the canonical tokens of forced text, its consume
+        a few more, and a draft must be legal exactly when its verification row allows it)."""
         phase, tail = self.phase, self.tail
         if phase == "think":
             seen = tail + self.tokenizer.decode_bytes([tok])
@@ -164,16 +180,22 @@ class Constraint:
             self.phase = "think"
             self.stack.append(_Entry(tok, phase, tail, False))
             return True
+        mask = self._here()
+        if not (0 <= tok < mask.shape[0] and mask[tok]):
+            return False
         if self.broken:
-            ok, consumed = tok in self.eos, False
-        elif tok in self.eos:  # llguidance validates EOS only by consuming it, where the grammar may end
-            ok = consumed = self.matcher.is_accepting() and self.matcher.consume_token(tok)
+            consumed = False
+        elif tok in self.eos:  # llguidance takes EOS by consume_token only (allowed: it is in the mask)
+            consumed = self.matcher.consume_token(tok)
+            if not consumed:
+                return False
         else:
-            ok = consumed = self.matcher.try_consume_tokens([tok]) == 1
-        if ok:
-            self.phase = "grammar"
-            self.stack.append(_Entry(tok, phase, tail, consumed))
-        return ok
+            consumed = self.matcher.try_consume_tokens([tok]) == 1
+            if not consumed:
+                return False
+        self.phase = "grammar"
+        self.stack.append(_Entry(tok, phase, tail, consumed))
+        return True
 
     def _pop(self) -> None:
         e = self.stack.pop()

@@ -15,8 +15,9 @@ Fields, as OpenAI and vLLM take them (at most one per request):
 Grammars are compiled by llguidance (no dependencies, a 3 MB wheel; its Earley parser computes
 masks lazily, so a schema's compile is cheap and bounded by its parser limits) in a worker
 thread, with a time limit: a compile that runs past it is a 400 while the event loop keeps
-serving, and its result, if it ever finishes, is cached for the next request. Compiled grammars
-are kept in an LRU cache keyed by the grammar text. JSON is written without free whitespace
+serving, and its result, when it finishes, is cached for the next request. Compiled grammars
+are kept in an LRU cache keyed by the grammar text (errors too: a bad schema sent again is
+refused at once). JSON is written without free whitespace
 (``", "`` and ``": "`` separators, as ``json.dumps``), which keeps a small model from padding
 its output with blank lines forever; a whitespace pattern turns free whitespace back on.
 """
@@ -37,6 +38,7 @@ from specserve.errors import RequestError
 from specserve.server.tools import ToolPlan
 
 CACHE_SIZE = 256  # compiled grammars kept
+WORKERS = 2  # compile threads: a compile past the time limit keeps its thread until it ends
 MESSAGE_LIMIT = 400  # characters of a compiler error quoted in a 400
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _OLD = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -208,7 +210,10 @@ def explain(error: str, source: Source) -> str:
 # ---------------------------------------------------------------- compiling, cached
 
 class StructuredOutputs:
-    """Compiles the grammars of one server's requests (one worker thread, an LRU cache)."""
+    """Compiles the grammars of one server's requests: worker threads (llguidance drops the GIL
+    while it builds), a time limit per request, an LRU cache. A compile that outlives its
+    request's limit runs on (it cannot be stopped; llguidance's limits bound it) and caches its
+    result; a request for the same grammar meanwhile waits on that compile, not a new one."""
 
     def __init__(self, tokenizer, timeout_s: float, cache_size: int = CACHE_SIZE):
         self.source_tokenizer = tokenizer
@@ -259,7 +264,7 @@ class StructuredOutputs:
     # ---- worker thread ---------------------------------------------------------------------
     def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specserve-grammar")
+            self._pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="specserve-grammar")
         return self._pool
 
     def _tokenizer(self):
