@@ -79,6 +79,24 @@ def test_row_masks_equal_a_matcher_advanced_from_the_start(smol):
     assert not c.broken
 
 
+def test_rolling_back_over_an_end_token(smol):
+    """Drafts that end the value and then the request ("}", EOS), rejected after "4": the state
+    after the token verification put there instead is exact (llguidance does not count an EOS in
+    its rollback, so the EOS never reaches its matcher)."""
+    tok, lltok = smol
+    sp = spec(lltok)
+    V = tok.vocab_size
+    head = tok.encode('{"name": "Bob", "n": 4')
+    eos = sorted(tok.eos_token_ids)[0]
+    c = Constraint(sp)
+    c.commit(head)
+    rows = c.masks(tok.encode("}") + [eos], V)
+    assert rows[2].nonzero().flatten().tolist() == sorted(tok.eos_token_ids)  # after EOS: only an end
+    two = tok.encode("2")
+    c.commit(two)
+    assert not c.broken and torch.equal(c.mask_after([], V), fresh_mask(sp, head + two, V))
+
+
 def test_drafts_are_cut_at_the_first_illegal_token(smol):
     tok, lltok = smol
     c = Constraint(spec(lltok))

@@ -183,17 +183,12 @@ class Constraint:
         mask = self._here()
         if not (0 <= tok < mask.shape[0] and mask[tok]):
             return False
-        if self.broken:
-            consumed = False
-        elif tok in self.eos:  # llguidance takes EOS by consume_token only (allowed: it is in the mask)
-            consumed = self.matcher.consume_token(tok)
-            if not consumed:
-                return False
-        else:
-            consumed = self.matcher.try_consume_tokens([tok]) == 1
-            if not consumed:
-                return False
-        self.phase = "grammar"
+        # an end token is not given to the matcher: its rollback does not count one (rolling back
+        # 1 after an EOS undoes the token before it), and after it nothing but an end follows
+        consumed = not self.broken and tok not in self.eos
+        if consumed and self.matcher.try_consume_tokens([tok]) != 1:
+            return False
+        self.phase = "ended" if tok in self.eos else "grammar"
         self.stack.append(_Entry(tok, phase, tail, consumed))
         return True
 
@@ -207,13 +202,13 @@ class Constraint:
         if self.phase == "think":
             return None
         vocab = self.tokenizer.vocab_size
-        if not self.broken:
+        if not self.broken and self.phase != "ended":
             self.matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
             if self.matcher.is_error():
                 log.warning("grammar matcher failed: %s; only an end token is allowed from here",
                             self.matcher.get_error())
                 self.broken = True
-        if self.broken:
+        if self.broken or self.phase == "ended":
             mask = torch.zeros(vocab, dtype=torch.bool)
             mask[sorted(self.eos)] = True
         else:

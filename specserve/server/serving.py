@@ -146,9 +146,9 @@ def check_unsupported(req: SamplingFields) -> None:
                            "'json_schema')", param="response_format.type")
     ignored = []
     for name, value in (req.model_extra or {}).items():
-        rule = _NOT_SUPPORTED.get(name)
         if name in STRUCTURED_FIELDS:
             continue
+        rule = _NOT_SUPPORTED.get(name)
         if rule is None:
             ignored.append(name)
         elif not rule[0](value):

@@ -190,7 +190,7 @@ def _from_tools(plan: ToolPlan) -> Source:
     body = json.dumps({**schema, "x-guidance": COMPACT})
     calls_rule = 'call ("\\n" call)*' if plan.parallel else "call"
     lark = f'start: {calls_rule}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {body}\n'
-    return Source(llguidance.LLMatcher.grammar_from_lark(lark), "tools", "tool parameters")
+    return Source(llguidance.LLMatcher.grammar_from_lark(lark), "tool_choice", "tool parameters")
 
 
 def _short(message: str) -> str:
@@ -237,7 +237,10 @@ class StructuredOutputs:
     async def compile(self, source: Source) -> Grammar:
         pool = self._worker()
         if self._lltok is None:  # once, outside the time limit: about a second for a 150K vocabulary
-            await asyncio.wrap_future(pool.submit(self._tokenizer))
+            try:
+                await asyncio.wrap_future(pool.submit(self._tokenizer))
+            except RequestError as exc:
+                raise RequestError(str(exc), param=source.param) from None
         with self._lock:
             hit = self._cache.get(source.grammar)
             if hit is not None:
