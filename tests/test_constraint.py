@@ -234,3 +234,89 @@ def test_greedy_drafts_follow_the_grammar(tiny):
     logits = torch.log(Q).expand(3, V)  # unmasked argmax: "c" (2), then "c" again
     prop = pick_tokens(seq, logits, None)
     assert prop.token_ids == [2, 1, 5]  # "c", the better of {a, b}: "b", then only the end
+
+
+# ---------------------------------------------------------------- request fields (server/structured.py)
+
+def structured_request(**fields):
+    from specserve.server.protocol import ChatCompletionRequest
+
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def test_request_fields_compile_once_and_are_cached(smol):
+    import asyncio
+
+    from specserve.server.structured import StructuredOutputs
+
+    tok, _ = smol
+    so = StructuredOutputs(tok, timeout_s=30)
+
+    async def run():
+        a = await so.spec_for(structured_request(guided_json=SCHEMA))
+        b = await so.spec_for(structured_request(response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": SCHEMA, "strict": True}}))
+        c = await so.spec_for(structured_request(structured_outputs={"regex": "[0-9]{3}"}), start="after_think")
+        none = await so.spec_for(structured_request(response_format={"type": "text"}))
+        return a, b, c, none
+
+    a, b, c, none = asyncio.run(run())
+    assert a.grammar is b.grammar  # the same schema: one compile
+    assert c.start == "after_think" and c.grammar is not a.grammar and none is None
+    so.close()
+
+
+@pytest.mark.parametrize("fields,param,words", [
+    ({"guided_json": {"type": "array", "uniqueItems": True, "contains": {"type": "integer"}}}, "guided_json",
+     ["unsupported JSON Schema keywords", "uniqueItems", "contains"]),
+    ({"structured_outputs": {"json": {"type": "object", "dependentRequired": {"a": ["b"]}}}},
+     "structured_outputs.json", ["dependentRequired"]),
+    ({"guided_regex": "(a"}, "guided_regex", ["invalid regex"]),
+    ({"guided_json": "{not json"}, "guided_json", ["not valid JSON"]),
+    ({"guided_choice": ["a", 5]}, "guided_choice", ["list of non-empty strings"]),
+    ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", ["exactly one"]),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", ["both constrain"]),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
+     "response_format.json_schema.schema", ["JSON Schema"]),
+])
+def test_bad_constraints_name_the_field(smol, fields, param, words):
+    import asyncio
+
+    from specserve.errors import RequestError
+    from specserve.server.structured import StructuredOutputs
+
+    so = StructuredOutputs(smol[0], timeout_s=30)
+    with pytest.raises(RequestError) as info:
+        asyncio.run(so.spec_for(structured_request(**fields)))
+    assert info.value.param == param and all(w in str(info.value) for w in words), str(info.value)
+    so.close()
+
+
+def test_a_compile_past_the_time_limit_is_refused_then_cached(smol):
+    """A schema that takes seconds to compile: the request waits 0.05 s and gets a 400; the compile
+    runs on in its worker and caches the grammar, which a later request then gets at once."""
+    import asyncio
+    import time
+
+    from specserve.errors import RequestError
+    from specserve.server.structured import StructuredOutputs
+
+    slow = {"type": "object", "properties": {
+        f"p{i}": {"anyOf": [{"type": "integer", "minimum": i, "maximum": 7 * i + 3},
+                            {"type": "string", "maxLength": i % 30 + 1}]} for i in range(5000)}}
+    so = StructuredOutputs(smol[0], timeout_s=0.05)
+
+    async def run():
+        with pytest.raises(RequestError) as info:
+            await so.spec_for(structured_request(guided_json=slow))
+        assert "took longer than 0.05 s" in str(info.value) and info.value.param == "guided_json"
+        so.timeout_s = 60  # a busy machine must not fail what follows
+        quick = await so.spec_for(structured_request(guided_regex="[ab]"))  # the other worker serves
+        deadline = time.monotonic() + 600
+        while so._pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        return quick, await so.spec_for(structured_request(guided_json=slow))
+
+    quick, later = asyncio.run(run())
+    assert quick is not None and later is not None
+    so.close()
