@@ -359,17 +359,22 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": MSGS, "seed": -(2 ** 63) - 1}, 400, "seed", None),
     ("/v1/chat/completions", {"messages": MSGS, "chat_template_kwargs": {"messages": []}}, 400,
      "chat_template_kwargs.messages", None),
-    ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_object"}}, 400,
+    ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "xml"}}, 400,
      "response_format.type", None),
     ("/v1/chat/completions", {"messages": MSGS, "response_format": {"json_schema": {}}}, 400,
      "response_format.type", None),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
-     "response_format.type", None),
-    # vLLM / legacy OpenAI fields that would change the result if ignored: refused unless at their default
+     "response_format.json_schema.schema", None),
+    # structured outputs need the model's tokenizer.json, which the fake engine's char tokenizer is not
+    # (tests/test_structured_server.py runs them on real models)
+    ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_object"}}, 400,
+     "response_format", None),
     ("/v1/chat/completions", {"messages": MSGS, "guided_json": {"type": "object"}}, 400, "guided_json", None),
     ("/v1/completions", {"prompt": "x", "guided_choice": ["a", "b"]}, 400, "guided_choice", None),
     ("/v1/chat/completions", {"messages": MSGS, "structured_outputs": {"regex": "a+"}}, 400,
-     "structured_outputs", None),
+     "structured_outputs.regex", None),
+    ("/v1/chat/completions", {"messages": MSGS, "guided_regex": 5}, 400, "guided_regex", None),
+    # vLLM / legacy OpenAI fields that would change the result if ignored: refused unless at their default
     ("/v1/chat/completions", {"messages": MSGS, "use_beam_search": True}, 400, "use_beam_search", None),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", None),
     ("/v1/chat/completions", {"messages": MSGS, "min_tokens": 10, "max_tokens": 5}, 400, "min_tokens", None),

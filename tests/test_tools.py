@@ -136,8 +136,6 @@ def test_plan_tools():
     ([{"type": "function", "function": {"name": 5}}], None, "tools[0].function.name"),
     ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], None, "tools[0].function.parameters"),
     ([WEATHER, WEATHER], None, "tools"),
-    ([WEATHER], "required", "tool_choice"),
-    ([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, "tool_choice"),
     ([WEATHER], {"type": "function", "function": {"name": "other"}}, "tool_choice"),
     ([WEATHER], "sometimes", "tool_choice"),
     ([WEATHER], {"type": "function", "function": "get_weather"}, "tool_choice"),
@@ -149,6 +147,19 @@ def test_plan_tools_refuses(tools, choice, param):
     with pytest.raises(RequestError) as info:
         plan_tools(tools, choice, None, "hermes")
     assert info.value.param == param
+
+
+def test_plan_tools_forced_choices():
+    """tool_choice "required" or a named function: the calls the output is constrained to
+    (server/structured.py); without a tool-call parser the call could not be read back: a 400."""
+    assert plan_tools([WEATHER, TIME], "required", None, "hermes").forced == {"get_weather", "get_time"}
+    named = plan_tools([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, False, "hermes")
+    assert named.forced == {"get_time"} and named.names == {"get_weather", "get_time"} and not named.parallel
+    assert not plan_tools([WEATHER], "auto", None, "hermes").forced
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(RequestError) as info:
+            plan_tools([WEATHER], choice, None, "none")
+        assert info.value.param == "tool_choice" and "tool-call parser" in str(info.value)
 
 
 def test_history_tool_calls_parse_arguments_for_the_template():

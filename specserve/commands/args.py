@@ -118,6 +118,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-headers", default='["*"]', help="CORS: JSON list of allowed request headers")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and auth headers")
     p.add_argument("--disable-fastapi-docs", action="store_true", help="serve no /openapi.json and no /docs")
+    p.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                   help="seconds a structured-outputs grammar (JSON schema, regex, ...) may take to compile; "
+                        "longer is a 400")
     p.add_argument("--lock", default=None, help="deployment lock file to verify before starting")
     p.add_argument("--lock-allow", action="append", default=[], help="lock field allowed to drift")
     p.add_argument("--log-level", default="info")

@@ -19,6 +19,7 @@ import torch
 from specserve.engine import sampler
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.cache import CacheCoordinator, layer_cache_specs
+from specserve.engine.constraint import Constraint, cut_proposal
 from specserve.engine.config import EngineConfig, MemoryPlan, engine_plan, kv_bytes_per_token
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.model_runner import ModelRunner
@@ -30,7 +31,7 @@ from specserve.models.loader import LoadedModel
 from specserve.models.kv_cache import KVCache
 from specserve.speculative.adaptive import CostModel, DraftPolicy, calibrate
 from specserve.speculative.config import SpeculativeConfig
-from specserve.speculative.drafter import Drafter
+from specserve.speculative.drafter import Drafter, Proposal
 from specserve.speculative.verify import verify_greedy, verify_sampling
 
 log = logging.getLogger("specserve.engine")
@@ -142,6 +143,8 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.min_tokens,
                                        params.include_stop_str_in_output, params.skip_special_tokens)
         seq = Sequence(request_id, list(prompt_ids), params, detok)
+        if params.structured is not None:  # structured outputs: the sequence's grammar state
+            seq.constraint = Constraint(params.structured)
         if not params.greedy:
             seq.generator = sampler.make_generator(params.seed, hash((self.ecfg.seed, request_id)) & 0xFFFFFFFF)
         self.waiting.append(seq)
@@ -183,7 +186,8 @@ class LLMEngine:
         props = self.drafter.propose([r.seq for r in asked], [r.num_drafts for r in asked])
         for r, p in zip(asked, props):
             k = r.num_drafts
-            r.drafts, r.draft_probs, r.cut = p.token_ids[:k], None if p.probs is None else p.probs[:k], p.cut
+            p = cut_proposal(r.seq, Proposal(p.token_ids[:k], None if p.probs is None else p.probs[:k], p.cut))
+            r.drafts, r.draft_probs, r.cut = p.token_ids, p.probs, p.cut  # structured outputs: drafts stay legal
 
     def _observe(self, r: ScheduledRow, start: int, count: int, hidden: dict[int, torch.Tensor]) -> None:
         """Hand the drafter the target's hidden states of the rows whose K/V were kept."""
@@ -237,7 +241,8 @@ class LLMEngine:
     def _verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int],
                 draft_probs: torch.Tensor | None) -> tuple[int, list[int]]:
         p = seq.params
-        lg = sampler.penalize(logits, p, seq.prompt_ids, seq.output_ids, drafts)
+        allowed = seq.constraint.masks(drafts, logits.shape[-1]) if seq.constraint else None  # structured outputs
+        lg = sampler.penalize(logits, p, seq.prompt_ids, seq.output_ids, drafts, allowed)
         if p.greedy:
             return verify_greedy(lg, drafts)
         probs = sampler.probs_from_logits(lg, p)
@@ -263,6 +268,8 @@ class LLMEngine:
         if p.logprobs is not None:
             seq.pending_logprobs += sampler.top_logprobs(logits[:len(kept)], kept, p.logprobs)
         seq.pending_ids += kept
+        if seq.constraint is not None:  # structured outputs: the grammar moves past the kept tokens
+            seq.constraint.commit(kept)
         self.cache.commit(seq)
         if reason:
             return self._finish(seq, reason)

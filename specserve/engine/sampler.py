@@ -13,20 +13,22 @@ from specserve.engine.types import SamplingParams, TokenLogprob
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-             drafts: list[int] = ()) -> torch.Tensor:
-    """logits: [R, V] for R consecutive positions -> copy with logit_bias added, the tokens that
-    may not end a request before min_tokens banned, then penalized (R-1 <= len(drafts)); vLLM's
-    order."""
-    if not params.modifies_logits:
+             drafts: list[int] = (), allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """logits: [R, V] for R consecutive positions -> copy with logit_bias added, the tokens a
+    grammar does not allow (``allowed``: [R, V] bool, see engine/constraint.py) and the tokens
+    that may not end a request before min_tokens banned, then penalized (R-1 <= len(drafts));
+    vLLM's order."""
+    if not params.modifies_logits and allowed is None:
         return logits
-    out = logits.clone()
+    # the grammar's ban first, in the copy itself (one pass): -inf stays -inf under what follows
+    out = logits.clone() if allowed is None else torch.where(allowed, logits, float("-inf"))
     vocab = logits.shape[-1]
     if params.logit_bias:
         ids, bias = zip(*params.logit_bias)
         out[:, list(ids)] += torch.tensor(bias, dtype=out.dtype)
     early = params.min_tokens - len(output_ids)  # rows 0 .. early - 1 come before min_tokens
     if early > 0 and params.end_token_ids:
-        out[:early, list(params.end_token_ids)] = float("-inf")
+        _ban_end(out, early, list(params.end_token_ids), allowed)
     if not params.has_penalties:
         return out
     counts = torch.bincount(torch.tensor(output_ids, dtype=torch.int64), minlength=vocab)[:vocab].float()
@@ -43,6 +45,19 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int]
             row[seen] = torch.where(row[seen] > 0, row[seen] / r, row[seen] * r)
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
     return out
+
+
+def _ban_end(out: torch.Tensor, early: int, end: list[int], allowed: torch.Tensor | None) -> None:
+    """Ban the end tokens in rows before min_tokens, except where a grammar allows nothing else
+    (a finished JSON value can only end: the grammar wins over min_tokens)."""
+    if allowed is None:
+        out[:early, end] = float("-inf")
+        return
+    for j in range(min(early, out.shape[0])):
+        others = allowed[j].clone()
+        others[end] = False
+        if others.any():
+            out[j, end] = float("-inf")
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.engine.cache.coordinator import SequenceCache
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.types import SamplingParams, AcceptanceStats, TokenLogprob
+
+if TYPE_CHECKING:
+    from specserve.engine.constraint import Constraint
 
 
 class Status(enum.Enum):
@@ -40,6 +44,7 @@ class Sequence:
     first_token_at: float | None = None
     finished_at: float | None = None
     accept_ema: float = 0.5  # running estimate of the per-token draft acceptance
+    constraint: "Constraint | None" = None  # grammar state under structured outputs (engine/constraint.py)
 
     @property
     def token_ids(self) -> list[int]:

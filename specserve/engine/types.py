@@ -7,8 +7,12 @@ The server never touches engine internals: it submits a prompt (token ids) with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specserve.errors import RequestError
+
+if TYPE_CHECKING:
+    from specserve.engine.constraint import ConstraintSpec
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
@@ -38,6 +42,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string (or token), not before
     skip_special_tokens: bool = True  # vLLM's: special tokens' text is left out of the output
     eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids, filled in by the engine (see end_token_ids)
+    structured: "ConstraintSpec | None" = None  # a grammar the output must match (structured outputs)
 
     def __post_init__(self) -> None:
         if "" in self.stop:  # an empty stop string would end every request at once
@@ -73,8 +78,9 @@ class SamplingParams:
 
     @property
     def modifies_logits(self) -> bool:
-        """Whether logits change before sampling (logit_bias, min_tokens, penalties): see sampler.penalize."""
-        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+        """Whether logits change before sampling (logit_bias, min_tokens, penalties, a grammar): see
+        sampler.penalize."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.structured is not None
 
     @property
     def end_token_ids(self) -> tuple[int, ...]:

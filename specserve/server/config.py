@@ -32,6 +32,7 @@ class ServerConfig:
     allow_credentials: bool = False
     enable_docs: bool = True  # /openapi.json and /docs (off: --disable-fastapi-docs)
     max_stored_responses: int = 1000  # /v1/responses kept for previous_response_id (least recently used go)
+    grammar_compile_timeout: float = 10.0  # seconds a structured-outputs grammar may take to compile
 
     def __post_init__(self) -> None:
         if self.reasoning_parser not in REASONING_PARSERS:
@@ -42,6 +43,8 @@ class ServerConfig:
                                  f"choose one of {', '.join(TOOL_PARSERS)}")
         if self.max_n < 1:
             raise SpecserveError(f"--max-n must be >= 1, got {self.max_n}")
+        if not self.grammar_compile_timeout > 0:
+            raise SpecserveError(f"--grammar-compile-timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
         if self.max_request_bytes < 1:
             raise SpecserveError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
         if self.max_stored_responses < 0:
@@ -69,6 +72,7 @@ class ServerConfig:
             allow_credentials=args.allow_credentials,
             enable_docs=not args.disable_fastapi_docs,
             max_stored_responses=args.max_stored_responses,
+            grammar_compile_timeout=getattr(args, "grammar_compile_timeout", 10.0),
         )
 
 

@@ -208,6 +208,7 @@ class ChatMessage(BaseModel):
 
 class ResponseFormat(_Lenient):
     type: str
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict"} (server/structured.py)
 
 
 class SamplingFields(_Lenient):

@@ -3,6 +3,7 @@ context-length checks, choices, usage/timings and token strings."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -17,6 +18,7 @@ from specserve.server.config import ServerConfig
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import ApiError, SamplingFields
 from specserve.server.streaming import Choice
+from specserve.server.structured import StructuredOutputs
 
 logger = logging.getLogger("specserve.server")
 
@@ -32,6 +34,11 @@ class ServingContext:
     served_model_name: str
     tool_parser: str = "none"  # resolved: "hermes" or "none"
     system_fingerprint: str | None = None  # specserve.server.fingerprint: model + engine configuration
+
+    @functools.cached_property
+    def structured(self) -> StructuredOutputs:
+        """The grammar compiler of structured outputs (its tokenizer is built on first use)."""
+        return StructuredOutputs(self.engine.tokenizer, self.cfg.grammar_compile_timeout)
 
     @property
     def model_names(self) -> set[str]:
@@ -112,9 +119,6 @@ def check_n(ctx: ServingContext, n: int) -> None:
 # (the predicate says which values are fine) is refused. Fields not named here are ignored
 # and logged, as vLLM does.
 _NOT_SUPPORTED = {
-    **{f: (lambda v: v is None, "needs guided decoding, which this server does not have")
-       for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                 "guided_decoding_backend", "guided_whitespace_pattern")},
     "use_beam_search": (lambda v: v in (None, False), "beam search is not supported"),
     "best_of": (lambda v: v in (None, 1), "best_of is not supported (use n)"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "length_penalty applies to beam search, not supported"),
@@ -133,15 +137,18 @@ _NOT_SUPPORTED = {
 
 
 def check_unsupported(req: SamplingFields) -> None:
-    """Refuse what the server cannot do rather than ignore it: a response_format other than text
+    """Refuse what the server cannot do rather than ignore it: an unknown response_format type
     and the fields of ``_NOT_SUPPORTED`` with a value other than their default. Other unknown
-    fields are ignored and logged (vLLM logs them too)."""
+    fields are ignored and logged (vLLM logs them too); the structured-outputs fields are read
+    by server/structured.py."""
     fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        raise RequestError(f"response_format type {fmt.type!r} is not supported (no guided decoding; "
-                           "only 'text')", param="response_format.type")
+    if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
+        raise RequestError(f"response_format type {fmt.type!r} is not supported ('text', 'json_object' or "
+                           "'json_schema')", param="response_format.type")
     ignored = []
     for name, value in (req.model_extra or {}).items():
+        if name in STRUCTURED_FIELDS:
+            continue
         rule = _NOT_SUPPORTED.get(name)
         if rule is None:
             ignored.append(name)
@@ -149,6 +156,11 @@ def check_unsupported(req: SamplingFields) -> None:
             raise RequestError(f"{name}: {rule[1]}", param=name)
     if ignored:
         logger.info("request fields ignored: %s", ", ".join(sorted(ignored)))
+
+
+# read by server/structured.py (the backend name is accepted and not used: llguidance compiles)
+STRUCTURED_FIELDS = frozenset({"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                               "guided_whitespace_pattern", "guided_decoding_backend"})
 
 
 def choice_seed(seed: int, choice: int) -> int:

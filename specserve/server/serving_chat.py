@@ -17,6 +17,7 @@ from specserve.server.reasoning import ReasoningParser, make_parser, split_all
 from specserve.server.serving import (ServingContext, check_n, check_unsupported, clean_logprob, make_choices,
                                       new_id, now, resolve_max_tokens, timings, usage)
 from specserve.server.streaming import SSE_DONE, Choice, Fanout, SSEResponse, sse, start_fanout
+from specserve.server.structured import constrain, start_for
 from specserve.server.tools import ToolCall, ToolCallParser, ToolPlan, plan_tools
 from specserve.server.tools import split_all as split_calls
 
@@ -52,8 +53,9 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(ctx, requested, None, len(ids), "messages", param)
     request_id = new_id("chatcmpl")
-    choices = make_choices([ids], req, [max_tokens], top, request_id)
     opened = prompt_opens_think(prompt)
+    structured = await ctx.structured.spec_for(req, plan, start_for(ctx.cfg.reasoning_parser, opened))
+    choices = constrain(make_choices([ids], req, [max_tokens], top, request_id), structured)
     split = Splitter(ctx.cfg.reasoning_parser, opened, plan)
     fan = Fanout(ctx.engine, ctx.metrics, choices)
     await start_fanout(request.receive, fan, drain=not req.stream)

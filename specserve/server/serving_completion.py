@@ -14,6 +14,7 @@ from specserve.server.protocol import CompletionRequest, error_body, parse_body
 from specserve.server.serving import (ServingContext, check_n, check_unsupported, clean_logprob, make_choices,
                                       new_id, now, resolve_max_tokens, timings, usage)
 from specserve.server.streaming import SSE_DONE, Choice, Fanout, SSEResponse, sse, start_fanout
+from specserve.server.structured import constrain
 
 logger = logging.getLogger("specserve.server")
 
@@ -58,7 +59,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     max_tokens = [resolve_max_tokens(ctx, req.max_tokens, DEFAULT_MAX_TOKENS, len(ids), "prompt")
                   for ids in prompts]
     request_id = new_id("cmpl")
-    choices = make_choices(prompts, req, max_tokens, req.logprobs, request_id)
+    structured = await ctx.structured.spec_for(req)
+    choices = constrain(make_choices(prompts, req, max_tokens, req.logprobs, request_id), structured)
     echo = texts if req.echo else None
     fan = Fanout(ctx.engine, ctx.metrics, choices)
     await start_fanout(request.receive, fan, drain=not req.stream)

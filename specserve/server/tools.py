@@ -63,6 +63,7 @@ class ToolPlan:
     template_tools: list[dict] | None  # None: render without tools
     names: frozenset[str]  # empty: no parsing (content stays text)
     parallel: bool = True  # False: the first call only
+    forced: frozenset[str] = frozenset()  # tool_choice "required" or a named function: the output must call one
 
 
 def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel: bool | None, parser: str) -> ToolPlan:
@@ -72,14 +73,17 @@ def plan_tools(tools: list[dict] | None, tool_choice: Any, parallel: bool | None
         dup = next(n for n in names if names.count(n) > 1)
         raise RequestError(f"tools name the function {dup!r} twice", param="tools")
     choice = "auto" if tool_choice is None else tool_choice
-    if choice not in ("none", "auto"):
-        _refuse_forced_choice(choice, names)
+    forced = frozenset() if choice in ("none", "auto") else _forced_choice(choice, names)
     if choice != "none" and tool_choice is not None and not names:
         raise RequestError("tool_choice needs tools", param="tool_choice")
     if not names or choice == "none":
         return ToolPlan(None, frozenset())
+    if forced and parser != "hermes":
+        raise RequestError("tool_choice 'required' or a named function needs a tool-call parser: this chat "
+                           "template writes no <tool_call> tags (start the server with --tool-call-parser hermes "
+                           "and a template that has tools)", param="tool_choice")
     parse = frozenset(names) if parser == "hermes" else frozenset()
-    return ToolPlan(list(tools), parse, parallel is not False)
+    return ToolPlan(list(tools), parse, parallel is not False, forced)
 
 
 def _tool_name(i: int, tool: dict) -> str:
@@ -98,7 +102,8 @@ def _tool_name(i: int, tool: dict) -> str:
     return name
 
 
-def _refuse_forced_choice(choice: Any, names: list[str]) -> None:
+def _forced_choice(choice: Any, names: list[str]) -> frozenset[str]:
+    """The tools a forced tool_choice lets the output call (all for "required"); raises RequestError."""
     if isinstance(choice, dict):
         fn = choice.get("function")
         named = fn.get("name") if isinstance(fn, dict) else None
@@ -107,9 +112,9 @@ def _refuse_forced_choice(choice: Any, names: list[str]) -> None:
                                '"function": {"name": ...}}', param="tool_choice")
         if named not in names:
             raise RequestError(f"tool_choice names {named!r}, which is not among tools", param="tool_choice")
-    if choice == "required" or isinstance(choice, dict):
-        raise RequestError("tool_choice 'required' or a named function needs guided decoding, which this server "
-                           "does not have; use 'auto' (the model decides) or 'none'", param="tool_choice")
+        return frozenset([named])
+    if choice == "required":
+        return frozenset(names)
     raise RequestError(f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", ...}}, "
                        f"got {choice!r}", param="tool_choice")
 

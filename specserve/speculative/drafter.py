@@ -88,9 +88,10 @@ def pick_tokens(seq: Sequence, logits: torch.Tensor, generator: torch.Generator 
     sequence's tokens plus the earlier drafts. With p_min (llama.cpp's --draft-p-min) the drafts
     stop at the first row whose top probability, in the distribution the draft is picked from
     (softmax of the processed logits when greedy), is under it: a rule on the draft alone, so
-    verification stays exact."""
+    verification stays exact. Under structured outputs each row is masked by the sequence's
+    grammar after the earlier drafts, as the target's verification row is (engine/constraint.py)."""
     p = seq.params
-    if p.greedy and not p.modifies_logits:  # every row at once: the same argmax per row
+    if p.greedy and not p.modifies_logits and seq.constraint is None:  # every row at once: the argmax per row
         drafts = logits.argmax(dim=-1).tolist()
         if p_min:
             sure = (torch.softmax(logits.float(), -1).amax(-1) >= p_min).long().cumprod(0)
@@ -100,7 +101,11 @@ def pick_tokens(seq: Sequence, logits: torch.Tensor, generator: torch.Generator 
     drafts: list[int] = []
     probs: list[torch.Tensor] = []
     for j in range(logits.shape[0]):
-        row = sampler.penalize(logits[:j + 1], p, seq.prompt_ids, output, drafts)[j:j + 1]
+        allowed = _grammar_row(seq, list(earlier) + drafts, logits.shape[-1])
+        # row j alone, penalized as row j of the block: the earlier drafts count as output
+        row = sampler.penalize(logits[j:j + 1], p, seq.prompt_ids, output + drafts, (), allowed)
+        if allowed is not None and not torch.isfinite(row).any():
+            break  # the draft puts no mass on any token the grammar allows: nothing to propose
         if p.greedy:
             if p_min and float(torch.softmax(row[0].float(), -1).max()) < p_min:
                 break
@@ -112,3 +117,11 @@ def pick_tokens(seq: Sequence, logits: torch.Tensor, generator: torch.Generator 
         drafts.append(sampler.sample_from(q, generator))
         probs.append(q)
     return Proposal(drafts, torch.stack(probs) if probs else None, cut=len(drafts) < logits.shape[0])
+
+
+def _grammar_row(seq: Sequence, tentative: list[int], width: int) -> torch.Tensor | None:
+    """[1, width] tokens the sequence's grammar allows after ``tentative`` drafts, or None."""
+    if seq.constraint is None:
+        return None
+    mask = seq.constraint.mask_after(tentative, width)
+    return None if mask is None else mask[None]

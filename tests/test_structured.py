@@ -1,0 +1,104 @@
+"""Structured outputs on the real engine (smollm2-135m): every output matches its schema or regex,
+and greedy speculation under a grammar is token for token greedy without it, for each drafter.
+
+The 50 schemas and 20 regexes of specserve.bench.structured_cases run plain; n-gram speculation
+runs every second case, draft-model and DFlash speculation every fifth (benchmarks/structured.py
+runs the whole set with every drafter).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from engine_utils import make_engine
+from specserve.bench.structured_cases import cases, run_cases, valid
+from specserve.engine.constraint import ConstraintSpec
+from specserve.engine.types import SamplingParams
+from specserve.server.structured import build_tokenizer, compile_grammar, grammar_source
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 96
+CASES = cases()
+HALF, SUBSET = CASES[::2], CASES[::5]
+SPECS = {
+    # prompt_lookup_min 1: the n-gram drafter proposes often, and the grammar cuts many proposals
+    "ngram": '{"method": "ngram", "num_speculative_tokens": 4, "adaptive": false, "prompt_lookup_min": 1, '
+             '"prompt_lookup_max": 3}',
+    "draft_model": '{"method": "draft_model", "model": "smollm2-135m", "quantization": "int8", '
+                   '"num_speculative_tokens": 4, "adaptive": false}',
+    "dflash": '{"method": "dflash", "model": "smollm2-135m-dflash", "num_speculative_tokens": 7, "adaptive": false}',
+}
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def plain():
+    engine = make_engine("--model", "smollm2-135m", "--max-num-seqs", "8")
+    lltok, _ = build_tokenizer(engine.tokenizer)
+    return engine, lltok, run_cases(engine, lltok, CASES, SamplingParams(max_tokens=MAX_TOKENS))
+
+
+def test_every_output_matches_its_schema_or_regex(plain):
+    engine, _, results = plain
+    bad = []
+    for (kind, name, _, value), (toks, finish) in zip(CASES, results):
+        text = engine.tokenizer.decode(toks)
+        if finish != "stop" or not valid(kind, value, text):
+            bad.append(f"{name}: {finish} {text!r}")
+    assert not bad, "\n".join(bad)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("method", list(SPECS))
+def test_greedy_speculation_under_a_grammar_equals_plain(plain, method):
+    _, lltok, results = plain
+    cases, want = (HALF, results[::2]) if method == "ngram" else (SUBSET, results[::5])
+    engine = make_engine("--model", "smollm2-135m", "--max-num-seqs", "8", "--speculative-config", SPECS[method])
+    got = run_cases(engine, lltok, cases, SamplingParams(max_tokens=MAX_TOKENS))
+    for (_, name, _, _), (a, _), (b, _) in zip(cases, want, got):
+        assert a == b, f"{name}: {engine.tokenizer.decode(a)!r} != {engine.tokenizer.decode(b)!r}"
+    assert engine.totals.draft_tokens > 0 and engine.totals.accepted_tokens > 0
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_sampled_outputs_under_speculation_match_their_schemas(plain):
+    """Temperature 0.8, seeded, with a draft model: every accepted, recovered and bonus token is
+    legal, so every output still matches (exactness itself: tests/test_constraint.py)."""
+    _, lltok, _ = plain
+    engine = make_engine("--model", "smollm2-135m", "--max-num-seqs", "8", "--speculative-config",
+                         SPECS["draft_model"])
+    got = run_cases(engine, lltok, SUBSET, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=7))
+    bad = [f"{name}: {finish} {engine.tokenizer.decode(t)!r}" for (kind, name, _, value), (t, finish)
+           in zip(SUBSET, got) if finish != "stop" or not valid(kind, value, engine.tokenizer.decode(t))]
+    assert not bad, "\n".join(bad)
+    assert engine.totals.accepted_tokens > 0
+
+
+REASONING_PROMPT = ("<think>\nThe user wants a number.\n</think>\n{\"n\": 1}\n"
+                    "<think>\nAnother number.\n</think>\n{\"n\": 2}\n"
+                    "<think>\nOne more.\n")
+
+
+@pytest.mark.parametrize("spec", [None, SPECS["ngram"]])
+def test_the_grammar_starts_after_the_reasoning(plain, spec):
+    """start "after_think": free text until the output closes </think>, the schema after it."""
+    _, lltok, _ = plain
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    grammar = compile_grammar(lltok, grammar_source("json", schema).grammar)
+    args = ["--model", "smollm2-135m"] + (["--speculative-config", spec] if spec else [])
+    engine = make_engine(*args)
+    ids = engine.tokenizer.encode(REASONING_PROMPT)
+    params = SamplingParams(max_tokens=40, structured=ConstraintSpec(grammar, "after_think"))
+    toks = [t for out in engine.generate(ids, params, f"t{next(_ids)}") for t in out.new_token_ids]
+    text = engine.tokenizer.decode(toks)
+    assert "</think>" in text, text
+    answer = text.split("</think>", 1)[1]
+    assert valid("json", schema, answer.strip()), text
+    free = [t for out in plain[0].generate(ids, SamplingParams(max_tokens=40), f"t{next(_ids)}")
+            for t in out.new_token_ids]
+    reasoning = text.split("</think>", 1)[0] + "</think>"
+    assert engine.tokenizer.decode(free).startswith(reasoning)  # the reasoning itself is not constrained
