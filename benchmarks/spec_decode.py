@@ -1,8 +1,8 @@
 """Decode speed with and without each drafter, interleaved per prompt, as ratios vs plain greedy.
 
     python benchmarks/spec_decode.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--tokens 128]
-        [--runs 3] [--suites code,math,prose] [--prompts-per-suite 4] [--adaptive on|off|both]
-        [--out spec.json] [--markdown spec.md]
+        [--runs 3] [--suites code,math,prose,edit] [--prompts-per-suite 4] [--adaptive on|off|both]
+        [--by-run] [--out spec.json] [--markdown spec.md]
 
 For each model the target is loaded once and every configuration (plain greedy, ngram, draft
 model...) gets its own engine around it (own KV pool, drafter, adaptive policy); then for
@@ -10,7 +10,8 @@ each run and prompt the configurations generate one after the other (order rotat
 greedy, ignoring EOS, exactly --tokens tokens. Decode tok/s = (tokens - 1) / (time from the first
 token to the last), as `specserve generate` reports it. "speedup" is the median over (prompt, run)
 of the paired ratio config / plain measured back to back; "identical" counts prompts whose tokens
-equal plain greedy's.
+equal plain greedy's. Suffix decoding keeps earlier outputs: from the second run on it has seen
+every answer before (a repeated question); --by-run reports each run apart.
 """
 
 from __future__ import annotations
@@ -41,13 +42,20 @@ from specserve.speculative.registry import build_drafter  # noqa: E402
 FAST_DRAFT = {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5,
               "quantization": "q4_0", "draft_vocab_size": 32768}
 # model -> drafters worth trying on it: (label, speculative config without "adaptive")
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
+DFLASH = {"method": "dflash", "model": "smollm2-135m-dflash", "num_speculative_tokens": 7}
 DRAFTERS = {
     "smollm2-135m": [("ngram", {"method": "ngram", "num_speculative_tokens": 8}),
-                     ("dflash", {"method": "dflash", "model": "smollm2-135m-dflash", "num_speculative_tokens": 7})],
+                     ("suffix", SUFFIX),
+                     ("dflash", DFLASH),
+                     ("chain suffix+dflash", {"method": "chain", "num_speculative_tokens": 8,
+                                              "drafters": [SUFFIX, DFLASH]})],
     "qwen2.5-coder-1.5b": [
         ("ngram", {"method": "ngram", "num_speculative_tokens": 8}),
+        ("suffix", SUFFIX),
         ("draft 0.5b", {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5}),
         ("draft 0.5b q4_0 32K", FAST_DRAFT),
+        ("chain suffix+draft", {"method": "chain", "num_speculative_tokens": 8, "drafters": [SUFFIX, FAST_DRAFT]}),
     ],
 }
 DEFAULT_DRAFTERS = [("ngram", {"method": "ngram", "num_speculative_tokens": 8})]
@@ -114,8 +122,9 @@ def bench_model(model: str, a: argparse.Namespace, suites: dict) -> list[dict]:
     ct = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
     prompts = [(s, p.id, tok.encode(ct.render(p.as_messages()), add_special_tokens=False))
                for s, ps in suites.items() for p in ps]
-    for name, eng in engines.items():  # warm-up: first-call costs stay out of the numbers
-        run_one(eng, prompts[0][2], 8)
+    warm = tok.encode(ct.render([{"role": "user", "content": "Say hello."}]), add_special_tokens=False)
+    for name, eng in engines.items():  # warm-up (on no suite prompt): first-call costs stay out of the numbers
+        run_one(eng, warm, 8)
     rows = []  # one per (config, prompt, run)
     for run in range(a.runs):
         for pi, (suite, pid, ids) in enumerate(prompts):
@@ -134,11 +143,12 @@ def bench_model(model: str, a: argparse.Namespace, suites: dict) -> list[dict]:
     return rows
 
 
-def summarize(rows: list[dict]) -> list[dict]:
+def summarize(rows: list[dict], by_run: bool = False) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["model"], r["config"], r["suite"]), []).append(r)
-        groups.setdefault((r["model"], r["config"], "all"), []).append(r)
+        tag = f" #{r['run'] + 1}" if by_run else ""
+        groups.setdefault((r["model"], r["config"], r["suite"] + tag), []).append(r)
+        groups.setdefault((r["model"], r["config"], "all" + tag), []).append(r)
     out = []
     for (model, cfg, suite), rs in groups.items():
         tps = [r["decode_tps"] for r in rs]
@@ -158,7 +168,11 @@ def summarize(rows: list[dict]) -> list[dict]:
         for key in (r["model"], r["config"], r["suite"]):
             first.setdefault(key, len(first))
     first["all"] = len(first)
-    return sorted(out, key=lambda s: (first[s["model"]], first[s["suite"]], first[s["config"]]))
+
+    def order(s: dict) -> tuple:
+        suite, _, run = s["suite"].partition(" #")  # by run: each suite's runs in turn
+        return first[s["model"]], first[suite], int(run or 0), first[s["config"]]
+    return sorted(out, key=order)
 
 
 def markdown(summary: list[dict], a: argparse.Namespace) -> str:
@@ -192,6 +206,7 @@ def main() -> int:
     ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "q4", "q4_0"])
     ap.add_argument("--ctx", type=int, default=2048, help="--max-model-len of every engine (KV pool size)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--by-run", action="store_true", help="summarize each run apart (suffix: run 2 is a repeat)")
     ap.add_argument("--out", default=None, help="write raw rows and summary as JSON")
     ap.add_argument("--markdown", default=None, help="write the summary table as Markdown")
     a = ap.parse_args()
@@ -199,7 +214,7 @@ def main() -> int:
     rows = []
     for model in a.models.split(","):
         rows += bench_model(model.strip(), a, suites)
-    summary = summarize(rows)
+    summary = summarize(rows, a.by_run)
     md = markdown(summary, a)
     print(md)
     if a.out:

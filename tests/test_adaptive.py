@@ -42,6 +42,22 @@ def test_calibrate_times_every_width_interleaved():
     assert sorted(c.table) == [1, 2, 3]
 
 
+def test_calibrate_keeps_the_fastest_round():
+    """A round slowed by other work on the machine does not set a width's cost."""
+    import time
+
+    rounds = []
+
+    def run(width: int) -> None:
+        rounds.append(width)
+        if width == 2 and rounds.count(2) == 1:  # the first round of width 2 is interrupted
+            time.sleep(0.3)
+
+    c = CostModel()
+    calibrate(c, run, [1, 2], rounds=3)
+    assert c.table[2] < 0.15
+
+
 def _policy(step: float, draft: float, k_max: int = 8) -> DraftPolicy:
     c = CostModel()
     for w in range(1, k_max + 2):

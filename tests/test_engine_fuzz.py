@@ -1,7 +1,8 @@
 """Random traffic on a tiny model: shared prefixes (prefix-cache hits), a tight KV pool
 (preemption), chunked prefill, aborts, quantized KV caches; without speculation, with prompt
-lookup (on prompts that repeat themselves, so it drafts), and with each drafter that keeps
-state per sequence (dflash and MTP with their prefix stores, a draft model with its own KV).
+lookup and suffix decoding (on prompts that repeat themselves, so they draft), with each drafter
+that keeps state per sequence (dflash and MTP with their prefix stores, a draft model with its
+own KV), and with a chain of a model-free drafter and one of those.
 Every request that is not aborted gets plain greedy's tokens (same KV dtype); no block leaks."""
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import pytest
 from specserve.engine.config import EngineConfig
 from specserve.engine.llm_engine import LLMEngine, plan_for
 from specserve.engine.types import SamplingParams
+from specserve.speculative.chain import ChainDrafter
 from specserve.speculative.config import SpeculativeConfig
 from specserve.speculative.dflash import DFlashDrafter, save_drafter
 from specserve.speculative.draft_model import DraftModelDrafter
 from specserve.speculative.mtp import MTPDrafter
 from specserve.speculative.ngram import NgramDrafter
 from specserve.speculative.prefix_store import PrefixStore
+from specserve.speculative.suffix import SuffixDrafter
 from test_dflash import make_tiny_target, random_drafter
 from test_mtp import random_head
 
@@ -51,21 +54,34 @@ def _random_engine(setup, method: str, rnd: random.Random, kv_dtype: str) -> LLM
     per_token = plan_for(tiny, probe, None, None).kv_bytes_per_token
     spec, drafter = None, None
     store = PrefixStore(rnd.choice([4, 64]), 8)
-    if method != "none":
-        spec = SpeculativeConfig(method, num_speculative_tokens=rnd.choice([1, 3, 5]), model=None if method == "ngram" else "x",
+    k = rnd.choice([1, 3, 5]) if method != "none" else 0
+    if method == "chain":
+        parts = rnd.choice([("suffix", "draft_model"), ("ngram", "dflash"), ("suffix", "mtp")])
+        drafter = ChainDrafter([_drafter(setup, m, rnd, store) for m in parts], [k, rnd.choice([1, k])])
+        spec = SpeculativeConfig("chain", num_speculative_tokens=k, adaptive=rnd.random() < 0.5,
+                          drafters=tuple(SpeculativeConfig(m, num_speculative_tokens=k,
+                                                    model=None if m in ("ngram", "suffix") else "x") for m in parts))
+    elif method != "none":
+        spec = SpeculativeConfig(method, num_speculative_tokens=k, model=None if method in ("ngram", "suffix") else "x",
                           adaptive=rnd.random() < 0.5)
-    if method == "dflash":
-        drafter = DFlashDrafter.load(dirs["dflash"], tiny, store=store)
-    elif method == "mtp":
-        drafter = MTPDrafter.load(str(dirs["mtp"]), tiny, store)
-    elif method == "draft_model":
-        drafter = DraftModelDrafter(draft, 60, 8, 96)
-    elif method == "ngram":
-        drafter = NgramDrafter(1, rnd.choice([2, 4]))
+        drafter = _drafter(setup, method, rnd, store)
     ecfg = EngineConfig(max_num_seqs=rnd.choice([2, 4, 6]), max_model_len=96, block_size=8,
                         max_num_batched_tokens=rnd.choice([16, 64, 2048]), kv_cache_dtype=kv_dtype,
                         kv_cache_memory=per_token * 8 * rnd.choice([13, 20, 40]))
     return LLMEngine(tiny, ecfg, spec, drafter)
+
+
+def _drafter(setup, method: str, rnd: random.Random, store: PrefixStore):
+    tiny, dirs, draft, _ = setup
+    if method == "dflash":
+        return DFlashDrafter.load(dirs["dflash"], tiny, store=store)
+    if method == "mtp":
+        return MTPDrafter.load(str(dirs["mtp"]), tiny, store)
+    if method == "draft_model":
+        return DraftModelDrafter(draft, 60, 8, 96)
+    if method == "suffix":  # a small global cache: evictions happen
+        return SuffixDrafter(rnd.choice([4, 24]), rnd.choice([0, 3, 100]), min_token_prob=rnd.choice([0.0, 0.1]))
+    return NgramDrafter(1, rnd.choice([2, 4]))
 
 
 def _repetitive(rnd: random.Random) -> list[int]:
@@ -74,7 +90,7 @@ def _repetitive(rnd: random.Random) -> list[int]:
     return (unit * 10)[:rnd.randrange(5, 40)]
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "dflash", "mtp", "draft_model"])
+@pytest.mark.parametrize("method", ["none", "ngram", "dflash", "mtp", "draft_model", "suffix", "chain"])
 @pytest.mark.parametrize("trial", range(len(KV_DTYPES)))
 def test_random_traffic_keeps_outputs_and_blocks(setup, method, trial):
     rnd = random.Random(trial)

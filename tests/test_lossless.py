@@ -30,6 +30,7 @@ def prompts_and_plain():
     '{"method": "draft_model", "model": "smollm2-135m", "quantization": "int8", "num_speculative_tokens": 4}',
     # a 4-bit draft over a cut vocabulary that grows with the tokens the prompts use
     '{"method": "draft_model", "model": "smollm2-135m", "quantization": "q4_0", "draft_vocab_size": 2048}',
+    '{"method": "suffix", "num_speculative_tokens": 8}',
 ])
 def test_speculative_greedy_equals_plain_greedy_smollm2(prompts_and_plain, spec):
     prompts, plain = prompts_and_plain
@@ -38,6 +39,48 @@ def test_speculative_greedy_equals_plain_greedy_smollm2(prompts_and_plain, spec)
     for i, (a, b) in enumerate(zip(plain, got)):
         assert a == b, f"prompt {i}: first difference at token {next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)}"
     assert engine.totals.draft_tokens > 0 and engine.totals.accepted_tokens > 0  # speculation really ran
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+SUFFIX_THEN_DRAFT = {"method": "chain", "num_speculative_tokens": 8, "drafters": [
+    {"method": "suffix"}, {"method": "draft_model", "model": "smollm2-135m", "quantization": "int8",
+                           "num_speculative_tokens": 4}]}
+NGRAM_THEN_DFLASH = {"method": "chain", "num_speculative_tokens": 7, "drafters": [
+    {"method": "ngram", "prompt_lookup_min": 3}, {"method": "dflash", "model": "smollm2-135m-dflash"}]}
+
+
+@pytest.mark.parametrize("chain", [SUFFIX_THEN_DRAFT, NGRAM_THEN_DFLASH])
+@pytest.mark.parametrize("max_num_seqs", [8, 1])
+def test_chained_drafters_equal_plain_greedy(prompts_and_plain, chain, max_num_seqs):
+    """A chain, batched 8 and alone, at a fixed draft length (so that both drafters draft): the
+    model drafter runs only where the first one has nothing, and the output stays plain greedy's."""
+    prompts, plain = prompts_and_plain
+    n = 8 if max_num_seqs == 8 else 2
+    prompts, plain = prompts[:n], [p[:64] for p in plain[:n]]  # greedy's first 64 tokens
+    engine = make_engine("--model", "smollm2-135m", "--max-num-seqs", str(max_num_seqs), "--speculative-config",
+                         json.dumps(dict(chain, adaptive=False)))
+    assert run_all(engine, prompts, SamplingParams(max_tokens=64)) == plain
+    assert all(w > 0 for w in engine.drafter.wins), engine.drafter.wins  # both drafters' proposals verified
+    assert engine.totals.accepted_tokens > 0 and engine.blocks.num_free == engine.blocks.num_blocks
+    model = engine.drafter.drafters[1]
+    if hasattr(model, "blocks"):  # the draft model's own KV pool
+        assert model.blocks.num_free == model.blocks.num_blocks
+
+
+def test_suffix_alone_and_a_repeated_request_hits_the_cache(prompts_and_plain):
+    """One request at a time: greedy output equals plain; asked again, each request's answer comes
+    from the cache of earlier outputs (most tokens are accepted drafts), still plain's tokens."""
+    prompts, plain = prompts_and_plain
+    pick = [0, 6, 12]  # code, math, prose
+    engine = make_engine("--model", "smollm2-135m", "--max-num-seqs", "1", "--speculative-config",
+                         '{"method": "suffix", "num_speculative_tokens": 8}')
+    accepted = []
+    for _ in range(2):
+        before = engine.totals.accepted_tokens
+        assert run_all(engine, [prompts[i] for i in pick], GREEDY_128) == [plain[i] for i in pick]
+        accepted.append(engine.totals.accepted_tokens - before)
+    assert accepted[1] > 2 * accepted[0] and accepted[1] > 0.5 * sum(len(plain[i]) for i in pick), accepted
+    assert len(engine.drafter.cache) == 2 * len(pick)
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 

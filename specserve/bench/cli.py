@@ -59,7 +59,7 @@ def add_parser(subparsers: Any) -> None:
     t.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     s = p.add_argument_group("suites")
     s.add_argument("--suite", default="code,math,prose",
-                   help="comma list: code, math, prose, humaneval, gsm8k, mtbench, or a .jsonl path")
+                   help="comma list: code, math, prose, edit, humaneval, gsm8k, mtbench, or a .jsonl path")
     s.add_argument("--limit", type=int, default=None, help="prompts per suite")
     s.add_argument("--runs", type=int, default=3)
     s.add_argument("--max-tokens", type=int, default=512)

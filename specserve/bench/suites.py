@@ -17,7 +17,7 @@ from typing import Any, Callable
 from specserve.bench.fetch import Downloader, fetch_members
 from specserve.errors import SpecserveError
 
-BUILTIN = ("code", "math", "prose")
+BUILTIN = ("code", "math", "prose", "edit")  # edit: one file changed twice in a conversation
 
 
 @dataclass

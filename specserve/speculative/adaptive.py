@@ -61,15 +61,20 @@ class CostModel:
         return self.table[w1] + slope * (width - w1)
 
 
-def calibrate(cost: CostModel, run, widths: list[int], rounds: int = 2) -> None:
+def calibrate(cost: CostModel, run, widths: list[int], rounds: int = 3) -> None:
     """Time ``run(width)`` (one forward pass of that width) for each width, interleaved over
-    ``rounds`` rounds after one warm-up pass, and fold the times into ``cost``."""
+    ``rounds`` rounds after one warm-up pass, and fold each width's fastest time into ``cost``
+    (on a shared machine other work only adds time: one slow round must not set the cost of a
+    width the policy then never tries again)."""
     run(widths[0])
+    best: dict[int, float] = {}
     for _ in range(rounds):
         for w in widths:
             t0 = time.perf_counter()
             run(w)
-            cost.add(w, time.perf_counter() - t0)
+            best[w] = min(best.get(w, float("inf")), time.perf_counter() - t0)
+    for w in widths:
+        cost.add(w, best[w])
 
 
 class DraftPolicy:

@@ -8,7 +8,10 @@ from dataclasses import dataclass, fields
 from specserve.errors import SpecserveError
 from specserve.models.quant import QUANTIZATIONS
 
-METHODS = ("ngram", "draft_model", "dflash", "mtp")
+METHODS = ("ngram", "draft_model", "dflash", "mtp", "suffix", "chain")
+SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+               "suffix_decoding_max_spec_factor", "suffix_decoding_max_spec_offset", "suffix_decoding_min_token_prob")
+CHAIN_KEYS = ("method", "drafters", "num_speculative_tokens", "adaptive")  # the rest belongs to a drafter
 
 
 @dataclass(frozen=True)
@@ -24,10 +27,19 @@ class SpeculativeConfig:
     quantization: str | None = None  # draft model weight format (default: the target's)
     draft_vocab_size: int | None = None  # draft_model / dflash: cut the draft's LM head to this many tokens
     draft_p_min: float = 0.0  # draft_model / dflash / mtp: stop the draft at a token the draft gives less
+    # suffix (vLLM's names; None: the defaults in spec/suffix.py)
+    suffix_decoding_max_tree_depth: int | None = None  # longest context + draft the trees index
+    suffix_decoding_max_cached_requests: int | None = None  # earlier outputs kept (0: only the request's own)
+    suffix_decoding_max_spec_factor: float | None = None  # draft length <= factor * match length + offset
+    suffix_decoding_max_spec_offset: float | None = None
+    suffix_decoding_min_token_prob: float | None = None  # stop before a draft token less likely than this
+    drafters: tuple["SpeculativeConfig", ...] = ()  # chain: tried in order per sequence and step
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise SpecserveError(f"speculative config: method {self.method!r} is not one of {', '.join(METHODS)}")
+        self._check_suffix()
+        self._check_chain()
         if not 1 <= self.num_speculative_tokens <= 32:
             raise SpecserveError("speculative config: num_speculative_tokens must be in [1, 32], "
                                  f"got {self.num_speculative_tokens}")
@@ -44,21 +56,64 @@ class SpeculativeConfig:
             if self.draft_vocab_size < 256:
                 raise SpecserveError(f"speculative config: draft_vocab_size must be >= 256, got {self.draft_vocab_size}")
         if self.draft_p_min:
-            if self.method == "ngram":
+            if self.method in ("ngram", "suffix", "chain"):
                 raise SpecserveError("speculative config: draft_p_min applies to methods \"draft_model\", "
-                                     "\"dflash\" and \"mtp\" (ngram drafts have no probabilities)")
+                                     "\"dflash\" and \"mtp\" (ngram drafts have no probabilities; suffix has "
+                                     "suffix_decoding_min_token_prob; a chain's drafters take their own)")
             if not 0 <= self.draft_p_min < 1:
                 raise SpecserveError(f"speculative config: draft_p_min must be in [0, 1), got {self.draft_p_min}")
-        if self.method == "ngram" and (self.model is not None or self.quantization is not None):
+        if self.method in ("ngram", "suffix") and (self.model is not None or self.quantization is not None):
             raise SpecserveError("speculative config: \"model\" and \"quantization\" do not apply to method "
-                                 "\"ngram\" (it drafts from the context)")
+                                 f"\"{self.method}\" (it drafts from the context)")
         if self.method in ("draft_model", "dflash") and not self.model:
             raise SpecserveError(f"speculative config: method {self.method!r} needs \"model\"")
+
+    def _check_suffix(self) -> None:
+        given = [k for k in SUFFIX_KEYS if getattr(self, k) is not None]
+        if self.method != "suffix":
+            if given:
+                raise SpecserveError(f"speculative config: {given[0]} applies to method \"suffix\" only")
+            return
+        depth, cached = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
+        if depth is not None and not 1 <= depth <= 1024:
+            raise SpecserveError(f"speculative config: suffix_decoding_max_tree_depth must be in [1, 1024], got {depth}")
+        if cached is not None and cached < 0:
+            raise SpecserveError(f"speculative config: suffix_decoding_max_cached_requests must be >= 0, got {cached}")
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if factor is not None and factor < 0:
+            raise SpecserveError(f"speculative config: suffix_decoding_max_spec_factor must be >= 0, got {factor}")
+        if prob is not None and not 0 <= prob <= 1:
+            raise SpecserveError(f"speculative config: suffix_decoding_min_token_prob must be in [0, 1], got {prob}")
+
+    def _check_chain(self) -> None:
+        if self.method != "chain":
+            if self.drafters:
+                raise SpecserveError(f"speculative config: \"drafters\" applies to method \"chain\" only "
+                                     f"(method is {self.method!r})")
+            return
+        if not self.drafters:
+            raise SpecserveError("speculative config: method \"chain\" needs a non-empty \"drafters\" list")
+        seen = set()
+        for i, d in enumerate(self.drafters):
+            if not isinstance(d, SpeculativeConfig):
+                raise SpecserveError(f"speculative config: drafters[{i}] must be a speculative config object")
+            if d.method == "chain":
+                raise SpecserveError(f"speculative config: drafters[{i}] is a chain; chains do not nest")
+            if d.method in seen:
+                raise SpecserveError(f"speculative config: drafters[{i}]: method {d.method!r} appears twice in "
+                                     "the chain")
+            seen.add(d.method)
+            if d.num_speculative_tokens > self.num_speculative_tokens:
+                raise SpecserveError(f"speculative config: drafters[{i}] ({d.method}) has num_speculative_tokens "
+                                     f"{d.num_speculative_tokens}, more than the chain's {self.num_speculative_tokens}")
 
 
 _TYPES = {"method": str, "num_speculative_tokens": int, "prompt_lookup_min": int, "prompt_lookup_max": int,
           "model": str, "adaptive": bool, "quantization": str, "draft_vocab_size": int,
-          "draft_p_min": (int, float)}
+          "draft_p_min": (int, float), "suffix_decoding_max_tree_depth": int,
+          "suffix_decoding_max_cached_requests": int, "suffix_decoding_max_spec_factor": (int, float),
+          "suffix_decoding_max_spec_offset": (int, float), "suffix_decoding_min_token_prob": (int, float),
+          "drafters": list}
 
 
 def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | None:
@@ -71,18 +126,64 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
         except json.JSONDecodeError as exc:
             raise SpecserveError(f"--speculative-config is not valid JSON: {exc}") from exc
     else:
-        data = dict(text)
+        data = dict(text) if isinstance(text, dict) else text
     if not isinstance(data, dict):
         raise SpecserveError("--speculative-config must be a JSON object")
+    _check_types(data)
+    if data.get("method") == "chain":
+        return _parse_chain(data)
+    return _config(data)
+
+
+def _check_types(data: dict, where: str = "") -> None:
     known = {f.name for f in fields(SpeculativeConfig)}
     for key, value in data.items():
         if key not in known:
-            raise SpecserveError(f"speculative config: unknown key {key!r} (known: {', '.join(sorted(known))})")
+            raise SpecserveError(f"speculative config: {where}unknown key {key!r} (known: {', '.join(sorted(known))})")
         want = _TYPES[key]
         if value is not None and (not isinstance(value, want) or (want is not bool and isinstance(value, bool))):
             kind = "a number" if isinstance(want, tuple) else want.__name__
-            raise SpecserveError(f"speculative config: {key!r} must be {kind}, got {value!r}")
+            raise SpecserveError(f"speculative config: {where}{key!r} must be {kind}, got {value!r}")
     if data.get("method") is None:
-        raise SpecserveError("speculative config: missing key 'method'")
+        raise SpecserveError(f"speculative config: {where}missing key 'method'")
+
+
+def _config(data: dict) -> SpeculativeConfig:
     defaults = {f.name: f.default for f in fields(SpeculativeConfig)}
     return SpeculativeConfig(**{k: v for k, v in data.items() if v is not None or defaults.get(k) is None})
+
+
+def _parse_chain(data: dict) -> SpeculativeConfig:
+    """A chain: its drafters parsed one by one; a drafter without num_speculative_tokens takes
+    the chain's, and the chain's defaults to the largest of its drafters'."""
+    extra = [k for k in data if k not in CHAIN_KEYS and data[k] is not None]
+    if extra:
+        raise SpecserveError(f"speculative config: {extra[0]!r} belongs in one of the chain's \"drafters\" "
+                             f"(a chain takes only {', '.join(CHAIN_KEYS)})")
+    subs = data.get("drafters")
+    if not subs:
+        raise SpecserveError("speculative config: method \"chain\" needs a non-empty \"drafters\" list")
+    k = data.get("num_speculative_tokens")
+    parsed = []
+    for i, sub in enumerate(subs):
+        where = f"drafters[{i}]: "
+        if not isinstance(sub, dict):
+            raise SpecserveError(f"speculative config: {where}must be a JSON object, got {sub!r}")
+        _check_types(sub, where)
+        if sub.get("method") == "chain":
+            raise SpecserveError(f"speculative config: {where}a chain inside a chain; chains do not nest")
+        if sub.get("adaptive") is not None:
+            raise SpecserveError(f"speculative config: {where}\"adaptive\" is set on the chain, not on its drafters")
+        if "drafters" in sub:
+            raise SpecserveError(f"speculative config: {where}\"drafters\" applies to method \"chain\" only")
+        if sub.get("num_speculative_tokens") is None and k is not None:
+            sub = dict(sub, num_speculative_tokens=k)
+        try:
+            parsed.append(_config(sub))
+        except SpecserveError as exc:  # name the drafter the message is about
+            raise SpecserveError(str(exc).replace("speculative config: ", f"speculative config: {where}", 1)) from exc
+    if k is None:
+        k = max(d.num_speculative_tokens for d in parsed)
+    adaptive = data.get("adaptive")
+    return SpeculativeConfig("chain", num_speculative_tokens=k, adaptive=True if adaptive is None else adaptive,
+                      drafters=tuple(parsed))

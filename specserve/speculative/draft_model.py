@@ -137,8 +137,10 @@ class DraftModelDrafter(Drafter):
         st = seq.drafter_state.get(self.name)
         if st is None:
             return
-        st.num_computed = min(st.num_computed, st.base + num_accepted)
-        self.blocks.truncate(st.table, st.num_computed)
+        if st.drafts:  # without drafts (none asked this step, e.g. another drafter of a chain proposed) the
+            # cache holds verified tokens only, and a roll-back to the last proposal's base would drop some
+            st.num_computed = min(st.num_computed, st.base + num_accepted)
+            self.blocks.truncate(st.table, st.num_computed)
         # every position left is a verified token: the sequence so far plus the accepted drafts
         self.blocks.commit(st.table, seq.token_ids + st.drafts[:num_accepted], st.num_computed)
         st.drafts = []

@@ -34,8 +34,21 @@ def _mtp(spec: SpeculativeConfig, target: LoadedModel, options: LoadOptions, ecf
     return build(spec, target, options, ecfg, max_model_len)
 
 
+def _suffix(spec: SpeculativeConfig, target: LoadedModel, options: LoadOptions, ecfg, max_model_len: int) -> Drafter:
+    from specserve.speculative.suffix import SuffixDrafter
+
+    return SuffixDrafter.from_spec(spec)
+
+
+def _chain(spec: SpeculativeConfig, target: LoadedModel, options: LoadOptions, ecfg, max_model_len: int) -> Drafter:
+    from specserve.speculative.chain import ChainDrafter
+
+    subs = [build_drafter(s, target, options, ecfg, max_model_len) for s in spec.drafters]
+    return ChainDrafter(subs, [s.num_speculative_tokens for s in spec.drafters])
+
+
 BUILDERS: dict[str, Callable[..., Drafter]] = {"ngram": _ngram, "draft_model": _draft_model, "dflash": _dflash,
-                                               "mtp": _mtp}
+                                               "mtp": _mtp, "suffix": _suffix, "chain": _chain}
 
 
 def build_drafter(spec: SpeculativeConfig | None, target: LoadedModel, options: LoadOptions, ecfg,
