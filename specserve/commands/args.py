@@ -114,6 +114,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lock", default=None, help="deployment lock file to verify before starting")
     p.add_argument("--lock-allow", action="append", default=[], help="lock field allowed to drift")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--shutdown-timeout", type=nonnegative_float, default=30.0,
+                   help="on SIGTERM / SIGINT, seconds the running requests may still take before they are "
+                        "ended with an error (0: end them at once; a second signal also does)")
 
 
 def build_serve_parser() -> argparse.ArgumentParser:

@@ -17,9 +17,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from specserve import __version__
-from specserve.errors import RequestError
+from specserve.errors import RequestError, ServiceUnavailable
 from specserve.server.chat import ChatRenderer
 from specserve.server.config import ServerConfig
+from specserve.server.drain import Drain, DrainMiddleware, unavailable_response
 from specserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from specserve.server.middleware import GuardMiddleware
 from specserve.server.protocol import (ApiError, DetokenizeRequest, TokenizeRequest, error_response, parse_body,
@@ -35,7 +36,9 @@ logger = logging.getLogger("specserve.server")
 Handler = Callable[[ServingContext, Request], Awaitable[Response | dict]]
 
 
-def create_app(engine, cfg: ServerConfig) -> FastAPI:
+def create_app(engine, cfg: ServerConfig, drain: Drain | None = None) -> FastAPI:
+    """The app over ``engine``; with ``drain``, it refuses new requests once the drain has begun
+    (``specserve serve`` starts it on SIGTERM / SIGINT)."""
     served = cfg.served_model_name or engine.model_name
     tok = engine.tokenizer
     renderer = ChatRenderer(tok.chat_template, cfg.chat_template, tok.bos_token, tok.eos_token,
@@ -58,6 +61,8 @@ def create_app(engine, cfg: ServerConfig) -> FastAPI:
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     app.add_middleware(GuardMiddleware, api_key=cfg.api_key, max_request_bytes=cfg.max_request_bytes)
+    if drain is not None:  # added last, so outermost: a draining server refuses before reading a body
+        app.add_middleware(DrainMiddleware, drain=drain)
     _install_error_handlers(app)
     _add_routes(app, ctx)
     return app
@@ -73,6 +78,8 @@ def _guard(ctx: ServingContext, handler: Handler):
             return request_error_response(exc)
         except ApiError as exc:
             return exc.response()
+        except ServiceUnavailable as exc:  # ended by the shutdown drain before a response started
+            return unavailable_response(exc)
         except ClientGone:
             return Response(status_code=499)  # nobody is listening any more
         except Exception as exc:  # noqa: BLE001
@@ -107,8 +114,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, str(exc.detail), kind)
 
+    async def on_crash(_request: Request, exc: Exception) -> JSONResponse:  # a bug outside the routes' guard
+        return error_response(500, f"internal server error ({type(exc).__name__})", "server_error",
+                              code="internal_error")
+
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_crash)
 
 
 # ---------------------------------------------------------------- small routes
