@@ -70,8 +70,12 @@ class AsyncEngine:
 
     def fail_all(self, exc: BaseException) -> None:
         """End every request with ``exc`` (raised from its generate()), and every later one at once:
-        the end of a shutdown drain. Thread-safe; the step loop ends them between two steps."""
+        the end of a shutdown drain. Call it from the event loop that runs the requests: their
+        streams end now, without waiting for the step in progress; the step loop then drops their
+        sequences (the aborts their generators send, and the "fail" below for any not yet seen)."""
         self._closed = exc
+        for loop, q in list(self._queues.values()):
+            loop.call_soon_threadsafe(q.put_nowait, exc)
         self._inbox.put(("fail", exc))
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,

@@ -20,6 +20,7 @@ from specserve.engine.block_manager import BlockManager, BlockTable, NoFreeBlock
 from specserve.engine.config import EngineConfig, MemoryPlan, engine_plan
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.sequence import Sequence, Status
+from specserve.engine.step_budget import batch_keys, prefill_budget
 from specserve.engine.types import EngineStats, RequestOutput, SamplingParams, SpecStats
 from specserve.errors import RequestError
 from specserve.models.loader import LoadedModel
@@ -165,7 +166,7 @@ class LLMEngine:
         batch = self._build_batch(rows)
         t0 = time.perf_counter()
         out = self.model.forward(batch, self.kv)
-        self.cost.add(int(batch.input_ids.shape[0]), time.perf_counter() - t0)
+        self.cost.add(int(batch.input_ids.shape[0]), time.perf_counter() - t0, keys=batch_keys(batch.positions))
         return self._process(rows, out.logits, out.hidden)
 
     def _admit(self) -> None:
@@ -199,7 +200,10 @@ class LLMEngine:
                 continue
             rows.append(_Row(seq, 0, 1 + len(prop.token_ids), prop.token_ids, prop.probs, True, prop.cut))
             budget -= rows[-1].count
-        for seq in [s for s in self.running if s.num_computed < self._prefill_end(s)]:
+        prefill = [s for s in self.running if s.num_computed < self._prefill_end(s)]
+        budget = prefill_budget(self.cost.passes, self.ecfg.max_step_ms, [(r.count, r.seq.num_computed) for r in rows],
+                                [s.num_computed for s in prefill], budget)  # --max-step-ms: engine/step_budget.py
+        for seq in prefill:
             chunk = min(max(budget, 0), self._prefill_end(seq) - seq.num_computed)
             if chunk <= 0 or not self._reserve(seq, seq.num_computed + chunk + 1):
                 break
