@@ -210,8 +210,16 @@ def test_a_second_sigint_ends_requests_at_once(start):
     _clean_exit(s, signalled, within=WAIT)
 
 
-def test_parse_errors_get_json_from_the_real_server(start):
+def test_parse_errors_and_latency_histograms_on_the_real_server(start):
     s = start()
+    c = Client(s.url, PROMPTS[0], True, 24)
+    c.join(WAIT)
+    assert c.done and c.events[-1]["usage"]["completion_tokens"] == 24
+    metrics = httpx.get(s.url + "/metrics", timeout=WAIT).text
+    counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("vllm:") and "_count{" in line}
+    assert counts["vllm:time_to_first_token_seconds_count"] == counts["vllm:e2e_request_latency_seconds_count"] == 1
+    assert counts["vllm:inter_token_latency_seconds_count"] == 24 - 1  # no speculation: one token a step
     with socket.create_connection(("127.0.0.1", s.port), timeout=WAIT) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: twelve\r\n\r\n{}")
         raw = b""
