@@ -140,10 +140,11 @@ def summarize(name: str, flags: str, streams: list[Stream], windows: dict) -> di
 
 
 def markdown(report: dict) -> str:
-    lines = [f"{report['model']}: {report['streams']} greedy streams decoding while prompts of "
-             f"{', '.join(str(n) for n in report['prompt_tokens'])} tokens arrive (one server per config)", "",
-             "| config | prompt tokens | stream ITL p50 | p99 | longest | stream tokens during prefill | "
-             "new prompt's TTFT | outputs identical |", "|---|---:|---:|---:|---:|---:|---:|:---:|"]
+    title = (f"{report['model']}: {report['streams']} greedy streams decoding while prompts of "
+             f"{', '.join(str(n) for n in report['prompt_tokens'])} tokens arrive (one server per config)")
+    header = ("| config | prompt tokens | stream ITL p50 | p99 | longest | stream tokens during prefill | "
+              "new prompt's TTFT | outputs identical |")
+    lines = [title, "", header, "|---|---:|---:|---:|---:|---:|---:|:---:|"]
 
     def ms(x):
         return "-" if x is None else f"{x:.0f} ms"

@@ -130,7 +130,14 @@ def run_server(server, engine, sock: socket.socket | None = None, drain=None) ->
 
     http = threading.Thread(target=server.run, name="specserve-http", daemon=True,
                             kwargs={"sockets": [sock]} if sock is not None else {})
-    handler = server.handle_exit if drain is None else (lambda signum, _frame: drain.request(signum))
+    handler, wakeup = server.handle_exit, None
+    if drain is not None:  # the signal reaches the drain through the wakeup socket (Drain.listen)
+        wakeup = socket.socketpair()
+        for end in wakeup:
+            end.setblocking(False)
+        old_fd = signal.set_wakeup_fd(wakeup[1].fileno(), warn_on_full_buffer=False)
+        drain.listen(wakeup[0])
+        handler = lambda _signum, _frame: None  # noqa: E731 - the default would kill or raise KeyboardInterrupt
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         http.start()
@@ -138,6 +145,10 @@ def run_server(server, engine, sock: socket.socket | None = None, drain=None) ->
     finally:
         server.should_exit = True
         http.join(15)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        if wakeup is not None:
+            signal.set_wakeup_fd(old_fd)
+            for end in wakeup:
+                end.close()
     return 0 if server.started else 1

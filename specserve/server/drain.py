@@ -15,9 +15,10 @@ so a restart must not cut answers off mid-stream. On the first signal the server
 A second signal ends the running requests at once (step 3, still clean endings); a third one
 stops waiting for their responses to go out.
 
-``Drain`` holds the state (set from the signal handler's thread, acted on in the HTTP event
-loop); ``DrainMiddleware`` is the ASGI layer in front of the app that refuses, counts the
-requests in flight and attaches the drain to the event loop at lifespan start-up.
+``Drain`` holds the state and runs in the HTTP event loop (signals reach it through the signal
+module's wakeup socket, or ``request()`` from any thread); ``DrainMiddleware`` is the ASGI layer
+in front of the app that refuses, counts the requests in flight and attaches the drain to the
+event loop at lifespan start-up.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import asyncio
 import json
 import logging
 import signal
+import socket
 import time
 from typing import Callable
 
@@ -57,8 +59,9 @@ class Drain:
 
     ``fail_all(exc)`` ends every engine request with ``exc`` (AsyncEngine.fail_all, thread-safe);
     ``on_done(force)`` asks the HTTP server to exit (force: without waiting for connections).
-    ``request()`` is what a signal handler calls, from any thread; everything else runs in the
-    event loop that ``attach`` names.
+    ``request()`` can be called from any thread; ``listen()`` takes signals straight from the
+    signal module's wakeup socket instead. Everything else runs in the event loop that ``attach``
+    names.
     """
 
     def __init__(self, timeout_s: float, fail_all: Callable[[BaseException], None],
@@ -72,10 +75,30 @@ class Drain:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._signals_in: socket.socket | None = None
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         if self.loop is None:
             self.loop, self._wake = loop, asyncio.Event()
+            if self._signals_in is not None:
+                loop.add_reader(self._signals_in.fileno(), self._read_signals)
+
+    def listen(self, sock: socket.socket) -> None:
+        """Take signals from ``sock``, the non-blocking read end of the socket given to
+        ``signal.set_wakeup_fd`` (call before the event loop starts). The C-level handler writes a
+        signal's number there as it arrives, so the drain starts (and a second signal ends the
+        requests) even while the main thread is inside a long forward pass, where a Python signal
+        handler would wait for the pass to end."""
+        self._signals_in = sock
+
+    def _read_signals(self) -> None:
+        try:
+            data = self._signals_in.recv(512)
+        except (BlockingIOError, InterruptedError):
+            return
+        for signum in data:
+            self.signals += 1
+            self._on_request(self.signals, _signal_name(signum))
 
     def request(self, signum: int | None = None) -> None:
         """Begin the drain (first call), end the requests now (second), stop waiting (third)."""
@@ -139,7 +162,7 @@ class Drain:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 
