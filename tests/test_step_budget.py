@@ -8,7 +8,7 @@ import random
 import pytest
 
 from engine_utils import bench_prompts, chat_ids, make_engine, run_one
-from specserve.engine.step_budget import MIN_CHUNK, batch_keys, prefill_budget, row_keys
+from specserve.engine.step_budget import MIN_CHUNK, STALL_FACTOR, batch_keys, prefill_budget, row_keys
 from specserve.engine.types import SamplingParams
 from specserve.spec.adaptive import CostModel, PassFit
 
@@ -102,11 +102,21 @@ def test_budget_is_off_without_decode_rows_or_with_0_and_never_exceeds_the_token
     assert prefill_budget(fit, 10_000, [(1, 10)], [0], 100) == 100  # --max-num-batched-tokens still caps
 
 
-def test_budget_still_advances_a_prompt_when_decode_alone_fills_the_step():
+def test_when_decode_alone_fills_the_budget_a_step_may_take_twice_its_time():
     fit = trained()
     heavy = [(8, 7900)] * 8  # 64 verification rows at 8K context
-    assert synthetic(64, sum(row_keys(n, p) for n, p in heavy)) > 0.050
-    assert prefill_budget(fit, 50, heavy, [0], 2048) == MIN_CHUNK
+    decode_s = synthetic(64, sum(row_keys(n, p) for n, p in heavy))
+    assert decode_s > 0.050
+    chunk = prefill_budget(fit, 50, heavy, [0], 2048)
+    step_s = synthetic(64 + chunk, sum(row_keys(n, p) for n, p in heavy) + row_keys(chunk, 0))
+    assert MIN_CHUNK < chunk and step_s == pytest.approx(STALL_FACTOR * decode_s, rel=0.1)
+
+
+def test_a_prompt_advances_by_min_chunk_whatever_the_costs():
+    fit = PassFit()
+    for rows, keys in ((1, 10), (64, 2000), (300, 90000)):
+        fit.add(rows, keys, 10.0 * rows)  # 10 s a row
+    assert prefill_budget(fit, 50, [(1, 10)], [0], 2048) == MIN_CHUNK
 
 
 def test_budget_grows_chunks_step_by_step_from_a_cold_model():

@@ -14,8 +14,14 @@ step can see): exact for the usual one prompt in prefill, and it can only over-e
 several prefill at once (a smaller chunk, never a longer stall). The fit is only trusted near
 what was measured: a pass may be at most twice as wide, and attend at most twice as many keys,
 as the widest one seen, so after start-up (or a cold cost model) chunks grow step by step
-instead of jumping to a guess. Each step still gives a prefill at least MIN_CHUNK tokens, so a
-prompt advances even when the decode rows alone fill the budget.
+instead of jumping to a guess.
+
+When the decode rows alone take the budget (many streams at long contexts, or a machine so
+contended that every pass costs a second whatever its width), a step may take up to
+STALL_FACTOR times what they alone would: the streams are slowed by at most that factor and the
+prompt still advances at a useful rate (on a contended machine, where a pass's fixed cost
+dominates, a 32-token chunk costs nearly what a 200-token one does). And each step gives a
+prefill at least MIN_CHUNK tokens.
 
 Chunk sizes never change outputs: the kernels are batch-invariant (tests/test_step_budget.py
 checks the tokens with the budget on against one-shot prefill).
@@ -33,6 +39,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_STEP_MS = 150.0  # p99 stream ITL under ~250 ms while an 8K prompt arrives (README "Long prompts")
 MIN_CHUNK = 32  # tokens a prefill gets per step whatever the budget (it always advances)
+STALL_FACTOR = 2.0  # a step may take this many times the decode rows' own time, if that exceeds the budget
 EXPLORE = 64  # passes up to this wide (and this many keys squared) need no measurement to be tried
 
 
@@ -59,7 +66,7 @@ def prefill_budget(passes: PassFit, max_step_ms: float, decode: list[tuple[int, 
     rows0 = sum(n for n, _ in decode)
     keys0 = sum(row_keys(n, p) for n, p in decode)
     start = max(prefill_starts)
-    budget_s = max_step_ms / 1000.0
+    budget_s = max(max_step_ms / 1000.0, STALL_FACTOR * passes.time(rows0, keys0))
     max_rows = max(2 * passes.widest, EXPLORE)
     max_keys = max(2 * passes.most_keys, EXPLORE * EXPLORE)
 

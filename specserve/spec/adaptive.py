@@ -12,6 +12,7 @@ drafts are rarely accepted this settles at k = 0, so speculation never makes dec
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 
@@ -95,6 +96,7 @@ class PassFit:
 
     def __init__(self):
         self.groups: dict[tuple[int, int], deque] = {}
+        self._points: dict[tuple[int, int], tuple[float, float, float, float]] = {}  # a group's summary
         self.widest = 0
         self.most_keys = 0
         self._coef: tuple[float, float, float] | None = None
@@ -102,8 +104,11 @@ class PassFit:
     def add(self, rows: int, keys: int, seconds: float) -> None:
         if rows < 1 or seconds <= 0:
             return
-        group = self.groups.setdefault((rows.bit_length(), keys.bit_length()), deque(maxlen=self.PER_GROUP))
+        key = (rows.bit_length(), keys.bit_length())
+        group = self.groups.setdefault(key, deque(maxlen=self.PER_GROUP))
         group.append((rows, keys, seconds))
+        self._points[key] = (1.0, sum(r for r, _, _ in group) / len(group), sum(k for _, k, _ in group) / len(group),
+                             statistics.median(t for _, _, t in group))
         self.widest, self.most_keys = max(self.widest, rows), max(self.most_keys, keys)
         self._coef = None
 
@@ -117,8 +122,7 @@ class PassFit:
         return self._coef
 
     def _fit(self) -> tuple[float, float, float]:
-        pts = np.array([(1.0, np.mean([r for r, _, _ in g]), np.mean([k for _, k, _ in g]),
-                         np.median([t for _, _, t in g])) for g in self.groups.values()])
+        pts = np.array(list(self._points.values()))
         x, y = pts[:, :3], pts[:, 3]
         scale = np.maximum(np.abs(x).max(axis=0), 1.0)  # columns of one magnitude
         xw, yw = x / scale / y[:, None], np.ones_like(y)  # relative error: divide each row by its time
