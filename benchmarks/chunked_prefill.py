@@ -3,7 +3,8 @@
     python benchmarks/chunked_prefill.py [--model smollm2-135m] [--prompt-tokens 4096]
         [--chunks 256,512,8192] [--tokens 160] [--arrive-after 32] [--markdown out.md] [--out out.json]
 
-One engine per --max-num-batched-tokens value (in-process, the same engine the server runs).
+One engine per --max-num-batched-tokens value (in-process, the same engine the server runs),
+with fixed chunks (--max-step-ms 0; benchmarks/prefill_stall.py measures the time budget).
 Stream A decodes --tokens tokens; after its --arrive-after-th token a second request B with a
 --prompt-tokens-token prompt arrives. Every gap between two of A's tokens is timed. Without
 chunking (a budget >= the prompt) B's whole prefill runs in one step and A waits for all of it;
@@ -36,7 +37,7 @@ def engine_for(model: str, budget: int, max_len: int):
     add_engine_args(p)
     return build_engine(p.parse_args(["--model", model, "--max-num-batched-tokens", str(budget),
                                       "--max-model-len", str(max_len), "--max-num-seqs", "2",
-                                      "--no-enable-prefix-caching"]))
+                                      "--no-enable-prefix-caching", "--max-step-ms", "0"]))  # fixed chunks
 
 
 def run_once(engine, a_ids: list[int], b_ids: list[int], tokens: int, arrive_after: int) -> dict:

@@ -19,3 +19,8 @@ class RequestError(SpecserveError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+class ServiceUnavailable(SpecserveError):
+    """The server cannot serve or finish the request now (it is shutting down): HTTP 503 with
+    Retry-After, or an error event on a stream that has started."""

@@ -12,7 +12,9 @@ spec_enabled, from_args, start, shutdown, generate, abort, stats), but the
 - stop strings are cut (held-back text that could begin a stop string is not
   emitted early), max_tokens gives "length";
 - KV "blocks" are taken as the sequence grows and given back when it ends,
-  however it ends; aborts are recorded in ``aborted``.
+  however it ends; aborts are recorded in ``aborted``;
+- ``gate`` (a threading.Event): when set to one, every request stops after its first output
+  until the gate opens; ``fail_all(exc)`` ends every request (and every later one) with exc.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import threading
 from typing import AsyncIterator, Callable
 
 from specserve.engine.types import EngineStats, RequestOutput, SamplingParams, AcceptanceStats, TokenLogprob
@@ -92,6 +95,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.finished: dict[str, str] = {}
         self.started = False
+        self.gate: threading.Event | None = None
+        self.failed_with: BaseException | None = None
         self._running: set[str] = set()
         self._abort_flags: set[str] = set()
 
@@ -108,6 +113,9 @@ class FakeEngine:
     def abort(self, request_id: str) -> None:
         if request_id in self._running:
             self._abort_flags.add(request_id)
+
+    def fail_all(self, exc: BaseException) -> None:
+        self.failed_with = exc
 
     def stats(self) -> EngineStats:
         return EngineStats(num_running=len(self._running), num_waiting=0, kv_blocks_total=self.kv_blocks_total,
@@ -137,6 +145,8 @@ class FakeEngine:
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc
+        if self.failed_with is not None:
+            raise self.failed_with
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds "
                                f"max_model_len ({self.max_model_len})", param="max_tokens")
@@ -163,6 +173,11 @@ class FakeEngine:
         text, emitted, produced, step = "", 0, 0, 0
         while True:
             await asyncio.sleep(self.step_delay)
+            while (step and self.gate is not None and not self.gate.is_set() and self.failed_with is None
+                   and request_id not in self._abort_flags):
+                await asyncio.sleep(0.01)
+            if self.failed_with is not None:
+                raise self.failed_with
             if request_id in self._abort_flags:
                 yield self._out(request_id, [], "", None, True, "abort", len(prompt_ids), produced, spec)
                 return

@@ -475,7 +475,7 @@ def test_an_always_unsure_drafter_is_left_idle_by_the_adaptive_policy(tiny, tmp_
     spec = SpeculativeConfig("dflash", num_speculative_tokens=3, model="x", adaptive=True)
     eng = LLMEngine(tiny, EngineConfig(max_num_seqs=4, max_model_len=256), spec, drafter)
     eng.cost.table = {w: 0.010 + 0.0001 * w for w in range(1, 5)}
-    eng.cost.add = lambda width, seconds: None  # these costs stay
+    eng.cost.add = lambda width, seconds, keys=None: None  # these costs stay
     eng.policy.draft_cost = lambda k: 0.0001
     asked = []
     propose = drafter.propose

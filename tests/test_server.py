@@ -835,7 +835,7 @@ def test_serve_command_wiring(monkeypatch):
     fake_mod = types.ModuleType("specserve.engine.async_engine")
     fake_mod.AsyncEngine = FakeEngine
     monkeypatch.setitem(sys.modules, "specserve.engine.async_engine", fake_mod)
-    def fake_run_server(server, engine, sock):
+    def fake_run_server(server, engine, sock, drain=None):
         started.update(app=server.config.app, port=server.config.port, bound=sock.getsockname()[1])
         sock.close()
         return 0

@@ -9,6 +9,7 @@ import argparse
 import math
 import re
 
+from specserve.engine.step_budget import DEFAULT_MAX_STEP_MS
 from specserve.models.quant import QUANTIZATIONS
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -80,6 +81,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per forward pass (prefill chunk size)")
+    p.add_argument("--max-step-ms", type=nonnegative_float, default=DEFAULT_MAX_STEP_MS,
+                   help="while streams decode, size prefill chunks so one step's forward takes about this "
+                        "long, from measured costs (0: fixed --max-num-batched-tokens chunks)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV pool size in bytes (e.g. 2GiB, 512MiB)")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
@@ -124,6 +128,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lock", default=None, help="deployment lock file to verify before starting")
     p.add_argument("--lock-allow", action="append", default=[], help="lock field allowed to drift")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--shutdown-timeout", type=nonnegative_float, default=30.0,
+                   help="on SIGTERM / SIGINT, seconds the running requests may still take before they are "
+                        "ended with an error (0: end them at once; a second signal also does)")
 
 
 def build_serve_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ from specserve.commands.args import add_serve_args
 from specserve.errors import SpecserveError
 
 LOCK_DRIFT_EXIT = 3
+HTTP_GRACE_S = 2  # uvicorn's wait for connections once the drain has ended every request
 
 
 def add_parser(subparsers) -> None:
@@ -75,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
     from specserve.engine.async_engine import AsyncEngine
     from specserve.server.app import create_app
+    from specserve.server.drain import Drain
+    from specserve.server.http_protocol import uvicorn_config
 
     sock = listen_socket(args.host, args.port)  # a busy port fails now, not after the model loads
     engine = AsyncEngine.from_args(args, own_thread=False)
@@ -83,13 +86,20 @@ def run(args: argparse.Namespace) -> int:
         from specserve.commands.plan import format_plan
 
         logging.getLogger("specserve.server").info("%s", format_plan(plan))
-    app = create_app(engine, cfg)
+    drain = Drain(args.shutdown_timeout, engine.fail_all, lambda force: stop_http(server, force))
+    app = create_app(engine, cfg, drain)
     logging.getLogger("specserve.server").info(
         "serving %s on http://%s:%d (speculation %s)", cfg.served_model_name or engine.model_name,
         args.host, sock.getsockname()[1], "on" if engine.spec_enabled else "off")
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=level,
-                                           timeout_graceful_shutdown=5))
-    return run_server(server, engine, sock)
+    server = uvicorn.Server(uvicorn_config(app, args.host, args.port, level, HTTP_GRACE_S))
+    return run_server(server, engine, sock, drain)
+
+
+def stop_http(server, force: bool) -> None:
+    """Ask uvicorn to exit (force: without waiting for open connections)."""
+    server.should_exit = True
+    if force:
+        server.force_exit = True
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -110,22 +120,35 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(server, engine, sock: socket.socket | None = None) -> int:
+def run_server(server, engine, sock: socket.socket | None = None, drain=None) -> int:
     """HTTP in a second thread, the engine's step loop in this (the main) thread. SIGINT / SIGTERM
-    ask the HTTP server to finish (in-flight requests keep being served for a few seconds);
-    the engine loop ends when the HTTP thread does."""
+    start the drain (specserve/server/drain.py), which stops the HTTP server once the requests in
+    flight have ended; the engine loop ends when the HTTP thread does. Without a drain a signal
+    stops uvicorn directly."""
     import signal
     import threading
 
     http = threading.Thread(target=server.run, name="specserve-http", daemon=True,
                             kwargs={"sockets": [sock]} if sock is not None else {})
-    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handler, wakeup = server.handle_exit, None
+    if drain is not None:  # the signal reaches the drain through the wakeup socket (Drain.listen)
+        wakeup = socket.socketpair()
+        for end in wakeup:
+            end.setblocking(False)
+        old_fd = signal.set_wakeup_fd(wakeup[1].fileno(), warn_on_full_buffer=False)
+        drain.listen(wakeup[0])
+        handler = lambda _signum, _frame: None  # noqa: E731 - the default would kill or raise KeyboardInterrupt
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         http.start()
         engine.run_forever(keep_going=http.is_alive)
     finally:
         server.should_exit = True
         http.join(15)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        if wakeup is not None:
+            signal.set_wakeup_fd(old_fd)
+            for end in wakeup:
+                end.close()
     return 0 if server.started else 1

@@ -36,6 +36,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._stats = engine.stats()
         self._own_thread = own_thread  # False: the caller runs run_forever() itself
+        self._closed: BaseException | None = None  # set by fail_all: every request ends with it
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, own_thread: bool = True) -> "AsyncEngine":
@@ -67,9 +68,21 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def fail_all(self, exc: BaseException) -> None:
+        """End every request with ``exc`` (raised from its generate()), and every later one at once:
+        the end of a shutdown drain. Call it from the event loop that runs the requests: their
+        streams end now, without waiting for the step in progress; the step loop then drops their
+        sequences (the aborts their generators send, and the "fail" below for any not yet seen)."""
+        self._closed = exc
+        for loop, q in list(self._queues.values()):
+            loop.call_soon_threadsafe(q.put_nowait, exc)
+        self._inbox.put(("fail", exc))
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         self.engine.validate(prompt_ids, params)  # raises RequestError before anything is queued
+        if self._closed is not None:
+            raise self._closed
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, q)
@@ -125,6 +138,9 @@ class AsyncEngine:
     def _handle(self, kind: str, payload) -> None:
         if kind == "add":
             rid, ids, params = payload
+            if self._closed is not None:  # queued after fail_all: never started
+                self._send(rid, self._closed)
+                return
             try:
                 self.engine.add_request(rid, ids, params)
             except Exception as exc:  # noqa: BLE001
@@ -133,6 +149,8 @@ class AsyncEngine:
             out = self.engine.abort(payload)
             if out is not None:
                 self._send(payload, out)
+        elif kind == "fail":
+            self._fail_all(payload)
 
     def _send(self, request_id: str, item) -> None:
         target = self._queues.get(request_id)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.engine.step_budget import DEFAULT_MAX_STEP_MS
 from specserve.errors import SpecserveError
 from specserve.models.config import ModelConfig
 from specserve.models.kv_cache import KV_DTYPES, kv_row_bytes, resolve_kv_dtype
@@ -26,11 +27,14 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     seed: int = 0
+    max_step_ms: float = DEFAULT_MAX_STEP_MS  # prefill chunks sized to this forward time; 0: fixed chunks
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise SpecserveError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0 <= self.max_step_ms < float("inf"):
+            raise SpecserveError(f"--max-step-ms must be a number >= 0, got {self.max_step_ms}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise SpecserveError("--max-model-len must be >= 2")
         if self.kv_cache_dtype not in ("auto", *KV_DTYPES):
@@ -47,7 +51,7 @@ class EngineConfig:
                    max_model_len=args.max_model_len, block_size=args.block_size,
                    kv_cache_memory=args.kv_cache_memory, memory_fraction=args.gpu_memory_utilization,
                    kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
-                   seed=args.seed)
+                   seed=args.seed, max_step_ms=getattr(args, "max_step_ms", DEFAULT_MAX_STEP_MS))
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import torch
 
 from specserve.engine.cache import CacheCoordinator
 from specserve.engine.scheduler import ScheduledRow
+from specserve.engine.step_budget import batch_keys
 from specserve.models.transformer import ForwardBatch, ForwardOutput, KVCache
 from specserve.speculative.adaptive import CostModel
 
@@ -92,5 +93,5 @@ class ModelRunner:
         t0 = time.perf_counter()
         out = self.model.forward(batch, self.kv)
         if timed:
-            self.cost.add(int(batch.input_ids.shape[0]), time.perf_counter() - t0)
+            self.cost.add(int(batch.input_ids.shape[0]), time.perf_counter() - t0, keys=batch_keys(batch.positions))
         return out

@@ -21,6 +21,7 @@ from specserve.engine.cache import CacheCoordinator
 from specserve.engine.block_manager import NoFreeBlocks
 from specserve.engine.config import EngineConfig
 from specserve.engine.sequence import Sequence, Status
+from specserve.engine.step_budget import prefill_budget
 from specserve.speculative.adaptive import DraftPolicy
 
 log = logging.getLogger("specserve.engine")
@@ -89,6 +90,8 @@ class Scheduler:
                 continue
             rows.append(ScheduledRow(seq, 0, 1 + k, True, num_drafts=k, drafts=[]))
             budget -= rows[-1].count
+        budget = prefill_budget(self.policy.cost.passes, self.ecfg.max_step_ms,  # --max-step-ms
+                                [(r.count, r.seq.num_computed) for r in rows], [s.num_computed for s in prefill], budget)
         for seq in prefill:
             chunk = min(max(budget, 0), self.prefill_end(seq) - seq.num_computed)
             if chunk <= 0 or not self._reserve(seq, seq.num_computed + chunk + 1):

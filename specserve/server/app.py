@@ -19,10 +19,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Match, Route
 
 from specserve import __version__
-from specserve.errors import RequestError
+from specserve.errors import RequestError, ServiceUnavailable
 from specserve.server.chat import ChatRenderer
 from specserve.server.config import ServerConfig
 from specserve.server.fingerprint import describe, system_fingerprint
+from specserve.server.drain import Drain, DrainMiddleware, unavailable_response
 from specserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from specserve.server.middleware import GuardMiddleware
 from specserve.server.openapi import install_openapi
@@ -40,7 +41,9 @@ logger = logging.getLogger("specserve.server")
 Handler = Callable[[ServingContext, Request], Awaitable[Response | dict]]
 
 
-def create_app(engine, cfg: ServerConfig) -> FastAPI:
+def create_app(engine, cfg: ServerConfig, drain: Drain | None = None) -> FastAPI:
+    """The app over ``engine``; with ``drain``, it refuses new requests once the drain has begun
+    (``specserve serve`` starts it on SIGTERM / SIGINT)."""
     served = cfg.served_model_name or engine.model_name
     tok = engine.tokenizer
     renderer = ChatRenderer(tok.chat_template, cfg.chat_template, tok.bos_token, tok.eos_token,
@@ -70,6 +73,8 @@ def create_app(engine, cfg: ServerConfig) -> FastAPI:
     app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
                        allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),
                        allow_credentials=cfg.allow_credentials)
+    if drain is not None:  # added last, so outermost: a draining server refuses before reading a body
+        app.add_middleware(DrainMiddleware, drain=drain)
     _install_error_handlers(app)
     _add_routes(app, ctx, ResponsesAPI(ResponseStore(cfg.max_stored_responses)))
     install_openapi(app, api_key=bool(cfg.api_key))
@@ -86,6 +91,8 @@ def _guard(ctx: ServingContext, handler: Handler):
             return request_error_response(exc)
         except ApiError as exc:
             return exc.response()
+        except ServiceUnavailable as exc:  # ended by the shutdown drain before a response started
+            return unavailable_response(exc)
         except ClientGone:
             return Response(status_code=499)  # nobody is listening any more
         except Exception as exc:  # noqa: BLE001
@@ -128,8 +135,13 @@ def _install_error_handlers(app: FastAPI) -> None:
             response.headers["allow"] = ", ".join(allowed_methods(request))
         return response
 
+    async def on_crash(_request: Request, exc: Exception) -> JSONResponse:  # a bug outside the routes' guard
+        return error_response(500, f"internal server error ({type(exc).__name__})", "server_error",
+                              code="internal_error")
+
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_crash)
 
 
 def allowed_methods(request: Request) -> list[str]:

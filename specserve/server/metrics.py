@@ -92,9 +92,9 @@ class ServerMetrics:
                              buckets=_E2E_BUCKETS, registry=reg)
         reg.register(_EngineGauges(engine_stats, model_name))
         # export zeros from the start, so a scraper sees the series before the first request
-        for counter in (self.prompt_tokens, self.generation_tokens, self.cache_queries, self.cache_hits,
-                        self.num_drafts, self.num_draft_tokens, self.num_accepted):
-            counter.labels(model_name)
+        for series in (self.prompt_tokens, self.generation_tokens, self.cache_queries, self.cache_hits,
+                       self.num_drafts, self.num_draft_tokens, self.num_accepted, self.ttft, self.itl, self.e2e):
+            series.labels(model_name)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,8 +10,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from specserve.engine.types import RequestOutput, TokenLogprob
-from specserve.errors import RequestError
+from specserve.errors import RequestError, ServiceUnavailable
 from specserve.server.chat import prompt_opens_think
+from specserve.server.drain import unavailable_body
 from specserve.server.protocol import ChatCompletionRequest, error_body, parse_body
 from specserve.server.reasoning import ReasoningParser, make_parser, split_all
 from specserve.server.serving import (ServingContext, check_n, check_unsupported, clean_logprob, make_choices,
@@ -202,6 +203,8 @@ async def chat_events(ctx: ServingContext, request_id: str, fan: Fanout, split: 
             yield sse({**base, "choices": [], "usage": usage(fan.choices), "timings": timings(fan.choices)})
     except RequestError as exc:
         yield sse(error_body(str(exc), param=exc.param, code=exc.code))
+    except ServiceUnavailable as exc:  # ended by the shutdown drain: a clean ending, no traceback
+        yield sse(unavailable_body(str(exc)))
     except Exception as exc:  # noqa: BLE001 - the headers are sent; report in-band
         logger.exception("chat stream %s failed", request_id)
         yield sse(error_body(f"internal error: {type(exc).__name__}", "server_error", code="internal_error"))

@@ -12,7 +12,11 @@ drafts are rarely accepted this settles at k = 0, so speculation never makes dec
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
+
+import numpy as np
 
 from specserve.engine.sequence import Sequence
 
@@ -28,14 +32,21 @@ class CostModel:
     known neighbours, or extrapolated from the widest two (never below a narrower width's time).
     Passes wider than ``max_width`` (prefill chunks) are left out: their cost per token says
     nothing about a verification block's. Before anything is measured, ``a + b * width``.
+
+    Passes added with ``keys`` (the attention work: key rows attended, summed over the pass's
+    rows) also feed ``passes``, a fit over passes of every width and context
+    (:class:`PassFit`) that the scheduler's step budget asks (specserve/engine/step_budget.py).
     """
 
     def __init__(self, max_width: int = 64, alpha: float = 0.25, a: float = 0.01, b: float = 0.001):
         self.max_width, self.alpha = max_width, alpha
         self.a, self.b = a, b
         self.table: dict[int, float] = {}  # width -> running average seconds
+        self.passes = PassFit()
 
-    def add(self, width: int, seconds: float) -> None:
+    def add(self, width: int, seconds: float, keys: int | None = None) -> None:
+        if keys is not None:
+            self.passes.add(width, keys, seconds)
         if not 1 <= width <= self.max_width:
             return
         old = self.table.get(width)
@@ -59,6 +70,77 @@ class CostModel:
         w1 = below[-1]
         slope = self.b if len(below) < 2 else max((self.table[w1] - self.table[below[-2]]) / (w1 - below[-2]), 0.0)
         return self.table[w1] + slope * (width - w1)
+
+
+class PassFit:
+    """Seconds of a forward pass of ``rows`` rows attending ``keys`` key rows in all (each row
+    attends its position + 1 keys): ``a + b * rows + c * keys``, fitted to measured passes.
+
+    The weights cost the same per row wherever a row sits; attention grows with its context,
+    so a prefill chunk late in a long prompt costs more per token than an early one (at 8K
+    tokens of context attention dominates). ``keys`` is that context, as a feature. Passes are
+    grouped by the powers of two of (rows, keys); a group keeps its last PER_GROUP times and
+    counts with their median (a spike of a shared machine moves nothing), at the mean of its
+    features. The fit minimizes relative error over the groups (a 5 ms decode step and a 200 ms
+    chunk count alike), with every coefficient >= 0 (a cost cannot shrink with more work), so
+    ``time`` never falls as rows or keys grow. Groups keep their latest times, so the fit
+    follows the machine getting busier or quieter as soon as passes of each kind are run again,
+    and a kind not run for a while (long prompts) is still known.
+
+    ``widest`` and ``most_keys`` are the largest passes measured: a caller that extrapolates
+    far beyond them should not trust the fit (the step budget grows its passes step by step).
+    """
+
+    PER_GROUP = 8
+    PRIOR = (0.005, 2e-3, 3e-7)  # seconds, seconds per row, seconds per key: until a fit exists
+
+    def __init__(self):
+        self.groups: dict[tuple[int, int], deque] = {}
+        self._points: dict[tuple[int, int], tuple[float, float, float, float]] = {}  # a group's summary
+        self.widest = 0
+        self.most_keys = 0
+        self._coef: tuple[float, float, float] | None = None
+
+    def add(self, rows: int, keys: int, seconds: float) -> None:
+        if rows < 1 or seconds <= 0:
+            return
+        key = (rows.bit_length(), keys.bit_length())
+        group = self.groups.setdefault(key, deque(maxlen=self.PER_GROUP))
+        group.append((rows, keys, seconds))
+        self._points[key] = (1.0, sum(r for r, _, _ in group) / len(group), sum(k for _, k, _ in group) / len(group),
+                             statistics.median(t for _, _, t in group))
+        self.widest, self.most_keys = max(self.widest, rows), max(self.most_keys, keys)
+        self._coef = None
+
+    def time(self, rows: int, keys: int) -> float:
+        a, b, c = self.coef()
+        return a + b * rows + c * keys
+
+    def coef(self) -> tuple[float, float, float]:
+        if self._coef is None:
+            self._coef = self._fit() if len(self.groups) >= 2 else self.PRIOR
+        return self._coef
+
+    def _fit(self) -> tuple[float, float, float]:
+        pts = np.array(list(self._points.values()))
+        x, y = pts[:, :3], pts[:, 3]
+        scale = np.maximum(np.abs(x).max(axis=0), 1.0)  # columns of one magnitude
+        xw, yw = x / scale / y[:, None], np.ones_like(y)  # relative error: divide each row by its time
+        best, best_err = None, math.inf
+        for mask in range(1, 8):  # non-negative least squares by trying every set of free coefficients
+            cols = [j for j in range(3) if mask >> j & 1]
+            sol = np.linalg.lstsq(xw[:, cols], yw, rcond=None)[0]
+            if (sol < 0).any():
+                continue
+            theta = np.zeros(3)
+            theta[cols] = sol
+            err = float(((xw @ theta - yw) ** 2).sum())
+            if err < best_err:
+                best, best_err = theta, err
+        if best is None:
+            return self.PRIOR
+        a, b, c = (best / scale).tolist()
+        return a, b, c
 
 
 def calibrate(cost: CostModel, run, widths: list[int], rounds: int = 3) -> None:

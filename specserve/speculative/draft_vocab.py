@@ -59,7 +59,7 @@ def token_counts(tok: Tokenizer, cache_dir: Path) -> torch.Tensor:
     path = cache_dir / "draft_vocab" / f"{_key(tok)}.pt"
     if path.exists():
         try:
-            counts = torch.load(path)
+            counts = torch.load(path, weights_only=True)  # tensors only: never unpickle code
             if counts.shape == (tok.vocab_size,):
                 return counts
         except Exception:  # a corrupt cache entry is recounted

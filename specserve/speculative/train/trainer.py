@@ -337,7 +337,7 @@ class Trainer:
         ck = self.out / "checkpoint"
         if not (ck / "trainer.pt").is_file():
             raise SpecserveError(f"--resume: no checkpoint in {ck}")
-        obj = torch.load(str(ck / "trainer.pt"), weights_only=False)
+        obj = torch.load(str(ck / "trainer.pt"), weights_only=True)  # tensors and plain containers only
         self.model.load_state_dict(load_file(str(ck / "model.safetensors")))
         self.opt.load_state_dict(obj["optimizer"])
         self.gen.set_state(obj["gen"])
