@@ -160,14 +160,14 @@ def long_and_short():
 
 def _streams_then_long_prompt(engine, shorts, long_prompt, params):
     """Streams decode; once each has tokens the long prompt arrives. Returns tokens and prefill chunks."""
-    chunks, schedule = [], engine._schedule
+    chunks, schedule = [], engine.scheduler.schedule
 
-    def recording():
-        rows = schedule()
-        chunks.extend(r.count for r in rows if r.seq.request_id == "long" and not r.drafts and r.count > 1)
+    def recording(drafting):
+        rows = schedule(drafting)
+        chunks.extend(r.count for r in rows if r.seq.request_id == "long" and not r.decode and r.count > 1)
         return rows
 
-    engine._schedule = recording
+    engine.scheduler.schedule = recording
     got = {f"s{i}": [] for i in range(len(shorts))} | {"long": []}
     for i, ids in enumerate(shorts):
         engine.add_request(f"s{i}", ids, params)
@@ -178,7 +178,7 @@ def _streams_then_long_prompt(engine, shorts, long_prompt, params):
         if not added and all(len(got[f"s{i}"]) >= 2 for i in range(len(shorts))):
             engine.add_request("long", long_prompt, params)
             added = True
-    engine._schedule = schedule
+    engine.scheduler.schedule = schedule
     return [got[f"s{i}"] for i in range(len(shorts))] + [got["long"]], chunks
 
 
