@@ -33,7 +33,7 @@ def describe(engine: Any, chat_template: str | None = None) -> dict[str, Any]:
     out.update(weights=core.target.identity, device=core.device.type, dtype=str(model.dtype),
                weight_formats=sorted(formats), kv_cache_dtype=core.plan.kv_dtype,
                engine=dataclasses.asdict(core.ecfg),
-               speculative=dataclasses.asdict(core.spec) if core.spec is not None else None,
+               speculative=dataclasses.asdict(core.speculative) if core.speculative is not None else None,
                drafter=_drafter_identity(core.drafter))
     return out
 
