@@ -477,11 +477,22 @@ def test_an_always_unsure_drafter_is_left_idle_by_the_adaptive_policy(tiny, tmp_
     eng.cost.table = {w: 0.010 + 0.0001 * w for w in range(1, 5)}
     eng.cost.add = lambda width, seconds, keys=None: None  # these costs stay
     eng.policy.draft_cost = lambda k: 0.0001
-    asked = []
-    propose = drafter.propose
-    drafter.propose = lambda seqs, ks: asked.append(sum(k > 0 for k in ks)) or propose(seqs, ks)
+    asked, steps = [], [0]  # per step: whether the drafter was asked for a draft
+    propose, schedule = drafter.propose, eng.scheduler.schedule
+
+    def scheduled(drafting):
+        steps[0] += 1
+        asked.append(0)
+        return schedule(drafting)
+
+    def proposing(seqs, ks):
+        asked[-1] = sum(k > 0 for k in ks)
+        return propose(seqs, ks)
+
+    eng.scheduler.schedule, drafter.propose = scheduled, proposing
     prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(3)).tolist()
     out = [t for o in eng.generate(prompt, SamplingParams(max_tokens=120, ignore_eos=True)) for t in o.new_token_ids]
     assert out == _run(_engine(tiny), [prompt], SamplingParams(max_tokens=120, ignore_eos=True))[0]
     assert eng.totals.draft_tokens < 10  # hardly ever sure: nearly nothing drafted
-    assert asked[0] == 1 and sum(asked[-60:]) <= 60 // PROBE_EVERY + 1, asked  # then only probes
+    decode = asked[1:]  # the first step prefills the prompt
+    assert decode[0] == 1 and sum(decode[-60:]) <= 60 // PROBE_EVERY + 1, asked  # then only probes
