@@ -102,3 +102,33 @@ def test_the_grammar_starts_after_the_reasoning(plain, spec):
             for t in out.new_token_ids]
     reasoning = text.split("</think>", 1)[0] + "</think>"
     assert engine.tokenizer.decode(free).startswith(reasoning)  # the reasoning itself is not constrained
+
+
+def test_forced_tool_calls_use_the_tokenizers_own_tag_tokens():
+    """qwen's <tool_call> is a special token: llguidance's mask offers it for the text
+    "<tool_call>" but its matcher refuses it, so the tool grammar names the token itself. The
+    sequence a model writes (tag token, JSON, tag token, end) is legal from start to end."""
+    from types import SimpleNamespace
+
+    from specserve.engine.constraint import Constraint
+    from specserve.models.loader import load_tokenizer
+    from specserve.server.structured import LITERAL_TAGS, requested_source, tag_terms
+    from specserve.server.tools import plan_tools
+
+    tok = load_tokenizer("qwen2.5-coder-0.5b")
+    lltok, _ = build_tokenizer(tok)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+    plan = plan_tools(tools, "required", None, "hermes")
+    req = SimpleNamespace(model_extra={}, response_format=None)
+    open_id, close_id = (tok.backend.token_to_id(t) for t in ("<tool_call>", "</tool_call>"))
+    written = [open_id, *tok.backend.encode('\n{"name": "f", "arguments": {"x": 3}}\n',
+                                            add_special_tokens=False).ids, close_id, min(tok.eos_token_ids)]
+    terms = tag_terms(tok.backend, lltok)
+    assert terms == (f"<[{open_id}]>", f"<[{close_id}]>")
+    legal = {}
+    for name, tags in (("tokens", terms), ("text", LITERAL_TAGS)):
+        grammar = compile_grammar(lltok, requested_source(req, plan, tags).grammar)
+        legal[name] = Constraint(ConstraintSpec(grammar)).legal_prefix(written)
+    assert legal["tokens"] == len(written)
+    assert legal["text"] < len(written)  # what the tags as text did: the call could not be written

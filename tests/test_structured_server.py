@@ -91,9 +91,12 @@ def test_every_way_of_asking_for_a_constraint(server):
          lambda t: validate(schema, t) is None),
     ]
     for kw, ok in asks:
-        text, finish = chat(c, prompt + " Answer in JSON.", **kw)
+        # the JSON asks get the schema's prompt: asked for a phone number as any JSON object,
+        # smollm2 writes one endless key (a valid prefix until max_tokens), which tests nothing
+        ask = (SCHEMAS[0][1] if "json" in json.dumps(kw) else prompt) + " Answer in JSON."
+        text, finish = chat(c, ask, **kw)
         assert finish == "stop" and ok(text), (kw, text)
-        assert chat(c, prompt + " Answer in JSON.", stream=True, **kw)[0] == text, kw
+        assert chat(c, ask, stream=True, **kw)[0] == text, kw
     r = c.completions.create(model=MODEL, prompt="My phone number is ", max_tokens=20, temperature=0,
                              extra_body={"guided_regex": regex})
     assert re.fullmatch(regex, r.choices[0].text), r.choices[0].text
@@ -125,7 +128,7 @@ def test_refused_schemas_get_a_400_and_the_server_keeps_serving(server):
         (dict(extra_body={"guided_choice": []}), "guided_choice"),
         (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}), "structured_outputs"),
         (dict(extra_body={"structured_outputs": {"structural_tag": "{}"}}), "structured_outputs"),
-        (dict(extra_body={"guided_grammar": "root ::= "}), "guided_grammar"),
+        (dict(extra_body={"guided_grammar": "root ::= \"a"}), "guided_grammar"),  # an unclosed string
         (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
          "response_format.json_schema.schema"),
         (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}), "guided_regex"),

@@ -30,18 +30,20 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specserve.engine.constraint import ConstraintSpec, Grammar
 from specserve.errors import RequestError
-from specserve.server.tools import ToolPlan
+from specserve.server.tools import CLOSE, OPEN, ToolPlan
 
 CACHE_SIZE = 256  # compiled grammars kept
 WORKERS = 2  # compile threads: a compile past the time limit keeps its thread until it ends
 MESSAGE_LIMIT = 400  # characters of a compiler error quoted in a 400
+KEYWORD_ROUNDS = 8  # re-checks of a schema to list all its unsupported keywords
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _OLD = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+LITERAL_TAGS = (json.dumps(OPEN), json.dumps(CLOSE))  # the tool-call tags as text, in Lark
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
 
 
@@ -52,6 +54,7 @@ class Source:
     grammar: str
     param: str  # the request field, for errors
     what: str  # "JSON schema", "regex", ... (for messages)
+    schema: Any = field(default=None, compare=False)  # a JSON schema's own value (to list what it lacks)
 
 
 def start_for(reasoning_parser: str, prompt_opened: bool) -> str:
@@ -66,8 +69,9 @@ def start_for(reasoning_parser: str, prompt_opened: bool) -> str:
 
 # ---------------------------------------------------------------- request fields -> grammar text
 
-def requested_source(req: Any, tools: ToolPlan | None = None) -> Source | None:
-    """The constraint a chat or completions request asks for, or None. Raises RequestError."""
+def requested_source(req: Any, tools: ToolPlan | None = None, tags: tuple[str, str] = LITERAL_TAGS) -> Source | None:
+    """The constraint a chat or completions request asks for, or None. Raises RequestError.
+    ``tags``: the tool-call tags as Lark terms (see :func:`tag_terms`)."""
     extra = req.model_extra or {}
     found: list[Source] = []
     fmt = req.response_format
@@ -80,7 +84,7 @@ def requested_source(req: Any, tools: ToolPlan | None = None) -> Source | None:
         if extra.get(name) is not None:
             found.append(grammar_source(name.removeprefix("guided_"), extra[name], name, ws))
     if tools is not None and tools.forced:
-        found.append(_from_tools(tools))
+        found.append(_from_tools(tools, tags))
     if len(found) > 1:
         raise RequestError(f"{found[1].param} and {found[0].param} both constrain the output; send one",
                            param=found[1].param)
@@ -160,10 +164,11 @@ def _json(value: Any, param: str, ws: str | None) -> Source:
 
     options = COMPACT if ws is None else {"whitespace_flexible": True, "whitespace_pattern": ws}
     try:
-        text = llguidance.LLMatcher.grammar_from_json_schema(_schema(value, param), defaults=options)
+        schema = _schema(value, param)
+        text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     except (ValueError, RecursionError) as exc:
         raise RequestError(f"{param}: {_short(str(exc))}", param=param) from None
-    return Source(text, param, "JSON schema")
+    return Source(text, param, "JSON schema", schema)
 
 
 def _whitespace(value: Any, param: str) -> str | None:
@@ -172,7 +177,18 @@ def _whitespace(value: Any, param: str) -> str | None:
     return value
 
 
-def _from_tools(plan: ToolPlan) -> Source:
+def tag_terms(backend, lltok) -> tuple[str, str]:
+    """<tool_call> and </tool_call> as Lark terms: the tokenizer's own token where it is a special
+    token (llguidance matches a special token only as itself, never as the text it spells), else
+    the text."""
+    terms = []
+    for tag in (OPEN, CLOSE):
+        tid = backend.token_to_id(tag)
+        terms.append(f"<[{tid}]>" if tid is not None and lltok.is_special_token(tid) else json.dumps(tag))
+    return terms[0], terms[1]
+
+
+def _from_tools(plan: ToolPlan, tags: tuple[str, str]) -> Source:
     """Calls in the hermes format, each naming one of the forced tools with arguments that match
     its parameters; several calls (one per line) when parallel calls are allowed."""
     import llguidance
@@ -188,8 +204,9 @@ def _from_tools(plan: ToolPlan) -> Source:
                           "required": ["name", "arguments"], "additionalProperties": False})
     schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
     body = json.dumps({**schema, "x-guidance": COMPACT})
-    calls_rule = 'call ("\\n" call)*' if plan.parallel else "call"
-    lark = f'start: {calls_rule}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {body}\n'
+    # a newline may close the calls (a model often writes one before its end token)
+    calls_rule = 'call ("\\n" call)* "\\n"?' if plan.parallel else 'call "\\n"?'
+    lark = f'start: {calls_rule}\ncall: {tags[0]} "\\n" body "\\n" {tags[1]}\nbody: %json {body}\n'
     return Source(llguidance.LLMatcher.grammar_from_lark(lark), "tool_choice", "tool parameters")
 
 
@@ -202,9 +219,39 @@ def explain(error: str, source: Source) -> str:
     """llguidance's error as a message naming the request field (and the unsupported keywords)."""
     keys = _UNIMPLEMENTED.search(error)
     if keys:
-        names = ", ".join(json.loads(f"[{keys.group(1)}]"))
-        return f"{source.param}: unsupported JSON Schema keywords: {names}"
+        names = json.loads(f"[{keys.group(1)}]")
+        if source.schema is not None:
+            names = unsupported_keywords(source.schema, names)
+        return f"{source.param}: unsupported JSON Schema keywords: {', '.join(names)}"
     return f"{source.param}: invalid {source.what}: {_short(error)}"
+
+
+def unsupported_keywords(schema: Any, found: list[str]) -> list[str]:
+    """Every keyword of ``schema`` llguidance does not implement, not only the first it meets
+    (``found``): the schema is checked again without the keywords found so far, a few rounds."""
+    import llguidance
+
+    names = list(found)
+    for _ in range(KEYWORD_ROUNDS):
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(_without(schema, frozenset(names)))
+            more = _UNIMPLEMENTED.search(llguidance.LLMatcher.validate_grammar(grammar) or "")
+        except (ValueError, RecursionError):
+            break
+        new = [n for n in json.loads(f"[{more.group(1)}]") if n not in names] if more else []
+        if not new:
+            break
+        names += new
+    return names
+
+
+def _without(value: Any, keys: frozenset[str]) -> Any:
+    """``value`` with the object keys ``keys`` removed at every depth."""
+    if isinstance(value, dict):
+        return {k: _without(v, keys) for k, v in value.items() if k not in keys}
+    if isinstance(value, list):
+        return [_without(v, keys) for v in value]
+    return value
 
 
 # ---------------------------------------------------------------- compiling, cached
@@ -225,10 +272,13 @@ class StructuredOutputs:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lltok = None
         self.think_open: tuple[int, ...] = ()
+        self.tags = LITERAL_TAGS  # the tool-call tags in Lark, set with the tokenizer
 
     async def spec_for(self, req: Any, tools: ToolPlan | None = None, start: str = "now") -> ConstraintSpec | None:
         """The request's constraint (compiled, or from the cache), or None. Raises RequestError."""
-        source = requested_source(req, tools)
+        if tools is not None and tools.forced:
+            await self._ready("tool_choice")  # the tags' terms depend on the tokenizer
+        source = requested_source(req, tools, self.tags)
         if source is None:
             return None
         grammar = await self.compile(source)
@@ -236,11 +286,7 @@ class StructuredOutputs:
 
     async def compile(self, source: Source) -> Grammar:
         pool = self._worker()
-        if self._lltok is None:  # once, outside the time limit: about a second for a 150K vocabulary
-            try:
-                await asyncio.wrap_future(pool.submit(self._tokenizer))
-            except RequestError as exc:
-                raise RequestError(str(exc), param=source.param) from None
+        await self._ready(source.param)
         with self._lock:
             hit = self._cache.get(source.grammar)
             if hit is not None:
@@ -265,6 +311,15 @@ class StructuredOutputs:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- worker thread ---------------------------------------------------------------------
+    async def _ready(self, param: str) -> None:
+        """Build the llguidance tokenizer once, outside any time limit (about a second for a 150K
+        vocabulary); a model without a tokenizer.json gets a 400 naming ``param``."""
+        if self._lltok is None:
+            try:
+                await asyncio.wrap_future(self._worker().submit(self._tokenizer))
+            except RequestError as exc:
+                raise RequestError(str(exc), param=param) from None
+
     def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="specserve-grammar")
@@ -272,7 +327,9 @@ class StructuredOutputs:
 
     def _tokenizer(self):
         if self._lltok is None:
-            self._lltok, self.think_open = build_tokenizer(self.source_tokenizer)
+            lltok, self.think_open = build_tokenizer(self.source_tokenizer)
+            self.tags = tag_terms(self.source_tokenizer.backend, lltok)
+            self._lltok = lltok
         return self._lltok
 
     def _build(self, grammar: str) -> Grammar | str:
