@@ -93,12 +93,13 @@ def check_gguf_header(path: Path, versions: list[int]) -> None:
 
 
 def open_gguf(path: Path):
-    import gguf
     from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
+
+    from specserve.models.gguf_fields import GGUFArrayReader
 
     check_gguf_header(path, list(READER_SUPPORTED_VERSIONS))
     try:
-        return gguf.GGUFReader(str(path))
+        return GGUFArrayReader(str(path))
     except Exception as exc:  # noqa: BLE001 - the reader raises many kinds on bad files
         raise ModelLoadError(f"cannot read GGUF file {path}: corrupt or truncated ({type(exc).__name__}: {exc})") from exc
 

@@ -1,0 +1,234 @@
+"""specserve vs native llama.cpp servers: the same GGUF, chat prompts and token counts over HTTP.
+
+    python benchmarks/native_llamacpp.py [--model qwen2.5-coder-1.5b] [--tokens 128] [--rounds 2]
+        [--suites code,math,prose,edit] [--limit 2] [--configs all] [--out r.json] [--markdown r.md]
+    python benchmarks/native_llamacpp.py --build-only      # just build llama-server / llama-bench
+
+llama.cpp is built from the source inside the llama-cpp-python sdist (``vendor/llama.cpp``, pinned
+below) with cmake and ``-DGGML_NATIVE=ON`` on this machine, cached under the user cache dir
+(``~/.cache/specserve/llama.cpp-native/VERSION``); the first build takes several minutes on 2 cores.
+
+One server runs at a time (the machines are shared: two servers would share the cores). Every
+round starts each configuration's server in turn (the order rotated per round), warms it up with
+one request, then sends every prompt once: ``/v1/chat/completions``, temperature 0, ``ignore_eos``
+and ``max_tokens`` fixed, so both engines generate exactly ``--tokens`` tokens. tok/s is
+completion tokens over the client's wall clock for the request (prefill of the short chat
+prompts included, as a user sees it). "vs llama.cpp" is the median over (prompt, round) of the
+ratio to llama.cpp plain on the same prompt and round; "same text" counts outputs identical to
+the same engine's plain greedy output.
+
+llama.cpp's speculative configurations are its own (``--spec-type ngram-simple``, ``ngram-mod``,
+``-md DRAFT --spec-draft-n-max N``); ours are the ``--speculative-config`` JSON of each row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from specserve.bench.fetch import pip_download  # noqa: E402
+from specserve.bench.serverproc import ManagedServer, free_port  # noqa: E402
+from specserve.bench.suites import load_suites  # noqa: E402
+
+LLAMACPP_VERSION = "0.3.36"  # llama-cpp-python sdist whose vendor/llama.cpp is built
+TARGETS = ("llama-server", "llama-bench")
+DRAFT_FOR = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
+CTX = 4096
+
+
+# ---------------------------------------------------------------- building llama.cpp
+
+def native_dir(version: str = LLAMACPP_VERSION) -> Path:
+    root = os.environ.get("SPECSERVE_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "specserve"
+    return base / "llama.cpp-native" / version
+
+
+def build_native(version: str = LLAMACPP_VERSION) -> Path:
+    """The directory holding llama-server and llama-bench, built once from the sdist's source."""
+    top = native_dir(version)
+    bindir = top / "build" / "bin"
+    if all((bindir / t).exists() for t in TARGETS):
+        return bindir
+    top.mkdir(parents=True, exist_ok=True)
+    src = top / "src"
+    if not (src / "CMakeLists.txt").exists():
+        sdists = list(top.glob("llama_cpp_python-*.tar.gz"))
+        if not sdists:
+            print(f"downloading the llama-cpp-python {version} sdist", file=sys.stderr, flush=True)
+            pip_download(f"llama-cpp-python=={version}", top)
+            sdists = list(top.glob("llama_cpp_python-*.tar.gz"))
+        _extract_vendor(sdists[0], src)
+    log = top / "build.log"
+    print(f"building {', '.join(TARGETS)} from {src} (minutes on 2 cores; log: {log})", file=sys.stderr, flush=True)
+    jobs = str(len(os.sched_getaffinity(0)))
+    configure = ["cmake", "-S", str(src), "-B", str(top / "build"), "-DCMAKE_BUILD_TYPE=Release",
+                 "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF",
+                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
+                 "-DLLAMA_BUILD_TOOLS=ON"]
+    build = ["cmake", "--build", str(top / "build"), "-j", jobs, "--target", *TARGETS]
+    t0 = time.time()
+    with open(log, "w") as f:
+        for cmd in (configure, build):
+            if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
+                sys.exit(f"llama.cpp build failed ({' '.join(cmd[:2])}); tail of {log}:\n{log.read_text()[-3000:]}")
+    print(f"built in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    return bindir
+
+
+def _extract_vendor(sdist: Path, dest: Path) -> None:
+    """Unpack ``<sdist>/vendor/llama.cpp/`` into ``dest``."""
+    with tarfile.open(sdist) as tf:
+        members = []
+        for m in tf.getmembers():
+            parts = m.name.split("/", 3)
+            if len(parts) == 4 and parts[1:3] == ["vendor", "llama.cpp"] and (m.isfile() or m.isdir()):
+                m.name = parts[3]
+                members.append(m)
+        tf.extractall(dest, members=members, filter="data")
+
+
+# ---------------------------------------------------------------- configurations
+
+def gguf_of(model: str) -> Path:
+    from specserve.models.catalog import resolve_model
+
+    path = resolve_model(model).path
+    if path.suffix != ".gguf":
+        sys.exit(f"{model} is not a GGUF file ({path}); llama.cpp needs one")
+    return path
+
+
+def configurations(model: str, bindir: Path) -> dict[str, list[str]]:
+    """label -> server command line without the port (added per start)."""
+    gguf = str(gguf_of(model))
+    lcpp = [str(bindir / "llama-server"), "-m", gguf, "-t", "2", "-fa", "on", "-c", str(CTX),
+            "--no-webui", "--host", "127.0.0.1"]
+    ours = [sys.executable, "-m", "specserve", "serve", "--model", model, "--max-model-len", str(CTX),
+            "--host", "127.0.0.1"]
+    out = {
+        "llama.cpp plain": lcpp,
+        "llama.cpp ngram-simple": lcpp + ["--spec-type", "ngram-simple"],
+        "llama.cpp ngram-mod": lcpp + ["--spec-type", "ngram-mod"],
+        "specserve plain": ours,
+        "specserve ngram": ours + ["--speculative-config", '{"method": "ngram"}'],
+        "specserve suffix": ours + ["--speculative-config", '{"method": "suffix"}'],
+    }
+    draft = DRAFT_FOR.get(model)
+    if draft:
+        out["llama.cpp draft-simple"] = lcpp + ["-md", str(gguf_of(draft)), "--spec-draft-n-max", "8"]
+        out["specserve draft"] = ours + ["--speculative-config", json.dumps(
+            {"method": "draft_model", "model": draft, "num_speculative_tokens": 8})]
+    return out
+
+
+# ---------------------------------------------------------------- measuring
+
+def ask(http: httpx.Client, messages: list[dict], tokens: int) -> dict:
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "messages": messages, "temperature": 0, "max_tokens": tokens, "ignore_eos": True}
+    t0 = time.perf_counter()
+    r = http.post("/v1/chat/completions", json=body)
+    wall = time.perf_counter() - t0
+    r.raise_for_status()
+    data = r.json()
+    n = data["usage"]["completion_tokens"]
+    return {"text": data["choices"][0]["message"]["content"], "tokens": n, "wall_s": wall, "tok_s": n / wall}
+
+
+def run_server(label: str, argv: list[str], prompts: list, tokens: int) -> list[dict]:
+    port = free_port()
+    srv = ManagedServer(argv + ["--port", str(port)], port, label).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=900) as http:
+            ask(http, prompts[0].as_messages(), 16)  # warm-up
+            out = []
+            for p in prompts:
+                res = ask(http, p.as_messages(), tokens)
+                out.append({"config": label, "prompt": f"{p.suite}/{p.id}", "suite": p.suite, **res})
+                print(f"  {label:24s} {p.suite}/{p.id}: {res['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+            return out
+    finally:
+        srv.stop()
+
+
+def summarize(results: list[dict], labels: list[str], suites: list[str]) -> list[dict]:
+    by = {(r["config"], r["prompt"], r["round"]): r for r in results}
+    rows = []
+    for label in labels:
+        plain = "llama.cpp plain" if label.startswith("llama.cpp") else "specserve plain"
+        for suite in suites + ["all"]:
+            mine = [r for r in results if r["config"] == label and suite in ("all", r["suite"])]
+            if not mine:
+                continue
+            base = [by.get(("llama.cpp plain", r["prompt"], r["round"])) for r in mine]
+            same = [by.get((plain, r["prompt"], r["round"])) for r in mine]
+            rows.append({
+                "config": label, "suite": suite,
+                "tok_s": statistics.median(r["tok_s"] for r in mine),
+                "vs_llamacpp": statistics.median(r["tok_s"] / b["tok_s"] for r, b in zip(mine, base) if b),
+                "same_text": f"{sum(s is not None and s['text'] == r['text'] for r, s in zip(mine, same))}/{len(mine)}",
+            })
+    return rows
+
+
+def markdown(rows: list[dict], args: argparse.Namespace) -> str:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    lines = [f"`benchmarks/native_llamacpp.py --model {args.model} --tokens {args.tokens} --rounds {args.rounds} "
+             f"--limit {args.limit}` on {cpu}, {len(os.sched_getaffinity(0))} cores (median tok/s):", "",
+             "| configuration | suite | tok/s | vs llama.cpp plain | same text as its plain |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['config']} | {r['suite']} | {r['tok_s']:.1f} | {r['vs_llamacpp']:.2f}x | {r['same_text']} |"
+              for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--suites", default="code,math,prose,edit")
+    ap.add_argument("--limit", type=int, default=2, help="prompts per suite")
+    ap.add_argument("--configs", default="all", help="comma list of labels (default: all)")
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--out")
+    ap.add_argument("--markdown")
+    args = ap.parse_args()
+    bindir = build_native()
+    if args.build_only:
+        print(bindir)
+        return
+    configs = configurations(args.model, bindir)
+    labels = list(configs) if args.configs == "all" else args.configs.split(",")
+    suites = args.suites.split(",")
+    prompts = [p for ps in load_suites(args.suites, args.limit).values() for p in ps]
+    results = []
+    for rnd in range(args.rounds):
+        order = labels[rnd % len(labels):] + labels[:rnd % len(labels)]
+        for label in order:
+            for r in run_server(label, configs[label], prompts, args.tokens):
+                results.append({**r, "round": rnd})
+    rows = summarize(results, labels, suites)
+    text = markdown(rows, args)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"rows": rows, "results": results}, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
