@@ -73,7 +73,7 @@ def build_native(version: str = LLAMACPP_VERSION) -> Path:
         _extract_vendor(sdists[0], src)
     log = top / "build.log"
     print(f"building {', '.join(TARGETS)} from {src} (minutes on 2 cores; log: {log})", file=sys.stderr, flush=True)
-    jobs = str(len(os.sched_getaffinity(0)))
+    jobs = os.environ.get("BUILD_JOBS", str(len(os.sched_getaffinity(0))))
     configure = ["cmake", "-S", str(src), "-B", str(top / "build"), "-DCMAKE_BUILD_TYPE=Release",
                  "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF",
                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
