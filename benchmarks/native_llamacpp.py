@@ -46,6 +46,10 @@ LLAMACPP_VERSION = "0.3.36"  # llama-cpp-python sdist whose vendor/llama.cpp is 
 TARGETS = ("llama-server", "llama-bench")
 DRAFT_FOR = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 CTX = 4096
+# ggml's AMX matmul dies with SIGILL in llama-server's worker threads on a VM whose CPU reports
+# AMX without enabling its tile state (seen on an Intel Xeon, family 6 model 207); our kernels do
+# not use AMX either, so both sides run AVX-512 VNNI
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
 # ---------------------------------------------------------------- building llama.cpp
@@ -60,7 +64,12 @@ def build_native(version: str = LLAMACPP_VERSION) -> Path:
     """The directory holding llama-server and llama-bench, built once from the sdist's source."""
     top = native_dir(version)
     bindir = top / "build" / "bin"
-    if all((bindir / t).exists() for t in TARGETS):
+    stamp = top / "build" / "specserve-flags"
+    if stamp.exists() and stamp.read_text() != NO_AMX:
+        stamp.unlink()
+        for t in TARGETS:
+            (bindir / t).unlink(missing_ok=True)
+    if all((bindir / t).exists() for t in TARGETS) and stamp.exists():
         return bindir
     top.mkdir(parents=True, exist_ok=True)
     src = top / "src"
@@ -77,13 +86,14 @@ def build_native(version: str = LLAMACPP_VERSION) -> Path:
     configure = ["cmake", "-S", str(src), "-B", str(top / "build"), "-DCMAKE_BUILD_TYPE=Release",
                  "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF",
                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
-                 "-DLLAMA_BUILD_TOOLS=ON"]
+                 "-DLLAMA_BUILD_TOOLS=ON", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
     build = ["cmake", "--build", str(top / "build"), "-j", jobs, "--target", *TARGETS]
     t0 = time.time()
     with open(log, "w") as f:
         for cmd in (configure, build):
             if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
                 sys.exit(f"llama.cpp build failed ({' '.join(cmd[:2])}); tail of {log}:\n{log.read_text()[-3000:]}")
+    stamp.write_text(NO_AMX)
     print(f"built in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     return bindir
 
