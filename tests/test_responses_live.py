@@ -74,6 +74,32 @@ def test_function_call_round_trip(qwen):
     assert answer.usage.input_tokens > r.usage.input_tokens
 
 
+def test_text_format_json_schema_and_a_forced_function(qwen):
+    """text.format json_schema constrains the output (streamed and not, with speculation); a
+    named tool_choice forces a call whose arguments match the tool's schema; both at once: 400."""
+    import jsonschema
+
+    c = qwen.client()
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    fmt = {"format": {"type": "json_schema", "name": "person", "schema": schema, "strict": True}}
+    kw = dict(model=QWEN, input="Give a person's name and age.", temperature=0, max_output_tokens=60, text=fmt)
+    r = c.responses.create(**kw)
+    jsonschema.validate(json.loads(r.output_text), schema)
+    assert r.text.format.type == "json_schema"
+    events = list(c.responses.create(**kw, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    forced = dict(model=QWEN, input="Tell me a joke.", tools=[WEATHER], temperature=0, max_output_tokens=80,
+                  tool_choice={"type": "function", "name": "get_weather"})
+    calls = [o for o in c.responses.create(**forced).output if o.type == "function_call"]
+    assert calls and all(o.name == "get_weather" for o in calls)
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])
+    with pytest.raises(Exception) as info:
+        c.responses.create(**forced, text=fmt)
+    assert getattr(info.value, "status_code", None) == 400
+
+
 @pytest.fixture(scope="module")
 def smol():
     server = Subprocess("--max-model-len", "2048", model=SMOL)

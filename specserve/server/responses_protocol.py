@@ -76,10 +76,6 @@ def check_request(req: ResponsesRequest) -> None:
         raise RequestError("background responses are not supported", param="background")
     if req.truncation not in (None, "auto", "disabled"):
         raise RequestError(f"truncation must be 'auto' or 'disabled', got {req.truncation!r}", param="truncation")
-    fmt = (req.text or {}).get("format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise RequestError(f"text.format {kind!r} is not supported here (only 'text')", param="text.format")
     if req.top_logprobs or "message.output_text.logprobs" in (req.include or []):
         raise RequestError("logprobs are not supported on /v1/responses (use /v1/chat/completions)",
                            param="top_logprobs" if req.top_logprobs else "include")

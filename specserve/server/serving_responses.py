@@ -34,6 +34,7 @@ from specserve.server.responses_protocol import (ResponsesRequest, chat_tool_cho
 from specserve.server.serving import ServingContext, make_choices, now, resolve_max_tokens, timings, usage
 from specserve.server.serving_chat import Splitter, chat_delta
 from specserve.server.streaming import Choice, Fanout, SSEResponse, start_fanout
+from specserve.server.structured import constrain, start_for, text_format_source
 from specserve.server.tools import ToolPlan, plan_tools
 
 logger = logging.getLogger("specserve.server")
@@ -105,9 +106,12 @@ class ResponsesAPI:
         if not ids:
             raise RequestError("the rendered prompt is empty", param="input")
         max_tokens = resolve_max_tokens(ctx, req.max_output_tokens, None, len(ids), "input", "max_output_tokens")
-        split = Splitter(ctx.cfg.reasoning_parser, prompt_opens_think(prompt), plan)
+        opened = prompt_opens_think(prompt)
+        split = Splitter(ctx.cfg.reasoning_parser, opened, plan)
         turn = Turn(req, item_id("resp"), conversation, split)
-        choices = make_choices([ids], sampling_fields(req), [max_tokens], None, turn.id)
+        structured = await ctx.structured.spec_for(None, plan, start_for(ctx.cfg.reasoning_parser, opened),
+                                                   text_format_source((req.text or {}).get("format")))
+        choices = constrain(make_choices([ids], sampling_fields(req), [max_tokens], None, turn.id), structured)
         fan = Fanout(ctx.engine, ctx.metrics, choices)
         await start_fanout(request.receive, fan, drain=not req.stream)
         if req.stream:
@@ -262,7 +266,7 @@ def response_object(ctx: ServingContext, turn: Turn, status: str, output: list[d
         "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
         "store": req.store,
         "temperature": 1.0 if req.temperature is None else req.temperature,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": req.tools or [],
         "top_p": 1.0 if req.top_p is None else req.top_p,

@@ -91,6 +91,25 @@ def requested_source(req: Any, tools: ToolPlan | None = None, tags: tuple[str, s
     return found[0] if found else None
 
 
+def text_format_source(fmt: Any) -> Source | None:
+    """The Responses API's ``text.format``: ``{"type": "text"}`` (None), ``{"type": "json_object"}``
+    or ``{"type": "json_schema", "name": ..., "schema": {...}, "strict": ...}`` (flat, unlike chat's
+    response_format). Raises RequestError."""
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return _json({"type": "object"}, "text.format", None)
+    if kind != "json_schema":
+        raise RequestError(f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                           param="text.format.type")
+    if "schema" not in fmt:
+        raise RequestError("text.format json_schema needs schema (a JSON Schema object)", param="text.format.schema")
+    if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):
+        raise RequestError("text.format.strict must be a boolean", param="text.format.strict")
+    return _json(fmt["schema"], "text.format.schema", None)
+
+
 def _from_response_format(fmt: Any) -> Source:
     if fmt.type == "json_object":
         return _json({"type": "object"}, "response_format", None)
@@ -274,11 +293,18 @@ class StructuredOutputs:
         self.think_open: tuple[int, ...] = ()
         self.tags = LITERAL_TAGS  # the tool-call tags in Lark, set with the tokenizer
 
-    async def spec_for(self, req: Any, tools: ToolPlan | None = None, start: str = "now") -> ConstraintSpec | None:
-        """The request's constraint (compiled, or from the cache), or None. Raises RequestError."""
+    async def spec_for(self, req: Any, tools: ToolPlan | None = None, start: str = "now",
+                       source: Source | None = None) -> ConstraintSpec | None:
+        """The request's constraint (compiled, or from the cache), or None. Raises RequestError.
+        ``source``: a constraint found apart from ``req``'s fields (the Responses API's text.format)."""
         if tools is not None and tools.forced:
             await self._ready("tool_choice")  # the tags' terms depend on the tokenizer
-        source = requested_source(req, tools, self.tags)
+        found = requested_source(req, tools, self.tags) if req is not None else \
+            (_from_tools(tools, self.tags) if tools is not None and tools.forced else None)
+        if found is not None and source is not None:
+            raise RequestError(f"{found.param} and {source.param} both constrain the output; send one",
+                               param=found.param)
+        source = found or source
         if source is None:
             return None
         grammar = await self.compile(source)
