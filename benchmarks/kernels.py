@@ -124,7 +124,7 @@ def main() -> None:
         xs = {m: torch.randn(m, k) for m in rows}
         cells = []
         for m in rows:
-            cells.append(bench(lambda: F.linear(xs[m], w), args.min_time))
+            cells.append(bench(lambda m=m, w=w: F.linear(xs[m], w), args.min_time))
         print(f"{name:24s} {f'{n}x{k}':>12s} {'torch':>11s} " + " ".join(f"{c:9.3f}" for c in cells))
         for fmt in fmts:
             if fmt.upper() in ops.GGUF_QTYPES and k % ops.GGUF_QTYPES[fmt.upper()][1]:
@@ -136,7 +136,7 @@ def main() -> None:
                     wt.int_dot = act == "int8"
                 cells = []
                 for m in rows:
-                    cells.append(bench(lambda: ops.linear(xs[m], wt, impl="c"), args.min_time))
+                    cells.append(bench(lambda m=m, wt=wt: ops.linear(xs[m], wt, impl="c"), args.min_time))
                 label = fmt if fmt == "f32" or act == "int8" else f"{fmt}/fp32a"
                 print(f"{'':24s} {'':>12s} {label:>11s} " + " ".join(f"{c:9.3f}" for c in cells))
             del wt
