@@ -8,6 +8,15 @@ out=${1:-results}
 mkdir -p "$out"
 python benchmarks/vs_llamacpp.py --model smollm2-135m --tokens 128 --runs 2 --prompts-per-suite 2 \
   --out "$out/vs_llamacpp_smollm2.json" --markdown "$out/vs_llamacpp_smollm2.md"
+# native llama-server (built once from the llama-cpp-python sdist: about 8 minutes on 2 cores)
+python benchmarks/native_llamacpp.py --model smollm2-135m --tokens 128 --rounds 1 --limit 2 \
+  --out "$out/native_smollm2.json" --markdown "$out/native_smollm2.md"
+python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --rounds 1 --limit 1 \
+  --out "$out/native_qwen1.5b.json" --markdown "$out/native_qwen1.5b.md"
+python benchmarks/structured.py --model smollm2-135m --drafters ngram,draft_model --every 2 \
+  --out "$out/structured_smollm2.json"
+python benchmarks/structured.py --model qwen2.5-coder-1.5b --drafters ngram --every 5 \
+  --out "$out/structured_qwen1.5b.json"
 python benchmarks/spec_decode.py --models smollm2-135m --tokens 128 --runs 2 --prompts-per-suite 2 \
   --adaptive both --out "$out/spec_smollm2.json" --markdown "$out/spec_smollm2.md"
 # the shipped dflash drafter's teacher-forced acceptance (set ANSWERS=DIR/data/answers.pt for the held-out rows)
