@@ -14,6 +14,7 @@ import torch
 from specserve.errors import ModelLoadError
 from specserve.kernels import ops
 from specserve.models.config import ModelConfig
+from specserve.models.embedding import TokenEmbedding
 from specserve.models.fused import FusedStack
 from specserve.models.fused import batch_supported as fused_batch_supported
 from specserve.models.fused import unsupported as fused_unsupported
@@ -106,7 +107,7 @@ class Transformer:
         tensors = _check_and_offset(cfg, tensors, norm_offset)
         self.layers = [_Layer(cfg, i, tensors, quant, device, dtype) for i in range(cfg.num_layers)]
         embed = tensors["embed"]
-        self.embed_table = embed.dequantize().to(device=device, dtype=dtype)  # [V, H]
+        self.token_embedding = TokenEmbedding(embed, device, dtype)  # [V, H], dequantized per row
         head = tensors.get("lm_head") if not cfg.tie_embeddings or "lm_head" in tensors else None
         self.lm_head = Linear(head or embed, None, quant, device, dtype)
         self.final_norm = tensors["norm"].dequantize().to(device=device, dtype=torch.float32)
@@ -117,7 +118,7 @@ class Transformer:
 
     # ---- pieces drafters reuse -------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
-        x = self.embed_table[ids]
+        x = self.token_embedding(ids)
         return x * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else x
 
     def logits(self, h: torch.Tensor, head: Linear | None = None) -> torch.Tensor:
@@ -130,7 +131,11 @@ class Transformer:
 
     def weight_bytes(self) -> int:
         linears = [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
-        return sum(lin.nbytes() for lin in linears) + self.embed_table.numel() * self.embed_table.element_size()
+        return sum(lin.nbytes() for lin in linears) + self.token_embedding.nbytes()
+
+    @property
+    def embed_table(self) -> torch.Tensor:  # [V, H]: the whole table, dequantized (training reads it)
+        return self.token_embedding.table()
 
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
