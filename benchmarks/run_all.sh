@@ -15,7 +15,7 @@ python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --r
   --out "$out/native_qwen1.5b.json" --markdown "$out/native_qwen1.5b.md"
 python benchmarks/structured.py --model smollm2-135m --drafters ngram,draft_model --every 2 \
   --out "$out/structured_smollm2.json"
-python benchmarks/structured.py --model qwen2.5-coder-1.5b --drafters ngram --every 5 \
+python benchmarks/structured.py --model qwen2.5-coder-1.5b --drafters ngram \
   --out "$out/structured_qwen1.5b.json"
 python benchmarks/spec_decode.py --models smollm2-135m --tokens 128 --runs 2 --prompts-per-suite 2 \
   --adaptive both --out "$out/spec_smollm2.json" --markdown "$out/spec_smollm2.md"
