@@ -107,9 +107,10 @@ class Transformer:
         tensors = _check_and_offset(cfg, tensors, norm_offset)
         self.layers = [_Layer(cfg, i, tensors, quant, device, dtype) for i in range(cfg.num_layers)]
         embed = tensors["embed"]
-        self.token_embedding = TokenEmbedding(embed, device, dtype)  # [V, H], dequantized per row
         head = tensors.get("lm_head") if not cfg.tie_embeddings or "lm_head" in tensors else None
         self.lm_head = Linear(head or embed, None, quant, device, dtype)
+        # [V, H], dequantized per row; tied: the head's blocks
+        self.token_embedding = TokenEmbedding(embed, device, dtype, None if head else self.lm_head.weight)
         self.final_norm = tensors["norm"].dequantize().to(device=device, dtype=torch.float32)
         max_pos = cfg.max_position + 64
         self.rope_global = Rope(cfg.head_dim, cfg.rope_theta, max_pos, device, cfg.rope_scaling_factor)
