@@ -69,9 +69,24 @@ def start_for(reasoning_parser: str, prompt_opened: bool) -> str:
 
 # ---------------------------------------------------------------- request fields -> grammar text
 
-def requested_source(req: Any, tools: ToolPlan | None = None, tags: tuple[str, str] = LITERAL_TAGS) -> Source | None:
-    """The constraint a chat or completions request asks for, or None. Raises RequestError.
-    ``tags``: the tool-call tags as Lark terms (see :func:`tag_terms`)."""
+def requested_source(req: Any, tools: ToolPlan | None = None, tags: tuple[str, str] = LITERAL_TAGS,
+                     also: Source | None = None) -> Source | None:
+    """The constraint a request asks for, or None: a chat or completions request's fields (``req``
+    None: none), a forced tool choice, and ``also`` (the Responses API's text.format); more than
+    one is a 400. ``tags``: the tool-call tags as Lark terms (see :func:`tag_terms`)."""
+    found = [] if req is None else _field_sources(req)
+    if also is not None:
+        found.append(also)
+    if tools is not None and tools.forced:
+        found.append(_from_tools(tools, tags))
+    if len(found) > 1:
+        raise RequestError(f"{found[1].param} and {found[0].param} both constrain the output; send one",
+                           param=found[1].param)
+    return found[0] if found else None
+
+
+def _field_sources(req: Any) -> list[Source]:
+    """The constraints of a chat or completions request's own fields."""
     extra = req.model_extra or {}
     found: list[Source] = []
     fmt = req.response_format
@@ -83,12 +98,7 @@ def requested_source(req: Any, tools: ToolPlan | None = None, tags: tuple[str, s
     for name in _OLD:
         if extra.get(name) is not None:
             found.append(grammar_source(name.removeprefix("guided_"), extra[name], name, ws))
-    if tools is not None and tools.forced:
-        found.append(_from_tools(tools, tags))
-    if len(found) > 1:
-        raise RequestError(f"{found[1].param} and {found[0].param} both constrain the output; send one",
-                           param=found[1].param)
-    return found[0] if found else None
+    return found
 
 
 def text_format_source(fmt: Any) -> Source | None:
@@ -294,17 +304,12 @@ class StructuredOutputs:
         self.tags = LITERAL_TAGS  # the tool-call tags in Lark, set with the tokenizer
 
     async def spec_for(self, req: Any, tools: ToolPlan | None = None, start: str = "now",
-                       source: Source | None = None) -> ConstraintSpec | None:
-        """The request's constraint (compiled, or from the cache), or None. Raises RequestError.
-        ``source``: a constraint found apart from ``req``'s fields (the Responses API's text.format)."""
+                       also: Source | None = None) -> ConstraintSpec | None:
+        """The request's constraint (compiled, or from the cache), or None: see
+        :func:`requested_source`. Raises RequestError."""
         if tools is not None and tools.forced:
             await self._ready("tool_choice")  # the tags' terms depend on the tokenizer
-        found = requested_source(req, tools, self.tags) if req is not None else \
-            (_from_tools(tools, self.tags) if tools is not None and tools.forced else None)
-        if found is not None and source is not None:
-            raise RequestError(f"{found.param} and {source.param} both constrain the output; send one",
-                               param=found.param)
-        source = found or source
+        source = requested_source(req, tools, self.tags, also)
         if source is None:
             return None
         grammar = await self.compile(source)
