@@ -41,6 +41,7 @@ sys.path.insert(0, str(HERE.parent))
 from specserve.bench.fetch import pip_download  # noqa: E402
 from specserve.bench.serverproc import ManagedServer, free_port  # noqa: E402
 from specserve.bench.suites import load_suites  # noqa: E402
+from specserve.models.catalog import cache_root, resolve_model  # noqa: E402
 
 LLAMACPP_VERSION = "0.3.36"  # llama-cpp-python sdist whose vendor/llama.cpp is built
 TARGETS = ("llama-server", "llama-bench")
@@ -55,9 +56,7 @@ NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 # ---------------------------------------------------------------- building llama.cpp
 
 def native_dir(version: str = LLAMACPP_VERSION) -> Path:
-    root = os.environ.get("SPECSERVE_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "specserve"
-    return base / "llama.cpp-native" / version
+    return cache_root() / "llama.cpp-native" / version
 
 
 def build_native(version: str = LLAMACPP_VERSION) -> Path:
@@ -113,8 +112,6 @@ def _extract_vendor(sdist: Path, dest: Path) -> None:
 # ---------------------------------------------------------------- configurations
 
 def gguf_of(model: str) -> Path:
-    from specserve.models.catalog import resolve_model
-
     path = resolve_model(model).path
     if path.suffix != ".gguf":
         sys.exit(f"{model} is not a GGUF file ({path}); llama.cpp needs one")
@@ -128,17 +125,16 @@ def configurations(model: str, bindir: Path) -> dict[str, list[str]]:
             "--no-webui", "--host", "127.0.0.1"]
     ours = [sys.executable, "-m", "specserve", "serve", "--model", model, "--max-model-len", str(CTX),
             "--host", "127.0.0.1"]
-    out = {
-        "llama.cpp plain": lcpp,
-        "llama.cpp ngram-simple": lcpp + ["--spec-type", "ngram-simple"],
-        "llama.cpp ngram-mod": lcpp + ["--spec-type", "ngram-mod"],
-        "specserve plain": ours,
-        "specserve ngram": ours + ["--speculative-config", '{"method": "ngram"}'],
-        "specserve suffix": ours + ["--speculative-config", '{"method": "suffix"}'],
-    }
     draft = DRAFT_FOR.get(model)
+    out = {"llama.cpp plain": lcpp,
+           "llama.cpp ngram-simple": lcpp + ["--spec-type", "ngram-simple"],
+           "llama.cpp ngram-mod": lcpp + ["--spec-type", "ngram-mod"]}
     if draft:
         out["llama.cpp draft-simple"] = lcpp + ["-md", str(gguf_of(draft)), "--spec-draft-n-max", "8"]
+    out |= {"specserve plain": ours,
+            "specserve ngram": ours + ["--speculative-config", '{"method": "ngram"}'],
+            "specserve suffix": ours + ["--speculative-config", '{"method": "suffix"}']}
+    if draft:
         out["specserve draft"] = ours + ["--speculative-config", json.dumps(
             {"method": "draft_model", "model": draft, "num_speculative_tokens": 8})]
     return out
@@ -146,8 +142,7 @@ def configurations(model: str, bindir: Path) -> dict[str, list[str]]:
 
 # ---------------------------------------------------------------- measuring
 
-def ask(http: httpx.Client, messages: list[dict], tokens: int) -> dict:
-    model = http.get("/v1/models").json()["data"][0]["id"]
+def ask(http: httpx.Client, model: str, messages: list[dict], tokens: int) -> dict:
     body = {"model": model, "messages": messages, "temperature": 0, "max_tokens": tokens, "ignore_eos": True}
     t0 = time.perf_counter()
     r = http.post("/v1/chat/completions", json=body)
@@ -163,10 +158,11 @@ def run_server(label: str, argv: list[str], prompts: list, tokens: int) -> list[
     srv = ManagedServer(argv + ["--port", str(port)], port, label).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=900) as http:
-            ask(http, prompts[0].as_messages(), 16)  # warm-up
+            model = http.get("/v1/models").json()["data"][0]["id"]  # the served name
+            ask(http, model, prompts[0].as_messages(), 16)  # warm-up
             out = []
             for p in prompts:
-                res = ask(http, p.as_messages(), tokens)
+                res = ask(http, model, p.as_messages(), tokens)
                 out.append({"config": label, "prompt": f"{p.suite}/{p.id}", "suite": p.suite, **res})
                 print(f"  {label:24s} {p.suite}/{p.id}: {res['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
             return out
@@ -195,13 +191,17 @@ def summarize(results: list[dict], labels: list[str], suites: list[str]) -> list
 
 
 def markdown(rows: list[dict], args: argparse.Namespace) -> str:
+    """One line per configuration: tok/s (ratio to llama.cpp plain) per suite, as in the README."""
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    suites = list(dict.fromkeys(r["suite"] for r in rows if r["suite"] != "all"))
+    by = {(r["config"], r["suite"]): r for r in rows}
     lines = [f"`benchmarks/native_llamacpp.py --model {args.model} --tokens {args.tokens} --rounds {args.rounds} "
              f"--limit {args.limit}` on {cpu}, {len(os.sched_getaffinity(0))} cores (median tok/s):", "",
-             "| configuration | suite | tok/s | vs llama.cpp plain | same text as its plain |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['config']} | {r['suite']} | {r['tok_s']:.1f} | {r['vs_llamacpp']:.2f}x | {r['same_text']} |"
-              for r in rows]
+             "| configuration | " + " | ".join(suites) + " | same text as its plain |",
+             "|---|" + "---|" * (len(suites) + 1)]
+    for label in dict.fromkeys(r["config"] for r in rows):
+        cells = [f"{by[label, s]['tok_s']:.1f} ({by[label, s]['vs_llamacpp']:.2f}x)" for s in suites]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {by[label, 'all']['same_text']} |")
     return "\n".join(lines) + "\n"
 
 

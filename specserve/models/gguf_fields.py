@@ -5,8 +5,8 @@ numpy view (two for a string). A GGUF carries its whole tokenizer as such arrays
 151,936 tokens, 151,387 merges, token types), so opening one took 4-12 s on a 2-core machine,
 paid by every engine start. :class:`GGUFArrayReader` reads an array of scalars or strings with
 one copy of its bytes and cheap views into that copy: the same ``ReaderField`` parts, data
-indexes and types as the package's reader (``tests/test_families.py`` compares them field by
-field), so everything that reads fields (``field.contents()``, ``parts[data[i]]``) is unchanged.
+indexes and types as the package's reader (``tests/test_gguf_fields.py`` compares them field
+by field), so everything that reads fields (``field.contents()``, ``parts[data[i]]``) is unchanged.
 Nested arrays and byte-swapped files go through the package's own code.
 """
 
