@@ -30,6 +30,12 @@ specserve bench --ab " --speculative-config '{\"method\":\"ngram\",\"num_specula
   --out "$out/bench_ab.json" --markdown "$out/bench_ab.md" --chart "$out/bench_ab.png"
 python benchmarks/decode_cost.py --models smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b --formats auto \
   --rows 1,2,4,8 --paths fused,python --min-time 1 --out "$out/decode_cost.json" --markdown "$out/decode_cost.md"
+# verification width at a 512-token context, every catalog model, and where one forward's time goes
+python benchmarks/decode_cost.py --models smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b \
+  --formats auto --rows 1,2,4,8,16 --context 512 --min-time 1.5 --out "$out/decode_cost_512.json" \
+  --markdown "$out/decode_cost_512.md"
+python benchmarks/forward_breakdown.py --models smollm2-135m,qwen2.5-coder-1.5b --rows 1,8 --rounds 15 \
+  --out "$out/forward_breakdown.json" --markdown "$out/forward_breakdown.md"
 # the same forward over every KV cache dtype at a 2K-token context (fused vs per-op Python path)
 python benchmarks/decode_cost.py --models smollm2-135m --formats auto --rows 1,8 --context 2048 \
   --kv-dtypes fp32,bf16,fp16,fp8_e4m3,int8,int4 --paths fused,python --min-time 1 \

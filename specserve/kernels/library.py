@@ -20,6 +20,9 @@ class KernelError(RuntimeError):
 # format ids shared with the C file
 _FMT_F32, _FMT_I8, _FMT_Q8_0, _FMT_Q4_0, _FMT_Q4_1, _FMT_Q4_K, _FMT_Q6_K = range(7)
 
+# or-ed into a format id: the weight is in the C kernels' panel layout (csrc/panel_pack.c)
+_FMT_PANEL = 0x100
+
 # qtype -> (format id, elements per block, bytes per block)
 GGUF_QTYPES: dict[str, tuple[int, int, int]] = {
     "Q8_0": (_FMT_Q8_0, 32, 34),
@@ -68,6 +71,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ss_linear.restype = _i32
     lib.ss_linear_q8.argtypes = lib.ss_linear.argtypes
     lib.ss_linear_q8.restype = _i32
+    lib.ss_panel_bytes.argtypes = [_i32, _i64, _i64]
+    lib.ss_panel_bytes.restype = _i64
+    lib.ss_panel_pack.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp, _i32]
+    lib.ss_panel_pack.restype = _i32
+    lib.ss_panel_rows.argtypes = [_i32, _vp, _i64, _i64, _vp, _i64, _vp]
+    lib.ss_panel_rows.restype = _i32
     lib.ss_quantize_act.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp, _vp]
     lib.ss_quantize_act.restype = _i32
     lib.ss_paged_attention.argtypes = [_vp, _vp, _vp, _i64, _i64, _i64, _vp, _i64, _i64, _vp, _vp,

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from .library import (
     _ACT_AMIN,
+    _FMT_PANEL,
     _FMT_F32,
     _FMT_I8,
     ACT_BLOCK,
@@ -69,14 +70,38 @@ class F32Weight:
         return f"F32Weight(n={self.n}, k={self.k})"
 
 
+def _pack_panels(fmt: int, src: torch.Tensor, n: int, k: int, row_bytes: int) -> torch.Tensor | None:
+    """src [n, row_bytes] in the file / int8 layout -> the kernels' panel layout, or None without
+    the C library (the torch fallback reads the plain layout)."""
+    lib = _select(None)
+    if lib is None:
+        return None
+    packed = torch.empty(int(lib.ss_panel_bytes(fmt, n, k)), dtype=torch.uint8)
+    _check(lib.ss_panel_pack(fmt, src.data_ptr(), n, k, row_bytes, packed.data_ptr(), get_num_threads()),
+           "panel pack")
+    return packed
+
+
+def _unpack_panels(fmt: int, packed: torch.Tensor, n: int, k: int, idx: torch.Tensor, row_bytes: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Rows idx of a packed weight in the plain layout: [len(idx), row_bytes] bytes as dtype."""
+    lib = _select("c")
+    idx = idx.to(torch.int64).contiguous()
+    out = torch.empty(idx.numel(), row_bytes, dtype=torch.uint8)
+    _check(lib.ss_panel_rows(fmt, packed.data_ptr(), n, k, idx.data_ptr(), idx.numel(), out.data_ptr()),
+           "panel rows")
+    return out.view(dtype)
+
+
 class Int8Weight:
     """Symmetric per-output-channel int8: w[n, k] ~= q[n, k] * scale[n].
 
     The kernel computes (sum_k x[k] * q[n, k]) * scale[n] (+ bias); with
     ``int_dot`` (default) and K % 32 == 0, x is quantized to int8 first (see
-    the module docstring), else x stays fp32."""
+    the module docstring) and q is kept in the kernels' panel layout
+    (``packed``; ``q`` rebuilds the plain [N, K] from it), else x stays fp32."""
 
-    __slots__ = ("q", "scale", "int_dot", "_fallback")
+    __slots__ = ("_q", "packed", "scale", "n", "k", "int_dot", "_fallback")
     fmt = _FMT_I8
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, *, int_dot: bool = True):
@@ -87,10 +112,14 @@ class Int8Weight:
         _require(isinstance(scale, torch.Tensor) and scale.dtype == torch.float32
                  and tuple(scale.shape) == (q.shape[0],) and scale.is_contiguous(),
                  f"Int8Weight.scale must be a contiguous float32 [{q.shape[0]}] tensor")
-        self.q = q
+        self._q: torch.Tensor | None = q
+        self.n, self.k = int(q.shape[0]), int(q.shape[1])
         self.scale = scale
         self.int_dot = bool(int_dot)
         self._fallback: torch.Tensor | None = None
+        self.packed = _pack_panels(_FMT_I8, q, self.n, self.k, self.k) if self.act_block else None
+        if self.packed is not None:
+            self._q = None
 
     @classmethod
     def from_float(cls, w: torch.Tensor, *, int_dot: bool = True) -> Int8Weight:
@@ -103,12 +132,11 @@ class Int8Weight:
         return cls(q, scale.contiguous(), int_dot=int_dot)
 
     @property
-    def n(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def k(self) -> int:
-        return self.q.shape[1]
+    def q(self) -> torch.Tensor:
+        """int8 [N, K] (rebuilt from the panels when packed)."""
+        if self._q is not None:
+            return self._q
+        return _unpack_panels(_FMT_I8, self.packed, self.n, self.k, torch.arange(self.n), self.k, torch.int8)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -116,7 +144,7 @@ class Int8Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * 4
+        return (self.packed if self.packed is not None else self._q).numel() + self.scale.numel() * 4
 
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * self.scale[:, None]
@@ -128,10 +156,16 @@ class Int8Weight:
 
     def rows(self, idx: torch.Tensor) -> Int8Weight:
         """The weight of output channels idx [n'] int64 only."""
-        return Int8Weight(self.q[idx].contiguous(), self.scale[idx].contiguous(), int_dot=self.int_dot)
+        q = self._q[idx].contiguous() if self._q is not None else \
+            _unpack_panels(_FMT_I8, self.packed, self.n, self.k, idx, self.k, torch.int8)
+        return Int8Weight(q, self.scale[idx].contiguous(), int_dot=self.int_dot)
 
     def _c_args(self) -> tuple[int, int, int, int]:
-        return self.q.data_ptr(), _FMT_I8, self.q.shape[1], self.scale.data_ptr()
+        if self.packed is not None and self.act_block:
+            return self.packed.data_ptr(), _FMT_I8 | _FMT_PANEL, self.k, self.scale.data_ptr()
+        if self._q is None:  # packed, and int_dot switched off: the fp32 path reads the plain layout
+            self._q = self.q
+        return self._q.data_ptr(), _FMT_I8, self.k, self.scale.data_ptr()
 
     def __repr__(self) -> str:
         return f"Int8Weight(n={self.n}, k={self.k})"
@@ -154,14 +188,18 @@ def _qtype_name(qtype: Any) -> str:
 
 
 class GGUFBlockWeight:
-    """A GGUF block-quantized weight kept in the file's raw byte layout.
+    """A GGUF block-quantized weight.
 
-    raw: uint8 [N, bytes_per_row]; each row is K / block_size blocks.
-    int_dot (default True): multiply with int8-quantized activations in
-    integer arithmetic (see the module docstring); False: dequantize and
-    multiply fp32 activations."""
+    raw: uint8 [N, bytes_per_row] in the file's layout; each row is K / block_size blocks.
+    int_dot (default True): multiply with int8-quantized activations in integer arithmetic (see
+    the module docstring); False: dequantize and multiply fp32 activations.
 
-    __slots__ = ("raw", "qtype", "n", "k", "int_dot", "_fallback")
+    With int_dot, the weight is repacked at construction into the C kernels'
+    panel layout (``packed``, 16 channels' blocks side by side, csrc/panel_pack.c) and the file
+    layout is dropped; ``raw``, ``rows`` and ``dequantize`` rebuild file-layout blocks from it
+    (the packing is a bijection on the bytes)."""
+
+    __slots__ = ("_raw", "packed", "qtype", "n", "k", "int_dot", "_fallback")
 
     def __init__(self, raw: torch.Tensor, qtype: Any, n: int, k: int, *, int_dot: bool = True):
         name = _qtype_name(qtype)
@@ -174,12 +212,26 @@ class GGUFBlockWeight:
         _require(tuple(raw.shape) == (n, row_bytes),
                  f"{name} [{n}, {k}] needs raw shape ({n}, {row_bytes}), got {tuple(raw.shape)}")
         _require(raw.is_contiguous() and raw.device.type == "cpu", "raw must be a contiguous CPU tensor")
-        self.raw = raw
+        self._raw: torch.Tensor | None = raw
+        self.packed: torch.Tensor | None = None
         self.qtype = name
         self.n = int(n)
         self.k = int(k)
         self.int_dot = bool(int_dot)
         self._fallback: torch.Tensor | None = None
+        if self.int_dot:
+            self.packed = _pack_panels(self.fmt, raw, self.n, self.k, self.row_bytes)
+            if self.packed is not None:
+                self._raw = None
+
+    def _unpack(self, idx: torch.Tensor) -> torch.Tensor:
+        """File-layout rows [len(idx), row_bytes] of the packed weight."""
+        return _unpack_panels(self.fmt, self.packed, self.n, self.k, idx, self.row_bytes, torch.uint8)
+
+    @property
+    def raw(self) -> torch.Tensor:
+        """uint8 [N, row_bytes] in the file's layout (rebuilt from the panels when packed)."""
+        return self._raw if self._raw is not None else self._unpack(torch.arange(self.n))
 
     @classmethod
     def from_raw(cls, raw: Any, qtype: Any, n: int, k: int, *, int_dot: bool = True) -> GGUFBlockWeight:
@@ -216,7 +268,8 @@ class GGUFBlockWeight:
 
     @property
     def row_bytes(self) -> int:
-        return self.raw.shape[1]
+        _, be, bb = GGUF_QTYPES[self.qtype]
+        return self.k // be * bb
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -224,18 +277,19 @@ class GGUFBlockWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.raw.numel()
+        return (self.packed if self.packed is not None else self._raw).numel()
 
     def dequantize(self, *, impl: str | None = None) -> torch.Tensor:
         """fp32 [N, K]; bit-identical to gguf.quants.dequantize."""
         lib = _select(impl)
+        raw = self.raw
         if lib is None:
             import gguf
 
-            arr = gguf.quants.dequantize(self.raw.numpy(), gguf.GGMLQuantizationType[self.qtype])
+            arr = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[self.qtype])
             return torch.from_numpy(arr.reshape(self.n, self.k).astype("float32", copy=False))
         out = torch.empty(self.n, self.k, dtype=torch.float32)
-        _check(lib.ss_dequantize(self.fmt, self.raw.data_ptr(), self.n, self.k, self.row_bytes,
+        _check(lib.ss_dequantize(self.fmt, raw.data_ptr(), self.n, self.k, self.row_bytes,
                                  out.data_ptr(), get_num_threads()), "dequantize")
         return out
 
@@ -246,10 +300,21 @@ class GGUFBlockWeight:
 
     def rows(self, idx: torch.Tensor) -> GGUFBlockWeight:
         """The weight of output channels idx [n'] int64 only (blocks copied as stored)."""
-        return GGUFBlockWeight(self.raw[idx].contiguous(), self.qtype, int(idx.numel()), self.k, int_dot=self.int_dot)
+        return GGUFBlockWeight(self._rows_raw(idx), self.qtype, int(idx.numel()), self.k, int_dot=self.int_dot)
+
+    def _rows_raw(self, idx: torch.Tensor) -> torch.Tensor:
+        return self._raw[idx].contiguous() if self._raw is not None else self._unpack(idx)
+
+    def dequantize_rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """fp32 [n', K]: channels idx [n'] dequantized (an embedding lookup), nothing repacked."""
+        return GGUFBlockWeight(self._rows_raw(idx), self.qtype, int(idx.numel()), self.k, int_dot=False).dequantize()
 
     def _c_args(self) -> tuple[int, int, int, int]:
-        return self.raw.data_ptr(), GGUF_QTYPES[self.qtype][0], self.raw.shape[1], 0
+        if self.packed is not None and self.int_dot:
+            return self.packed.data_ptr(), self.fmt | _FMT_PANEL, self.row_bytes, 0
+        if self._raw is None:  # packed, and int_dot switched off: the fp32 path reads the file layout
+            self._raw = self.raw
+        return self._raw.data_ptr(), self.fmt, self.row_bytes, 0
 
     def __repr__(self) -> str:
         return f"GGUFBlockWeight({self.qtype}, n={self.n}, k={self.k})"

@@ -12,8 +12,13 @@ quantized to int8 per block of 32 values (256 for Q4_K / Q6_K) with one fp32
 scale per block, dx = max|x| / 127, q = round_half_even(x * (1 / dx)) (see
 ``quantize_activations``), and every weight block is multiplied with it in
 exact int32 arithmetic; the float combination of the block results has a
-fixed order per output (``csrc/linear_q8.h``), so batch invariance holds as
-before. The price is the activation rounding, at most max|x_block| / 254 per
+fixed order per output (``csrc/linear_panel.h``), so batch invariance holds as
+before. The weights are repacked at load into panels of 16 output channels
+whose blocks sit side by side (``csrc/panel_pack.c``): one 64-byte vector
+holds the same 4 input positions of 16 channels, every activation word is
+broadcast to all of them, and no output needs a sum across lanes, so a
+verification of 8 rows reads each weight once for all 8 (the packing is a
+bijection: ``raw``, ``rows`` and ``dequantize`` rebuild the file's blocks). The price is the activation rounding, at most max|x_block| / 254 per
 value, as in llama.cpp. Measured against fp32 activations: one layer's
 outputs move by up to ~1% of max |y| (tests/test_kernels.py, outlier-heavy
 x); end to end, the logits move by ~3% (relative L2) on smollm2-135m (32-value

@@ -2,9 +2,9 @@
 
 On CPU a GGUF block-quantized table (Q8_0 for smollm2 and gemma3, Q4_K for qwen2.5) is kept as
 its blocks (``ops.GGUFBlockWeight``), and a lookup dequantizes only the rows it asks for with the
-kernels' own dequantizer, which is bit for bit gguf.quants' (tests/test_embedding.py; the golden
-tokens in tests/test_golden.py are unchanged). With tied embeddings the blocks are the LM head's:
-one copy serves both. gemma3-270m's 262,144 x 640 table is 680 bytes a row instead of 2,560 in
+kernels' own dequantizer, which is bit for bit gguf.quants' (tests/test_embedding.py). With tied
+embeddings the blocks are the LM head's, kept in the kernels' panel layout: a lookup rebuilds its
+rows' file blocks from the panels (``dequantize_rows``), so one copy serves both. gemma3-270m's 262,144 x 640 table is 680 bytes a row instead of 2,560 in
 fp32; qwen2.5-coder-1.5b's 151,936 x 1,536 one is no second copy at all instead of 933 MB.
 A float table, or a table on another device, is kept dequantized.
 """
@@ -36,7 +36,7 @@ class TokenEmbedding:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         if self._table is not None:
             return self._table[ids]
-        return self._blocks.rows(ids).dequantize().to(self.dtype)
+        return self._blocks.dequantize_rows(ids).to(self.dtype)
 
     def table(self) -> torch.Tensor:
         """The whole table [V, H], dequantized (training reads it; a lookup never does)."""

@@ -31,8 +31,9 @@
  *
  * ss_linear_q8 (linear_q8.h, included at the end of this file): the
  * activations are quantized to int8 per block and multiplied with the weight
- * blocks in exact integer arithmetic (llama.cpp's scheme); it has its own,
- * equally fixed, reduction order (documented there).
+ * blocks in exact integer arithmetic (llama.cpp's scheme), the weights in the
+ * panel layout of panel_pack.c; it has its own, equally fixed, order per
+ * output (linear_panel.h).
  *
  * Build: see specserve/kernels/build.py.  Must be compiled with
  * -ffp-contract=off so that mul+add pairs are never silently fused.
@@ -67,7 +68,7 @@
 #define SS_ALIGN __attribute__((aligned(64)))
 #define SS_INLINE static inline __attribute__((always_inline))
 
-#define SS_ABI_VERSION 4
+#define SS_ABI_VERSION 5
 
 /* weight formats (keep in sync with ops.py) */
 enum {
@@ -79,6 +80,8 @@ enum {
     FMT_Q4_K = 5,
     FMT_Q6_K = 6,
 };
+/* or-ed into a format: the weight is in the panel layout (panel_pack.c) */
+#define FMT_PANEL 0x100
 
 /* error codes */
 enum {

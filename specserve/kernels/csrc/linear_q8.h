@@ -1,13 +1,15 @@
 /*
  * Integer-dot linear: ss_linear_q8 (included once by cpu_kernels.c, which
- * defines the formats, h2f, hsum8/hsum16 and hsum8x8 used here).
+ * defines the formats and h2f used here).
  *
  * The activations are quantized to int8 per row and block, the way
- * llama.cpp's Q8_0 / Q8_K do it, and each weight block is multiplied with
- * them in exact int32 arithmetic; the float work is a few fused multiply-adds
- * per 64 weights instead of one per weight.
+ * llama.cpp's Q8_0 / Q8_K do it, and the weights -- kept in the panel
+ * layout of panel_pack.c, 16 channels' blocks side by side -- are multiplied
+ * with them in exact int32 arithmetic (linear_panel.h gives the arithmetic
+ * of one output, fixed by K alone); the float work is a fused multiply-add or
+ * two per weight block.
  *
- * Activation blocks: 32 values for Q8_0, Q4_0, Q4_1 and I8; 256 for Q4_K
+ * Activation blocks: 32 values for I8, Q8_0, Q4_0 and Q4_1; 256 for Q4_K
  * and Q6_K.  Per block, a = max |x_i| (exact), dx = a / 127,
  * q_i = rint(x_i * (1 / dx)) (round half to even, |q_i| <= 127).  A block
  * with a < 1e-30 gives dx = 0, q = 0; one holding Inf or NaN gives dx = NaN
@@ -17,55 +19,20 @@
  * the same quantizer in torch; the ops module docstring gives the measured
  * effect on real models).
  *
- * Arithmetic of one output (m, n), fixed by K alone (batch invariance):
- * 16 float lanes f[l] from +0; every integer below is exact int32.
- *
- *  32-value formats, per pair of blocks (b0 = 2p, b1 = 2p + 1), the 64
- *  values are laid out in "lane order": natural (b0 then b1) for Q8_0 and
- *  I8; for Q4_0 / Q4_1 [b0 0..15, b1 0..15, b0 16..31, b1 16..31] (the
- *  nibble order of the weights).  Lane l covers positions 4l .. 4l+3 and
- *  block B(l) = l / 8 (natural) or (l / 4) % 2 (nibble order).
- *    P[l] = sum of the 4 products w * q (w: Q8_0 / I8 bytes, Q4_0 nibble - 8,
- *           Q4_1 nibble)
- *    f[l] = fmaf((float)P[l], dw[B] * dx[B], f[l])    (I8: dx[B] alone)
- *    Q4_1: f[l] = fmaf(m[B], dx[B] * (float)S[l], f[l]), S[l] = sum of
- *          the 4 q of the lane
- *  When K / 32 is odd, the last block b0 updates only its own lanes.
- *
- *  256-value formats, per super-block (d, and for Q4_K dmin; dx of the
- *  activation block): I[l] = sum over the 4 chunks of 64 values of
- *  sc(k) * w[k] * q[k] for the 4 k of lane l in each chunk (k = 64g + 4l
- *  .. 64g + 4l + 3; sc: Q4_K's 6-bit scale per 32, Q6_K's int8 scale per
- *  16; w: Q4_K nibble, Q6_K 6-bit value - 32), then
- *    f[l] = fmaf(d * dx, (float)I[l], f[l])
- *    Q4_K, lanes i = 0..3: f[i] = fmaf(-(dmin * dx), (float)(mn[2i] *
- *          S[2i] + mn[2i+1] * S[2i+1]), f[i]), S[j] = sum of q over
- *          sub-block j of 32, mn the 6-bit mins.
- *
- *  out = hsum16(f) (* scale[n] for I8) (+ bias[n]).
- *
- * The AVX-512 (VNNI dpbusd / dpwssd, or maddubs + madd), AVX2 (AVX-VNNI,
- * or maddubs + madd) and scalar paths produce the same integers and do the
- * same float operations lane for lane, so all builds give bit-identical
- * results.
+ * The AVX-512 (VNNI dpbusd, or maddubs + madd), AVX2 (AVX-VNNI, or maddubs
+ * + madd) and scalar paths produce the same integers and do the same float
+ * operations per output, so all builds give bit-identical results.
  */
 
-#define QL_MS 64 /* rows per super tile */
-#ifndef QL_PF_BYTES
-#define QL_PF_BYTES 8192 /* prefetch distance (rounded up to whole channel blocks) */
-#endif
-#ifndef QL_PF_HINT
-#define QL_PF_HINT 3
-#endif
+#define QL_AMIN 1e-30f
+
+static int is_k_fmt(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q6_K; }
+static int64_t al64(int64_t n) { return (n + 63) / 64 * 64; }
 
 /* ------------------------------------------------------------------------ */
 /* activation quantization                                                  */
 /* ------------------------------------------------------------------------ */
 
-#define QL_AMIN 1e-30f
-
-static int is_k_fmt(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q6_K; }
-static int is_nibble_fmt(int fmt) { return fmt == FMT_Q4_0 || fmt == FMT_Q4_1; }
 
 /* quantize n values (n % 32 == 0) in natural order; returns dx */
 static float quant_block(const float *x, int n, int8_t *q) {
@@ -127,95 +94,6 @@ static float quant_block(const float *x, int n, int8_t *q) {
     return d;
 }
 
-/* Per-row record of the quantized activations (offsets in bytes, each a
-   multiple of 64):
-     q     int8 [nstep * 64]   lane order (see the header), zero padded
-     32-value formats: dxv  float [nstep * 16]  dx of each lane's block
-                       sxv  float [nstep * 16]  dx * S[l] (Q4_1), or
-                       xc   int32 [nstep * 16]  -8 S[l] (Q4_0), -128 S[l]
-                                                (Q8_0, I8): the start value
-                                                of the lane's integer sum
-                                                when the weights are biased
-                                                to unsigned bytes
-     256-value formats: dxv float [K / 256 * 16] dx of each super-block, x16
-                        bs  int16 [K / 32]   sums of q per 32 (Q4_K)
-                        p32 int16 [K / 2]    32 * (q[2i] + q[2i+1]) (Q6_K) */
-typedef struct {
-    int64_t stride, o_f1, o_f2, o_bs, o_p32;
-    int64_t nstep; /* pairs of 32-blocks (the last may be half) or super-blocks */
-} QXLay;
-
-static int64_t al64(int64_t n) { return (n + 63) / 64 * 64; }
-
-static void qx_layout(int fmt, int64_t K, QXLay *L) {
-    memset(L, 0, sizeof(*L));
-    if (is_k_fmt(fmt)) {
-        L->nstep = K / 256;
-        L->o_f1 = al64(K);
-        L->o_bs = L->o_f1 + 64 * (K / 256);
-        L->o_p32 = L->o_bs + (fmt == FMT_Q4_K ? al64(2 * (K / 32)) : 0);
-        L->stride = L->o_p32 + (fmt == FMT_Q6_K ? al64(K) : 0);
-    } else {
-        L->nstep = (K / 32 + 1) / 2;
-        L->o_f1 = L->nstep * 64;
-        L->o_f2 = L->o_f1 + L->nstep * 64;
-        L->stride = L->o_f2 + L->nstep * 64;
-    }
-}
-
-static void qx_row(int fmt, const float *x, int64_t K, uint8_t *rec, const QXLay *L) {
-    int8_t *q = (int8_t *)rec;
-    if (is_k_fmt(fmt)) {
-        float *dxv = (float *)(rec + L->o_f1);
-        for (int64_t s = 0; s < L->nstep; s++) {
-            const float dx = quant_block(x + 256 * s, 256, q + 256 * s);
-            for (int l = 0; l < 16; l++) dxv[16 * s + l] = dx;
-        }
-        if (fmt == FMT_Q4_K) {
-            int16_t *bs = (int16_t *)(rec + L->o_bs);
-            for (int64_t j = 0; j < K / 32; j++) {
-                int s = 0;
-                for (int i = 0; i < 32; i++) s += q[32 * j + i];
-                bs[j] = (int16_t)s;
-            }
-        } else {
-            int16_t *p = (int16_t *)(rec + L->o_p32);
-            for (int64_t i = 0; i < K / 2; i++) p[i] = (int16_t)(32 * (q[2 * i] + q[2 * i + 1]));
-        }
-        return;
-    }
-    const int64_t nb = K / 32;
-    const int nib = is_nibble_fmt(fmt);
-    float *dxv = (float *)(rec + L->o_f1), *sxv = (float *)(rec + L->o_f2);
-    for (int64_t p = 0; p < L->nstep; p++) {
-        int8_t t[64] SS_ALIGN;
-        float d[2];
-        d[0] = quant_block(x + 64 * p, 32, t);
-        if (2 * p + 1 < nb) {
-            d[1] = quant_block(x + 64 * p + 32, 32, t + 32);
-        } else {
-            d[1] = 0.0f;
-            memset(t + 32, 0, 32);
-        }
-        int8_t *o = q + 64 * p;
-        if (nib) {
-            memcpy(o, t, 16);
-            memcpy(o + 16, t + 32, 16);
-            memcpy(o + 32, t + 16, 16);
-            memcpy(o + 48, t + 48, 16);
-        } else {
-            memcpy(o, t, 64);
-        }
-        for (int l = 0; l < 16; l++) {
-            const int b = nib ? (l >> 2) & 1 : l >> 3;
-            const int s = o[4 * l] + o[4 * l + 1] + o[4 * l + 2] + o[4 * l + 3];
-            dxv[16 * p + l] = d[b];
-            if (fmt == FMT_Q4_1) sxv[16 * p + l] = d[b] * (float)s;
-            else ((int32_t *)sxv)[16 * p + l] = (fmt == FMT_Q4_0 ? -8 : -128) * s;
-        }
-    }
-}
-
 /* Quantize rows as the kernel does, in natural order (for tests):
    q [M, K], d [M, K / block]; block = 256 for Q4_K / Q6_K, else 32. */
 SS_EXPORT int ss_quantize_act(int fmt, const float *x, int64_t M, int64_t K, int64_t ldx, int8_t *q, float *d) {
@@ -231,17 +109,10 @@ SS_EXPORT int ss_quantize_act(int fmt, const float *x, int64_t M, int64_t K, int
 /* 64-value vectors: one zmm (AVX-512) or two ymm (AVX2)                    */
 /* ------------------------------------------------------------------------ */
 
-#define QL_I8_256(a, b) _mm256_setr_epi32(a, a, a, a, b, b, b, b)
 
 #if defined(SS_AVX512)
 typedef __m512i vi16;
 typedef __m512 vf16;
-#ifndef QL_R
-#define QL_R 4 /* rows per micro tile (4 x 4 measured best on Zen 5) */
-#endif
-#ifndef QL_C
-#define QL_C 4 /* channels per micro tile */
-#endif
 SS_INLINE vi16 vi_from2(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 SS_INLINE vi16 vi_load(const void *p) { return _mm512_loadu_si512(p); }
 SS_INLINE vi16 vi_zero(void) { return _mm512_setzero_si512(); }
@@ -253,11 +124,7 @@ SS_INLINE vf16 vf_fmadd(vf16 a, vf16 b, vf16 c) { return _mm512_fmadd_ps(a, b, c
 SS_INLINE vf16 vf_cvt(vi16 a) { return _mm512_cvtepi32_ps(a); }
 SS_INLINE vf16 vf_set1(float a) { return _mm512_set1_ps(a); }
 /* lanes whose bit is set in mask from b, others from a */
-SS_INLINE vf16 vf_blend(const int mask, vf16 a, vf16 b) { return _mm512_mask_blend_ps((__mmask16)mask, a, b); }
 /* lanes 0..3: f - s * v */
-SS_INLINE vf16 vf_fnmadd_lo4(__m128 v, vf16 s, vf16 f) {
-    return _mm512_mask3_fnmadd_ps(_mm512_castps128_ps512(v), s, f, (__mmask16)0x000F);
-}
 /* int32 lane l += sum of u[4l+i] * s[4l+i], u unsigned and s signed bytes */
 SS_INLINE vi16 vi_dot4(vi16 acc, vi16 u, vi16 s) {
 #ifdef __AVX512VNNI__
@@ -267,38 +134,42 @@ SS_INLINE vi16 vi_dot4(vi16 acc, vi16 u, vi16 s) {
 #endif
 }
 /* int16 lanes: u[2k] * s[2k] + u[2k+1] * s[2k+1] (never saturates here) */
-SS_INLINE vi16 vi_maddubs(vi16 u, vi16 s) { return _mm512_maddubs_epi16(u, s); }
-SS_INLINE vi16 vi_sub16(vi16 a, vi16 b) { return _mm512_sub_epi16(a, b); }
 /* int32 lane l += a[2l] * b[2l] + a[2l+1] * b[2l+1] (int16 lanes) */
-SS_INLINE vi16 vi_dot2(vi16 acc, vi16 a, vi16 b) {
-#ifdef __AVX512VNNI__
-    return _mm512_dpwssd_epi32(acc, a, b);
-#else
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
-#endif
-}
 SS_INLINE vi16 vi_abs8(vi16 a) { return _mm512_abs_epi8(a); }
 /* x with the sign of w (x where w >= 0: w == 0 contributes 0 anyway) */
 SS_INLINE vi16 vi_sign8(vi16 x, vi16 w) {
     return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
 }
 SS_INLINE vi16 vi_sub8(vi16 a, int v) { return _mm512_sub_epi8(a, _mm512_set1_epi8((char)v)); }
+SS_INLINE vi16 vi_bcast32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+SS_INLINE vi16 vi_and(vi16 a, vi16 b) { return _mm512_and_si512(a, b); }
+SS_INLINE void vi_store(void *p, vi16 a) { _mm512_storeu_si512(p, a); }
+SS_INLINE vi16 vi_or(vi16 a, vi16 b) { return _mm512_or_si512(a, b); }
+SS_INLINE vi16 vi_set8(int v) { return _mm512_set1_epi8((char)v); }
+#define vi_srl16(a, n) _mm512_srli_epi16((a), (n))
+#define vi_sll16(a, n) _mm512_slli_epi16((a), (n))
+#define vi_sll32(a, n) _mm512_slli_epi32((a), (n))
+SS_INLINE vi16 vi_add32(vi16 a, vi16 b) { return _mm512_add_epi32(a, b); }
+SS_INLINE vi16 vi_mul32(vi16 a, vi16 b) { return _mm512_mullo_epi32(a, b); }
+SS_INLINE vi16 vi_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+SS_INLINE vi16 vi_s8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+SS_INLINE vf16 vf_h16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+SS_INLINE vf16 vf_fnmadd(vf16 a, vf16 b, vf16 c) { return _mm512_fnmadd_ps(a, b, c); }
+/* per byte: (a & 0x0F) | (b & 0x30), as a bit select (a where m4) then a mask (m3f = 0x3F) */
+SS_INLINE vi16 vi_nib_hi2(vi16 a, vi16 b, vi16 m4, vi16 m30) {
+    (void)m30;
+    return _mm512_and_si512(_mm512_ternarylogic_epi32(m4, a, b, 0xCA), _mm512_set1_epi8(0x3F));
+}
+
 /* 4 floats -> 16 lanes: lane l gets v[idx[l]] */
-SS_INLINE vf16 vf_perm4(__m128 v, __m512i idx) { return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v)); }
-#define QL_IDX_NIB_D _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2)
-#define QL_IDX_NIB_M _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 1, 1, 1, 1, 3, 3, 3, 3)
-#define QL_IDX_NAT_D _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2)
-#define QL_IDX_ALL(i) _mm512_set1_epi32(i)
 
 #elif defined(SS_AVX2)
 typedef struct { __m256i lo, hi; } vi16;
 typedef struct { __m256 lo, hi; } vf16;
-#ifndef QL_R
-#define QL_R 4 /* (measured on Zen 5 with AVX-512 off: 4 x 1 beats 2 x 2, 4 x 2, 8 x 1) */
-#endif
-#ifndef QL_C
-#define QL_C 1
-#endif
 SS_INLINE vi16 vi_from2(__m256i lo, __m256i hi) { vi16 r = {lo, hi}; return r; }
 SS_INLINE vi16 vi_load(const void *p) {
     return vi_from2(_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)p + 1));
@@ -314,15 +185,6 @@ SS_INLINE vf16 vf_fmadd(vf16 a, vf16 b, vf16 c) {
 }
 SS_INLINE vf16 vf_cvt(vi16 a) { return vf_from2(_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)); }
 SS_INLINE vf16 vf_set1(float a) { return vf_from2(_mm256_set1_ps(a), _mm256_set1_ps(a)); }
-SS_INLINE vf16 vf_blend(const int mask, vf16 a, vf16 b) {
-    /* the masks used: 0x00FF and 0x0F0F */
-    if (mask == 0x00FF) return vf_from2(b.lo, a.hi);
-    return vf_from2(_mm256_blend_ps(a.lo, b.lo, 0x0F), _mm256_blend_ps(a.hi, b.hi, 0x0F));
-}
-SS_INLINE vf16 vf_fnmadd_lo4(__m128 v, vf16 s, vf16 f) {
-    const __m128 r = _mm_fnmadd_ps(v, _mm256_castps256_ps128(s.lo), _mm256_castps256_ps128(f.lo));
-    return vf_from2(_mm256_insertf128_ps(f.lo, r, 0), f.hi);
-}
 SS_INLINE __m256i dot4_256(__m256i acc, __m256i u, __m256i s) {
 #ifdef __AVXVNNI__
     return _mm256_dpbusd_avx_epi32(acc, u, s);
@@ -333,20 +195,6 @@ SS_INLINE __m256i dot4_256(__m256i acc, __m256i u, __m256i s) {
 SS_INLINE vi16 vi_dot4(vi16 acc, vi16 u, vi16 s) {
     return vi_from2(dot4_256(acc.lo, u.lo, s.lo), dot4_256(acc.hi, u.hi, s.hi));
 }
-SS_INLINE vi16 vi_maddubs(vi16 u, vi16 s) {
-    return vi_from2(_mm256_maddubs_epi16(u.lo, s.lo), _mm256_maddubs_epi16(u.hi, s.hi));
-}
-SS_INLINE vi16 vi_sub16(vi16 a, vi16 b) { return vi_from2(_mm256_sub_epi16(a.lo, b.lo), _mm256_sub_epi16(a.hi, b.hi)); }
-SS_INLINE __m256i dot2_256(__m256i acc, __m256i a, __m256i b) {
-#ifdef __AVXVNNI__
-    return _mm256_dpwssd_avx_epi32(acc, a, b);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
-SS_INLINE vi16 vi_dot2(vi16 acc, vi16 a, vi16 b) {
-    return vi_from2(dot2_256(acc.lo, a.lo, b.lo), dot2_256(acc.hi, a.hi, b.hi));
-}
 SS_INLINE vi16 vi_abs8(vi16 a) { return vi_from2(_mm256_abs_epi8(a.lo), _mm256_abs_epi8(a.hi)); }
 SS_INLINE vi16 vi_sign8(vi16 x, vi16 w) { return vi_from2(_mm256_sign_epi8(x.lo, w.lo), _mm256_sign_epi8(x.hi, w.hi)); }
 SS_INLINE vi16 vi_sub8(vi16 a, int v) {
@@ -354,15 +202,104 @@ SS_INLINE vi16 vi_sub8(vi16 a, int v) {
     return vi_from2(_mm256_sub_epi8(a.lo, c), _mm256_sub_epi8(a.hi, c));
 }
 /* idx: two 8-lane index vectors (lanes 0..7, 8..15) */
-typedef struct { __m256i lo, hi; } ql_idx;
-SS_INLINE vf16 vf_perm4(__m128 v, ql_idx idx) {
-    const __m256 w = _mm256_castps128_ps256(v);
-    return vf_from2(_mm256_permutevar8x32_ps(w, idx.lo), _mm256_permutevar8x32_ps(w, idx.hi));
+SS_INLINE vi16 vi_bcast32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    const __m256i b = _mm256_set1_epi32(v);
+    return vi_from2(b, b);
 }
-#define QL_IDX_NIB_D ((ql_idx){QL_I8_256(0, 2), QL_I8_256(0, 2)})
-#define QL_IDX_NIB_M ((ql_idx){QL_I8_256(1, 3), QL_I8_256(1, 3)})
-#define QL_IDX_NAT_D ((ql_idx){QL_I8_256(0, 0), QL_I8_256(2, 2)})
-#define QL_IDX_ALL(i) ((ql_idx){_mm256_set1_epi32(i), _mm256_set1_epi32(i)})
+SS_INLINE vi16 vi_and(vi16 a, vi16 b) { return vi_from2(_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)); }
+SS_INLINE void vi_store(void *p, vi16 a) {
+    _mm256_storeu_si256((__m256i *)p, a.lo);
+    _mm256_storeu_si256((__m256i *)p + 1, a.hi);
+}
+SS_INLINE vi16 vi_or(vi16 a, vi16 b) { return vi_from2(_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)); }
+SS_INLINE vi16 vi_set8(int v) { const __m256i c = _mm256_set1_epi8((char)v); return vi_from2(c, c); }
+#define vi_srl16(a, n) vi_from2(_mm256_srli_epi16((a).lo, (n)), _mm256_srli_epi16((a).hi, (n)))
+#define vi_sll16(a, n) vi_from2(_mm256_slli_epi16((a).lo, (n)), _mm256_slli_epi16((a).hi, (n)))
+#define vi_sll32(a, n) vi_from2(_mm256_slli_epi32((a).lo, (n)), _mm256_slli_epi32((a).hi, (n)))
+SS_INLINE vi16 vi_add32(vi16 a, vi16 b) { return vi_from2(_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)); }
+SS_INLINE vi16 vi_mul32(vi16 a, vi16 b) {
+    return vi_from2(_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi));
+}
+SS_INLINE vi16 vi_u8(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    return vi_from2(_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+}
+SS_INLINE vi16 vi_s8(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    return vi_from2(_mm256_cvtepi8_epi32(v), _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+}
+SS_INLINE vf16 vf_h16(const uint8_t *p) {
+#ifdef SS_F16C
+    return vf_from2(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p + 1)));
+#else
+    float t[16] SS_ALIGN;
+    for (int i = 0; i < 16; i++) t[i] = h2f(p + 2 * i);
+    return vf_load(t);
+#endif
+}
+SS_INLINE vf16 vf_fnmadd(vf16 a, vf16 b, vf16 c) {
+    return vf_from2(_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi));
+}
+/* per byte: (a & 0x0F) | (b & 0x30) */
+SS_INLINE vi16 vi_nib_hi2(vi16 a, vi16 b, vi16 m4, vi16 m30) { return vi_or(vi_and(a, m4), vi_and(b, m30)); }
 #endif
 
-#include "linear_q8_kernels.h"
+
+#if defined(SS_AVX2)
+/* with VNNI (no int16 saturation) signed weights are biased to unsigned
+   bytes, w + 128, and the sums start from -128 S; without it the
+   activations take the weights' signs (maddubs would saturate) */
+#if (defined(SS_AVX512) && defined(__AVX512VNNI__)) || (!defined(SS_AVX512) && defined(__AVXVNNI__))
+#define QL_U8BIAS 1
+#endif
+#endif
+
+/* the instructions of the integer dot products: 0 scalar, 1 AVX2 maddubs,
+   2 AVX-VNNI (256-bit), 3 AVX-512 maddubs, 4 AVX-512 VNNI */
+SS_EXPORT int ss_int_dot_isa(void) {
+#if defined(SS_AVX512) && defined(__AVX512VNNI__)
+    return 4;
+#elif defined(SS_AVX512)
+    return 3;
+#elif defined(SS_AVX2) && defined(__AVXVNNI__)
+    return 2;
+#elif defined(SS_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#include "panel_pack.c"
+#include "linear_panel.h"
+
+/*
+ * out[M, N] = x[M, K] @ W[N, K]^T (* scale) (+ bias), activations quantized
+ * to int8 (see the top of this file). Same arguments as ss_linear; formats
+ * I8 (K % 32 == 0), Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, each either in its plain
+ * layout (packed here, per call) or or-ed with FMT_PANEL and packed by
+ * ss_panel_pack (what ops.py passes).
+ */
+SS_EXPORT int ss_linear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int fmt,
+                           int64_t row_bytes, const float *scale, const float *bias, float *out, int64_t N,
+                           int64_t ldo, int nthreads) {
+    int be, bb;
+    const int packed = (fmt & FMT_PANEL) != 0;
+    fmt &= ~FMT_PANEL;
+    if (!panel_fmt(fmt) || fmt_block(fmt, &be, &bb) != 0) return SS_EFORMAT;
+    if (M < 0 || N < 0 || K <= 0 || ldx < K || ldo < N) return SS_EINVAL;
+    if (K % panel_act_block(fmt) != 0 || row_bytes < (K / be) * bb) return SS_EINVAL;
+    if (fmt == FMT_I8 && scale == NULL) return SS_EINVAL;
+    if (M == 0 || N == 0) return SS_OK;
+    nthreads = resolve_threads(nthreads);
+    if (packed) return linear_panel(x, M, K, ldx, (const uint8_t *)w, fmt, scale, bias, out, N, ldo, nthreads);
+    uint8_t *pw = (uint8_t *)aligned_alloc(64, (size_t)al64(ss_panel_bytes(fmt, N, K)));
+    if (!pw) return SS_ENOMEM;
+    int rc = ss_panel_pack(fmt, w, N, K, row_bytes, pw, nthreads);
+    if (rc == SS_OK) rc = linear_panel(x, M, K, ldx, pw, fmt, scale, bias, out, N, ldo, nthreads);
+    free(pw);
+    return rc;
+}

@@ -1,0 +1,469 @@
+/*
+ * Integer-dot linear over panel-packed Q8_0 / Q4_1 / Q4_K / Q6_K weights
+ * (panel_pack.c has the layouts).  Included by cpu_kernels.c after
+ * panel_pack.c; uses the vi16 / vf16 vectors of linear_q8.h.
+ *
+ * The activations are quantized to int8 as for ss_linear_q8 (per block of
+ * 32 values for Q8_0 / Q4_1, 256 for the K-quants).  Arithmetic of one
+ * output (m, n), fixed by K alone: one float f from +0, then per weight block
+ * in K order (every integer below is exact int32):
+ *   Q8_0: S = sum w * q; f = fmaf((float)S, d * dx, f)
+ *   Q4_1: S = sum w * q (w the nibbles);
+ *         f = fmaf((float)S, d * dx, f); f = fmaf(m, dx * (float)Sq, f)
+ *         (Sq: sum of the block's q)
+ *   Q4_K: I = sum_j sc_j * S_j, Mn = sum_j mn_j * Sq_j over the 8
+ *         sub-blocks of 32;
+ *         f = fmaf((float)I, d * dx, f); f = fmaf(-(dmin * dx), (float)Mn, f)
+ *   Q6_K: I = sum_u sc_u * (sum (w + 32) * q - 32 Sq_u) over the 16
+ *         sub-blocks of 16; f = fmaf((float)I, d * dx, f)
+ *   I8: as Q8_0 with f = fmaf((float)S, dx, f), and out = f * scale[n]
+ *   Q4_0: as Q4_1 with w = nibble - 8 and no m term
+ * out = f (+ bias[n]).  The vector paths hold 16 channels of one row in one
+ * vector (no sum across lanes) and the scalar path does the same operations
+ * per channel, so every build gives the same bits, for any number of rows
+ * and threads.
+ */
+
+#ifndef QP_PF_BYTES
+#define QP_PF_BYTES 8192 /* software prefetch distance in a panel stream */
+#endif
+/* the lines of [p + QP_PF_BYTES, + n): panels stream from memory, and the
+   hardware prefetchers alone were measured to leave a third of the bandwidth unused */
+SS_INLINE void pq_prefetch(const uint8_t *p, int n) {
+    for (int o = 0; o < n; o += 64) __builtin_prefetch(p + QP_PF_BYTES + o, 0, 2);
+}
+
+#if defined(SS_AVX2)
+#if defined(SS_AVX512)
+#define QP_R 8 /* rows per pass over a panel */
+#define QP_R41 4
+#else
+#define QP_R 2
+#define QP_R41 2
+#endif
+
+/* S += sum of the 4-byte products of signed weight bytes w and activation bytes x: with
+   VNNI the weights are biased to unsigned (w ^ 0x80 = w + 128, prepared once as wu) and S
+   starts from -128 sum(q); without it |w| * (x with the sign of w) (maddubs cannot saturate) */
+SS_INLINE vi16 vi_dot4_signed(vi16 S, vi16 wu, vi16 w, vi16 x) {
+#ifdef QL_U8BIAS
+    (void)w;
+    return vi_dot4(S, wu, x);
+#else
+    return vi_dot4(S, wu, vi_sign8(x, w));
+#endif
+}
+
+/* I8 (fmt FMT_I8: no block scale, f = fmaf((float)S, dx, f)) and Q8_0 */
+SS_INLINE void pq_q8x(const int fmt, const int R, const int NP, const uint8_t *xb, const PXLay *L, const uint8_t *pp,
+                      int64_t ps, int64_t K, float *out) {
+    const int bb = fmt == FMT_I8 ? 512 : 544;
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < NP * QP_R; i++) vf_store(out + 16 * i, vf_zero());
+    for (int64_t b = 0; b < K / 32; b++) {
+        vi16 S[2][QP_R];
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < R; r++) {
+#ifdef QL_U8BIAS
+            const vi16 c0 = vi_bcast32((const int32_t *)(xb + r * L->stride + L->o_aux) + b);
+#else
+            const vi16 c0 = vi_zero();
+#endif
+            _Pragma("GCC unroll 2")
+            for (int h = 0; h < NP; h++) S[h][r] = c0;
+        }
+        _Pragma("GCC unroll 2")
+        for (int h = 0; h < NP; h++) pq_prefetch(pp + h * ps + bb * b, bb);
+        _Pragma("GCC unroll 8")
+        for (int c = 0; c < 8; c++) {
+            vi16 w[2], wu[2];
+            _Pragma("GCC unroll 2")
+            for (int h = 0; h < NP; h++) {
+                w[h] = vi_load(pp + h * ps + bb * b + 64 * c);
+#ifdef QL_U8BIAS
+                wu[h] = vi_sub8(w[h], -128);
+#else
+                wu[h] = vi_abs8(w[h]);
+#endif
+            }
+            _Pragma("GCC unroll 8")
+            for (int r = 0; r < R; r++) {
+                const vi16 x = vi_bcast32((const int8_t *)(xb + r * L->stride) + 32 * b + 4 * c);
+                _Pragma("GCC unroll 2")
+                for (int h = 0; h < NP; h++) S[h][r] = vi_dot4_signed(S[h][r], wu[h], w[h], x);
+            }
+        }
+        _Pragma("GCC unroll 2")
+        for (int h = 0; h < NP; h++) {
+            const vf16 d = fmt == FMT_I8 ? vf_zero() : vf_h16(pp + h * ps + bb * b + 512);
+            _Pragma("GCC unroll 8")
+            for (int r = 0; r < R; r++) {
+                const vf16 dx = vf_set1(((const float *)(xb + r * L->stride + L->o_dx))[b]);
+                float *o = out + 16 * (h * QP_R + r);
+                vf_store(o, vf_fmadd(vf_cvt(S[h][r]), fmt == FMT_I8 ? dx : vf_mul(d, dx), vf_load(o)));
+            }
+        }
+    }
+}
+
+/* Q4_0 / Q4_1 have a float update per 32 values: their row tile is at most 4 rows (QP_R41), with the
+   float accumulators of 4 rows x 2 panels in registers */
+SS_INLINE void pq_q4x(const int fmt, const int R, const int NP, const uint8_t *xb, const PXLay *L, const uint8_t *pp,
+                      int64_t ps, int64_t K, float *out) {
+    const int bb = fmt == FMT_Q4_0 ? 288 : 320;
+    const vi16 m4 = vi_set8(0x0F);
+    vf16 f[2][QP_R41];
+    _Pragma("GCC unroll 2")
+    for (int h = 0; h < NP; h++)
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++) f[h][r] = vf_zero();
+    for (int64_t b = 0; b < K / 32; b++) {
+        vi16 S[2][QP_R41];
+        _Pragma("GCC unroll 2")
+        for (int h = 0; h < NP; h++) {
+            pq_prefetch(pp + h * ps + bb * b, bb);
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) /* Q4_0: the -8 of the nibbles is in the start value */
+                S[h][r] = fmt == FMT_Q4_0 ? vi_bcast32((const int32_t *)(xb + r * L->stride + L->o_aux) + b) : vi_zero();
+        }
+        _Pragma("GCC unroll 4")
+        for (int c = 0; c < 4; c++) {
+            vi16 lo[2], hi[2];
+            _Pragma("GCC unroll 2")
+            for (int h = 0; h < NP; h++) {
+                const vi16 raw = vi_load(pp + h * ps + bb * b + 64 * c);
+                lo[h] = vi_and(raw, m4);
+                hi[h] = vi_and(vi_srl16(raw, 4), m4);
+            }
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) {
+                const int8_t *xq = (const int8_t *)(xb + r * L->stride) + 32 * b + 4 * c;
+                const vi16 xl = vi_bcast32(xq), xh = vi_bcast32(xq + 16);
+                _Pragma("GCC unroll 2")
+                for (int h = 0; h < NP; h++) S[h][r] = vi_dot4(vi_dot4(S[h][r], lo[h], xl), hi[h], xh);
+            }
+        }
+        _Pragma("GCC unroll 2")
+        for (int h = 0; h < NP; h++) {
+            const uint8_t *pb = pp + h * ps + bb * b;
+            const vf16 d = vf_h16(pb + 256), m = fmt == FMT_Q4_1 ? vf_h16(pb + 288) : vf_zero();
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) {
+                const uint8_t *xr = xb + r * L->stride;
+                f[h][r] = vf_fmadd(vf_cvt(S[h][r]), vf_mul(d, vf_set1(((const float *)(xr + L->o_dx))[b])), f[h][r]);
+                if (fmt == FMT_Q4_1) f[h][r] = vf_fmadd(m, vf_set1(((const float *)(xr + L->o_aux))[b]), f[h][r]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 2")
+    for (int h = 0; h < NP; h++)
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++) vf_store(out + 16 * (h * QP_R + r), f[h][r]);
+}
+
+SS_INLINE void pq_q4k(const int fmt, const int R, const int NP, const uint8_t *xb, const PXLay *L, const uint8_t *pp,
+                      int64_t ps, int64_t K, float *out) {
+    (void)fmt;
+    const vi16 m4 = vi_set8(0x0F);
+    int32_t Ia[2 * QP_R * 16] SS_ALIGN;
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < NP * QP_R; i++) vf_store(out + 16 * i, vf_zero());
+    for (int64_t s = 0; s < K / 256; s++) {
+        _Pragma("GCC unroll 16")
+        for (int i = 0; i < NP * QP_R; i++) vi_store(Ia + 16 * i, vi_zero());
+        for (int j = 0; j < 8; j++) { /* sub-block j: low (even j) or high nibbles of chunks 8 (j / 2) .. +7 */
+            if (!(j & 1)) /* the prefetches spread over the block: a quarter of its 37 lines per pair of sub-blocks */
+                for (int h = 0; h < NP; h++) pq_prefetch(pp + h * ps + 2368 * s + 640 * (j / 2), j == 6 ? 448 : 640);
+            vi16 S[2][QP_R];
+            _Pragma("GCC unroll 2")
+            for (int h = 0; h < NP; h++)
+                _Pragma("GCC unroll 8")
+                for (int r = 0; r < R; r++) S[h][r] = vi_zero();
+            _Pragma("GCC unroll 8")
+            for (int c = 0; c < 8; c++) {
+                vi16 w[2];
+                _Pragma("GCC unroll 2")
+                for (int h = 0; h < NP; h++) {
+                    const vi16 raw = vi_load(pp + h * ps + 2368 * s + 64 * (8 * (j / 2) + c));
+                    w[h] = (j & 1) ? vi_and(vi_srl16(raw, 4), m4) : vi_and(raw, m4);
+                }
+                _Pragma("GCC unroll 8")
+                for (int r = 0; r < R; r++) {
+                    const vi16 x = vi_bcast32((const int8_t *)(xb + r * L->stride) + 256 * s + 32 * j + 4 * c);
+                    _Pragma("GCC unroll 2")
+                    for (int h = 0; h < NP; h++) S[h][r] = vi_dot4(S[h][r], w[h], x);
+                }
+            }
+            _Pragma("GCC unroll 2")
+            for (int h = 0; h < NP; h++) {
+                const vi16 sc = vi_u8(pp + h * ps + 2368 * s + 2048 + 16 * j);
+                _Pragma("GCC unroll 8")
+                for (int r = 0; r < R; r++) {
+                    int32_t *ia = Ia + 16 * (h * QP_R + r);
+                    vi_store(ia, vi_add32(vi_load(ia), vi_mul32(S[h][r], sc)));
+                }
+            }
+        }
+        _Pragma("GCC unroll 2")
+        for (int h = 0; h < NP; h++) {
+            const uint8_t *pb = pp + h * ps + 2368 * s;
+            const vi16 mn0 = vi_load(pb + 2176), mn1 = vi_load(pb + 2240);
+            const vf16 d = vf_h16(pb + 2304), dmin = vf_h16(pb + 2336);
+            _Pragma("GCC unroll 8")
+            for (int r = 0; r < R; r++) {
+                const uint8_t *xr = xb + r * L->stride;
+                const uint8_t *hl = xr + L->o_aux + 16 * s;
+                const vi16 hi = vi_dot4(vi_dot4(vi_zero(), mn0, vi_bcast32(hl)), mn1, vi_bcast32(hl + 4));
+                const vi16 lo = vi_dot4(vi_dot4(vi_zero(), mn0, vi_bcast32(hl + 8)), mn1, vi_bcast32(hl + 12));
+                const vi16 Mn = vi_add32(vi_sll32(hi, 6), lo);
+                const vf16 dx = vf_set1(((const float *)(xr + L->o_dx))[s]);
+                float *o = out + 16 * (h * QP_R + r);
+                const vf16 f = vf_fmadd(vf_cvt(vi_load(Ia + 16 * (h * QP_R + r))), vf_mul(d, dx), vf_load(o));
+                vf_store(o, vf_fnmadd(vf_cvt(Mn), vf_mul(dmin, dx), f));
+            }
+        }
+    }
+}
+
+SS_INLINE void pq_q6k(const int fmt, const int R, const int NP, const uint8_t *xb, const PXLay *L, const uint8_t *pp,
+                      int64_t ps, int64_t K, float *out) {
+    (void)fmt;
+    const vi16 m4 = vi_set8(0x0F), m30 = vi_set8(0x30);
+    int32_t Ia[2 * QP_R * 16] SS_ALIGN;
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < NP * QP_R; i++) vf_store(out + 16 * i, vf_zero());
+    for (int64_t s = 0; s < K / 256; s++) {
+        _Pragma("GCC unroll 16")
+        for (int i = 0; i < NP * QP_R; i++) vi_store(Ia + 16 * i, vi_zero());
+        for (int u = 0; u < 16; u++) {
+            if (u < 14) /* the block's 53 lines, 4 per sub-block */
+                for (int h = 0; h < NP; h++) pq_prefetch(pp + h * ps + 3360 * s + 256 * u, u < 13 ? 256 : 32);
+            vi16 S[2][QP_R];
+            _Pragma("GCC unroll 8")
+            for (int r = 0; r < R; r++) {
+                const vi16 c0 = vi_bcast32((const int32_t *)(xb + r * L->stride + L->o_aux) + 16 * s + u);
+                _Pragma("GCC unroll 2")
+                for (int h = 0; h < NP; h++) S[h][r] = c0;
+            }
+            _Pragma("GCC unroll 4")
+            for (int j = 0; j < 4; j++) { /* values 16u + 4j .. +3 */
+                vi16 v[2];
+                _Pragma("GCC unroll 2")
+                for (int h = 0; h < NP; h++) {
+                    const uint8_t *pb = pp + h * ps + 3360 * s;
+                    const vi16 q = vi_load(pb + 128 * u + 64 * (j >> 1)), hb = vi_load(pb + 2048 + 64 * u);
+                    const vi16 ql = (j & 1) ? vi_srl16(q, 4) : q;
+                    const vi16 qh = j == 0 ? vi_sll16(hb, 4) : j == 1 ? vi_sll16(hb, 2) : j == 2 ? hb : vi_srl16(hb, 2);
+                    v[h] = vi_nib_hi2(ql, qh, m4, m30);
+                }
+                _Pragma("GCC unroll 8")
+                for (int r = 0; r < R; r++) {
+                    const vi16 x = vi_bcast32((const int8_t *)(xb + r * L->stride) + 256 * s + 16 * u + 4 * j);
+                    _Pragma("GCC unroll 2")
+                    for (int h = 0; h < NP; h++) S[h][r] = vi_dot4(S[h][r], v[h], x);
+                }
+            }
+            _Pragma("GCC unroll 2")
+            for (int h = 0; h < NP; h++) {
+                const vi16 sc = vi_s8(pp + h * ps + 3360 * s + 3072 + 16 * u);
+                _Pragma("GCC unroll 8")
+                for (int r = 0; r < R; r++) {
+                    int32_t *ia = Ia + 16 * (h * QP_R + r);
+                    vi_store(ia, vi_add32(vi_load(ia), vi_mul32(S[h][r], sc)));
+                }
+            }
+        }
+        _Pragma("GCC unroll 2")
+        for (int h = 0; h < NP; h++) {
+            const vf16 d = vf_h16(pp + h * ps + 3360 * s + 3328);
+            _Pragma("GCC unroll 8")
+            for (int r = 0; r < R; r++) {
+                const vf16 dx = vf_set1(((const float *)(xb + r * L->stride + L->o_dx))[s]);
+                float *o = out + 16 * (h * QP_R + r);
+                vf_store(o, vf_fmadd(vf_cvt(vi_load(Ia + 16 * (h * QP_R + r))), vf_mul(d, dx), vf_load(o)));
+            }
+        }
+    }
+}
+
+#define PQ_NP(FN, R_)                                                                                      \
+    (NP == 2 ? FN(F_, R_, 2, xb, L, pp, ps, K, out) : FN(F_, R_, 1, xb, L, pp, ps, K, out))
+#if QP_R == 8
+#define PQ_DISPATCH(FN)                                                                                    \
+    switch (R) {                                                                                           \
+    case 8: PQ_NP(FN, 8); break;                                                                           \
+    case 7: PQ_NP(FN, 7); break;                                                                           \
+    case 6: PQ_NP(FN, 6); break;                                                                           \
+    case 5: PQ_NP(FN, 5); break;                                                                           \
+    case 4: PQ_NP(FN, 4); break;                                                                           \
+    case 3: PQ_NP(FN, 3); break;                                                                           \
+    case 2: PQ_NP(FN, 2); break;                                                                           \
+    default: PQ_NP(FN, 1); break;                                                                          \
+    }
+#else
+#define PQ_DISPATCH(FN)                                                                                    \
+    if (R == 2) PQ_NP(FN, 2);                                                                              \
+    else PQ_NP(FN, 1);
+#endif
+
+#if QP_R41 == 4
+#define PQ_DISPATCH41(FN)                                                                                  \
+    switch (R) {                                                                                           \
+    case 4: PQ_NP(FN, 4); break;                                                                           \
+    case 3: PQ_NP(FN, 3); break;                                                                           \
+    case 2: PQ_NP(FN, 2); break;                                                                           \
+    default: PQ_NP(FN, 1); break;                                                                          \
+    }
+#else
+#define PQ_DISPATCH41(FN) PQ_DISPATCH(FN)
+#endif
+
+/* R rows x NP panels at pp, pp + ps -> out[(h * QP_R + r) * 16 + ch] */
+static void pq_rows(int fmt, int R, int NP, const uint8_t *xb, const PXLay *L, const uint8_t *pp, int64_t ps,
+                    int64_t K, float *out) {
+    switch (fmt) {
+#define F_ FMT_I8
+    case F_: PQ_DISPATCH(pq_q8x) break;
+#undef F_
+#define F_ FMT_Q8_0
+    case F_: PQ_DISPATCH(pq_q8x) break;
+#undef F_
+#define F_ FMT_Q4_0
+    case F_: PQ_DISPATCH41(pq_q4x) break;
+#undef F_
+#define F_ FMT_Q4_1
+    case F_: PQ_DISPATCH41(pq_q4x) break;
+#undef F_
+#define F_ FMT_Q4_K
+    case F_: PQ_DISPATCH(pq_q4k) break;
+#undef F_
+#define F_ FMT_Q6_K
+    default: PQ_DISPATCH(pq_q6k) break;
+#undef F_
+    }
+}
+#undef PQ_DISPATCH
+#undef PQ_DISPATCH41
+#undef PQ_NP
+
+#else /* scalar mirror */
+#define QP_R 1
+#define QP_R41 1
+
+static void pq_panel(int fmt, const uint8_t *xb, const PXLay *L, const uint8_t *pp, int64_t K, float *out);
+
+static void pq_rows(int fmt, int R, int NP, const uint8_t *xb, const PXLay *L, const uint8_t *pp, int64_t ps,
+                    int64_t K, float *out) {
+    (void)R;
+    for (int h = 0; h < NP; h++) pq_panel(fmt, xb, L, pp + h * ps, K, out + 16 * h);
+}
+
+/* one row of one panel: out[ch] */
+static void pq_panel(int fmt, const uint8_t *xb, const PXLay *L, const uint8_t *pp, int64_t K, float *out) {
+    const int8_t *q = (const int8_t *)xb;
+    const float *dx = (const float *)(xb + L->o_dx);
+    for (int ch = 0; ch < PN; ch++) {
+        float f = 0.0f;
+        if (fmt == FMT_I8 || fmt == FMT_Q8_0) {
+            const int64_t bb = panel_block_bytes(fmt);
+            for (int64_t b = 0; b < K / 32; b++) {
+                const uint8_t *pb = pp + bb * b;
+                int S = 0;
+                for (int c = 0; c < 8; c++)
+                    for (int i = 0; i < 4; i++) S += (int8_t)pb[64 * c + 4 * ch + i] * q[32 * b + 4 * c + i];
+                f = fmaf((float)S, fmt == FMT_I8 ? dx[b] : h2f(pb + 512 + 2 * ch) * dx[b], f);
+            }
+        } else if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1) {
+            const int64_t bb = panel_block_bytes(fmt), off = fmt == FMT_Q4_0 ? 8 : 0;
+            const float *dxs = (const float *)(xb + L->o_aux);
+            for (int64_t b = 0; b < K / 32; b++) {
+                const uint8_t *pb = pp + bb * b;
+                int S = 0;
+                for (int c = 0; c < 4; c++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t w = pb[64 * c + 4 * ch + i];
+                        S += ((w & 15) - off) * q[32 * b + 4 * c + i] + ((w >> 4) - off) * q[32 * b + 16 + 4 * c + i];
+                    }
+                f = fmaf((float)S, h2f(pb + 256 + 2 * ch) * dx[b], f);
+                if (fmt == FMT_Q4_1) f = fmaf(h2f(pb + 288 + 2 * ch), dxs[b], f);
+            }
+        } else if (fmt == FMT_Q4_K) {
+            for (int64_t s = 0; s < K / 256; s++) {
+                const uint8_t *pb = pp + 2368 * s;
+                const int8_t *xq = q + 256 * s, *hl = (const int8_t *)(xb + L->o_aux) + 16 * s;
+                int I = 0, Mn = 0;
+                for (int j = 0; j < 8; j++) {
+                    const int g = j / 2, sh = 4 * (j % 2);
+                    int S = 0;
+                    for (int c = 0; c < 8; c++)
+                        for (int i = 0; i < 4; i++)
+                            S += ((pb[64 * (8 * g + c) + 4 * ch + i] >> sh) & 15) * xq[64 * g + 32 * (j % 2) + 4 * c + i];
+                    I += S * pb[2048 + 16 * j + ch];
+                    Mn += pb[2176 + 64 * (j / 4) + 4 * ch + j % 4] * (64 * hl[j] + hl[8 + j]);
+                }
+                const float d = h2f(pb + 2304 + 2 * ch), dmin = h2f(pb + 2336 + 2 * ch);
+                f = fmaf((float)I, d * dx[s], f);
+                f = fmaf(-(dmin * dx[s]), (float)Mn, f);
+            }
+        } else {
+            const int32_t *nc = (const int32_t *)(xb + L->o_aux);
+            for (int64_t s = 0; s < K / 256; s++) {
+                const uint8_t *pb = pp + 3360 * s;
+                int I = 0;
+                for (int u = 0; u < 16; u++) {
+                    int S = nc[16 * s + u];
+                    for (int j = 0; j < 4; j++)
+                        for (int i = 0; i < 4; i++) {
+                            const int e = 16 * u + 4 * j + i, t = e / 8, nib = (e % 8) / 4;
+                            const int lo = (pb[64 * t + 4 * ch + i] >> (4 * nib)) & 15;
+                            const int hi = (pb[2048 + 64 * u + 4 * ch + i] >> (2 * j)) & 3;
+                            S += (lo | (hi << 4)) * q[256 * s + e];
+                        }
+                    I += S * (int8_t)pb[3072 + 16 * u + ch];
+                }
+                f = fmaf((float)I, h2f(pb + 3328 + 2 * ch) * dx[s], f);
+            }
+        }
+        out[ch] = f;
+    }
+}
+#endif
+
+/* out[M, N] (row stride ldo) = x[M, K] @ W^T (* scale) (+ bias) for a panel-packed W (ss_panel_pack) */
+static int linear_panel(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *pw, int fmt,
+                        const float *scale, const float *bias, float *out, int64_t N, int64_t ldo, int nthreads) {
+    PXLay L;
+    px_layout(fmt, K, &L);
+    uint8_t *xb = (uint8_t *)aligned_alloc(64, (size_t)(M * L.stride));
+    if (!xb) return SS_ENOMEM;
+    const int be = panel_act_block(fmt);
+    const int64_t np = panel_count(N), pstride = K / be * panel_block_bytes(fmt);
+    const int par = nthreads > 1 && (double)M * (double)N * (double)K > 200000.0 && np > 1;
+    const int rt = fmt == FMT_Q4_0 || fmt == FMT_Q4_1 ? QP_R41 : QP_R; /* rows per pass */
+#pragma omp parallel num_threads(nthreads) if (par)
+    {
+        float acc[2 * QP_R * PN] SS_ALIGN;
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) px_row(fmt, x + m * ldx, K, xb + m * L.stride, &L);
+#pragma omp for schedule(static)
+        for (int64_t p2 = 0; p2 < (np + 1) / 2; p2++) { /* pairs of panels */
+            const int64_t p = 2 * p2, n0 = p * PN;
+            const int NP = p + 1 < np ? 2 : 1;
+            const int nb = (int)(N - n0 < NP * PN ? N - n0 : NP * PN);
+            for (int64_t m0 = 0; m0 < M; m0 += rt) {
+                const int R = (int)(M - m0 < rt ? M - m0 : rt);
+                pq_rows(fmt, R, NP, xb + m0 * L.stride, &L, pw + p * pstride, pstride, K, acc);
+                for (int r = 0; r < R; r++) {
+                    float *o = out + (m0 + r) * ldo + n0;
+                    for (int j = 0; j < nb; j++) {
+                        float a = acc[PN * ((j / PN) * QP_R + r) + j % PN];
+                        if (fmt == FMT_I8) a = a * scale[n0 + j];
+                        o[j] = bias ? a + bias[n0 + j] : a;
+                    }
+                }
+            }
+        }
+    }
+    free(xb);
+    return SS_OK;
+}
