@@ -1,10 +1,10 @@
 /*
- * Integer-dot linear over panel-packed Q8_0 / Q4_1 / Q4_K / Q6_K weights
+ * Integer-dot linear over panel-packed I8 / Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights
  * (panel_pack.c has the layouts).  Included by cpu_kernels.c after
  * panel_pack.c; uses the vi16 / vf16 vectors of linear_q8.h.
  *
  * The activations are quantized to int8 as for ss_linear_q8 (per block of
- * 32 values for Q8_0 / Q4_1, 256 for the K-quants).  Arithmetic of one
+ * 32 values for I8 / Q8_0 / Q4_0 / Q4_1, 256 for the K-quants).  Arithmetic of one
  * output (m, n), fixed by K alone: one float f from +0, then per weight block
  * in K order (every integer below is exact int32):
  *   Q8_0: S = sum w * q; f = fmaf((float)S, d * dx, f)
@@ -27,8 +27,9 @@
 #ifndef QP_PF_BYTES
 #define QP_PF_BYTES 8192 /* software prefetch distance in a panel stream */
 #endif
-/* the lines of [p + QP_PF_BYTES, + n): panels stream from memory, and the
-   hardware prefetchers alone were measured to leave a third of the bandwidth unused */
+/* the lines of [p + QP_PF_BYTES, + n) into L2, a few per step of the loops: panels stream from
+   memory, and the hardware prefetchers alone were measured to leave a third of the bandwidth
+   unused (Xeon, weights larger than its 300 MB last-level cache) */
 SS_INLINE void pq_prefetch(const uint8_t *p, int n) {
     for (int o = 0; o < n; o += 64) __builtin_prefetch(p + QP_PF_BYTES + o, 0, 2);
 }
@@ -52,6 +53,28 @@ SS_INLINE vi16 vi_dot4_signed(vi16 S, vi16 wu, vi16 w, vi16 x) {
 #else
     return vi_dot4(S, wu, vi_sign8(x, w));
 #endif
+}
+
+/* S[h][r] += w[h] . (the activation word at byte xo of row r), R rows x NP panels */
+SS_INLINE void pq_dot_rows(const int R, const int NP, const uint8_t *xb, const PXLay *L, int64_t xo, const vi16 *w,
+                           vi16 S[2][QP_R]) {
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < R; r++) {
+        const vi16 x = vi_bcast32(xb + r * L->stride + xo);
+        _Pragma("GCC unroll 2")
+        for (int h = 0; h < NP; h++) S[h][r] = vi_dot4(S[h][r], w[h], x);
+    }
+}
+
+/* Ia[h][r] += S[h][r] * (the 16 channels' sub-block scales sc[h]) */
+SS_INLINE void pq_scale_add(const int R, const int NP, int32_t *Ia, vi16 S[2][QP_R], const vi16 *sc) {
+    _Pragma("GCC unroll 2")
+    for (int h = 0; h < NP; h++)
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < R; r++) {
+            int32_t *ia = Ia + 16 * (h * QP_R + r);
+            vi_store(ia, vi_add32(vi_load(ia), vi_mul32(S[h][r], sc[h])));
+        }
 }
 
 /* I8 (fmt FMT_I8: no block scale, f = fmaf((float)S, dx, f)) and Q8_0 */
@@ -187,22 +210,12 @@ SS_INLINE void pq_q4k(const int fmt, const int R, const int NP, const uint8_t *x
                     const vi16 raw = vi_load(pp + h * ps + 2368 * s + 64 * (8 * (j / 2) + c));
                     w[h] = (j & 1) ? vi_and(vi_srl16(raw, 4), m4) : vi_and(raw, m4);
                 }
-                _Pragma("GCC unroll 8")
-                for (int r = 0; r < R; r++) {
-                    const vi16 x = vi_bcast32((const int8_t *)(xb + r * L->stride) + 256 * s + 32 * j + 4 * c);
-                    _Pragma("GCC unroll 2")
-                    for (int h = 0; h < NP; h++) S[h][r] = vi_dot4(S[h][r], w[h], x);
-                }
+                pq_dot_rows(R, NP, xb, L, 256 * s + 32 * j + 4 * c, w, S);
             }
+            vi16 sc[2];
             _Pragma("GCC unroll 2")
-            for (int h = 0; h < NP; h++) {
-                const vi16 sc = vi_u8(pp + h * ps + 2368 * s + 2048 + 16 * j);
-                _Pragma("GCC unroll 8")
-                for (int r = 0; r < R; r++) {
-                    int32_t *ia = Ia + 16 * (h * QP_R + r);
-                    vi_store(ia, vi_add32(vi_load(ia), vi_mul32(S[h][r], sc)));
-                }
-            }
+            for (int h = 0; h < NP; h++) sc[h] = vi_u8(pp + h * ps + 2368 * s + 2048 + 16 * j);
+            pq_scale_add(R, NP, Ia, S, sc);
         }
         _Pragma("GCC unroll 2")
         for (int h = 0; h < NP; h++) {
@@ -256,22 +269,12 @@ SS_INLINE void pq_q6k(const int fmt, const int R, const int NP, const uint8_t *x
                     const vi16 qh = j == 0 ? vi_sll16(hb, 4) : j == 1 ? vi_sll16(hb, 2) : j == 2 ? hb : vi_srl16(hb, 2);
                     v[h] = vi_nib_hi2(ql, qh, m4, m30);
                 }
-                _Pragma("GCC unroll 8")
-                for (int r = 0; r < R; r++) {
-                    const vi16 x = vi_bcast32((const int8_t *)(xb + r * L->stride) + 256 * s + 16 * u + 4 * j);
-                    _Pragma("GCC unroll 2")
-                    for (int h = 0; h < NP; h++) S[h][r] = vi_dot4(S[h][r], v[h], x);
-                }
+                pq_dot_rows(R, NP, xb, L, 256 * s + 16 * u + 4 * j, v, S);
             }
+            vi16 sc[2];
             _Pragma("GCC unroll 2")
-            for (int h = 0; h < NP; h++) {
-                const vi16 sc = vi_s8(pp + h * ps + 3360 * s + 3072 + 16 * u);
-                _Pragma("GCC unroll 8")
-                for (int r = 0; r < R; r++) {
-                    int32_t *ia = Ia + 16 * (h * QP_R + r);
-                    vi_store(ia, vi_add32(vi_load(ia), vi_mul32(S[h][r], sc)));
-                }
-            }
+            for (int h = 0; h < NP; h++) sc[h] = vi_s8(pp + h * ps + 3360 * s + 3072 + 16 * u);
+            pq_scale_add(R, NP, Ia, S, sc);
         }
         _Pragma("GCC unroll 2")
         for (int h = 0; h < NP; h++) {
@@ -321,26 +324,21 @@ SS_INLINE void pq_q6k(const int fmt, const int R, const int NP, const uint8_t *x
 /* R rows x NP panels at pp, pp + ps -> out[(h * QP_R + r) * 16 + ch] */
 static void pq_rows(int fmt, int R, int NP, const uint8_t *xb, const PXLay *L, const uint8_t *pp, int64_t ps,
                     int64_t K, float *out) {
+#define PQ_CASE(F, DISPATCH, FN) \
+    case F: {                    \
+        const int F_ = F;        \
+        DISPATCH(FN)             \
+    } break;
     switch (fmt) {
-#define F_ FMT_I8
-    case F_: PQ_DISPATCH(pq_q8x) break;
-#undef F_
-#define F_ FMT_Q8_0
-    case F_: PQ_DISPATCH(pq_q8x) break;
-#undef F_
-#define F_ FMT_Q4_0
-    case F_: PQ_DISPATCH41(pq_q4x) break;
-#undef F_
-#define F_ FMT_Q4_1
-    case F_: PQ_DISPATCH41(pq_q4x) break;
-#undef F_
-#define F_ FMT_Q4_K
-    case F_: PQ_DISPATCH(pq_q4k) break;
-#undef F_
-#define F_ FMT_Q6_K
-    default: PQ_DISPATCH(pq_q6k) break;
-#undef F_
+    PQ_CASE(FMT_I8, PQ_DISPATCH, pq_q8x)
+    PQ_CASE(FMT_Q8_0, PQ_DISPATCH, pq_q8x)
+    PQ_CASE(FMT_Q4_0, PQ_DISPATCH41, pq_q4x)
+    PQ_CASE(FMT_Q4_1, PQ_DISPATCH41, pq_q4x)
+    PQ_CASE(FMT_Q4_K, PQ_DISPATCH, pq_q4k)
+    PQ_CASE(FMT_Q6_K, PQ_DISPATCH, pq_q6k)
+    default: break;
     }
+#undef PQ_CASE
 }
 #undef PQ_DISPATCH
 #undef PQ_DISPATCH41
