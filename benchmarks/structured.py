@@ -2,7 +2,12 @@
 with and without speculation; the whole case set (50 JSON schemas, 20 regexes) checked.
 
     python benchmarks/structured.py [--model smollm2-135m] [--drafters ngram,draft_model,dflash]
-        [--max-tokens 96] [--max-num-seqs 8] [--every 1] [--out structured.json]
+        [--max-tokens 96] [--max-num-seqs 8] [--every 1] [--http] [--out structured.json]
+
+(draft_model: smollm2-135m in int8 for smollm2-135m, qwen2.5-coder-0.5b as stored for
+qwen2.5-coder-1.5b.) --http runs the cases through a real server instead, once streamed and once
+not, per drafter: every output must validate, both must be the same text, and equal the text
+without a drafter.
 
 For each configuration (no drafter, then each drafter) the cases of specserve.bench.structured_cases
 run greedy on the engine, batched --max-num-seqs at a time, once constrained by their schema or
@@ -44,6 +49,17 @@ SPECS = {
 }
 
 
+# the draft model of each target family (a draft must share the target's tokenizer)
+DRAFT_FOR = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
+
+
+def spec_for(name: str, target: str) -> dict | None:
+    spec = SPECS.get(name)
+    if spec and name == "draft_model" and target in DRAFT_FOR:
+        spec = {**spec, "model": DRAFT_FOR[target], "quantization": "auto"}
+    return spec
+
+
 def engine_for(model: str, max_num_seqs: int, spec: dict | None):
     p = argparse.ArgumentParser()
     add_engine_args(p)
@@ -83,6 +99,51 @@ def compile_times(lltok, todo) -> dict:
     return {"mean_ms": 1e3 * statistics.fmean(times), "max_ms": 1e3 * max(times)}
 
 
+def http_check(model: str, drafter: str, todo, max_tokens: int, base: list[str] | None) -> dict:
+    """The cases through a real server (``specserve serve``) with response_format / guided_regex,
+    streamed and not: every output must validate, the two must be the same text, and (base: the
+    texts without a drafter) speculation must not change it."""
+    import httpx
+
+    from specserve.bench.serverproc import ManagedServer, free_port, serve_argv
+
+    spec = spec_for(drafter, model)
+    port = free_port()
+    args = f"--model {model} --max-num-seqs 1" + (f" --speculative-config '{json.dumps(spec)}'" if spec else "")
+    srv = ManagedServer(serve_argv(args, port), port, drafter).start()
+    ok_plain = ok_stream = same = 0
+    texts = []
+    try:
+        for kind, _name, prompt, value in todo:
+            body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+                    "max_tokens": max_tokens}
+            if kind == "json":
+                body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": value}}
+            else:
+                body["guided_regex"] = value
+            r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=600).json()
+            text = r["choices"][0]["message"]["content"]
+            parts = []
+            with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json={**body, "stream": True},
+                              timeout=600) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        for ch in json.loads(line[6:])["choices"]:
+                            parts.append(ch["delta"].get("content") or "")
+            streamed = "".join(parts)
+            ok_plain += valid(kind, value, text)
+            ok_stream += valid(kind, value, streamed)
+            same += text == streamed
+            texts.append(text)
+    finally:
+        srv.stop()
+    n = len(todo)
+    eq = n if base is None else sum(a == b for a, b in zip(base, texts))
+    print(f"| {drafter} (HTTP) | {ok_plain}/{n} | {ok_stream}/{n} | {same}/{n} | {eq}/{n} |", flush=True)
+    return {"valid": ok_plain, "valid_streamed": ok_stream, "streamed_equal": same, "equal_to_no_drafter": eq,
+            "cases": n, "texts": texts}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -90,16 +151,28 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--every", type=int, default=1, help="run every n-th case (1: all 70)")
+    ap.add_argument("--http", action="store_true",
+                    help="instead: the cases through a specserve server, streamed and not, per drafter")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     todo = cases()[::args.every]
+    if args.http:
+        print("| drafter | valid | valid streamed | streamed text equal | equal to no drafter |\n"
+              "|---|---|---|---|---|")
+        report: dict[str, dict] = {}
+        for name in ["none"] + [d for d in args.drafters.split(",") if d]:
+            report[name] = http_check(args.model, name, todo, args.max_tokens, report.get("none", {}).get("texts"))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"model": args.model, "http": report}, f, indent=1)
+        return
     params = SamplingParams(max_tokens=args.max_tokens)
     rows, report = [], {"model": args.model, "cases": len(todo), "max_tokens": args.max_tokens,
                         "cpu": platform.processor() or platform.machine(), "configs": {}}
     base = None
     lltok = None
     for name in ["none"] + [d for d in args.drafters.split(",") if d]:
-        engine = engine_for(args.model, args.max_num_seqs, SPECS.get(name))
+        engine = engine_for(args.model, args.max_num_seqs, spec_for(name, args.model))
         if lltok is None:
             lltok, _ = build_tokenizer(engine.tokenizer)
             report["compile"] = compile_times(lltok, todo)
