@@ -349,9 +349,9 @@ def test_linear_large_m_and_odd_shapes():
 
 
 @needs_c
-@pytest.mark.parametrize("variant", ["c-avx2", "c-scalar"])
+@pytest.mark.parametrize("variant", ["c-avx2", "c-scalar", "c-novnni"])
 def test_simd_and_scalar_builds_bit_identical(variant):
-    """Every code path (AVX-512 / AVX2 / scalar) implements the same
+    """Every code path (AVX-512 / AVX2 / scalar, with and without VNNI) implements the same
     arithmetic, so results do not depend on the machine's ISA."""
     try:
         ops._select(variant)

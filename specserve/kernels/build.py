@@ -113,6 +113,8 @@ def _candidates(variant: str) -> list[list[str]]:
         cands = [["-O2", "-DSS_FORCE_SCALAR"]]
     elif variant == "avx2":
         cands = [["-O3", "-mavx2", "-mfma", "-mf16c"]]
+    elif variant == "novnni":  # this CPU's widest SIMD without VNNI: the maddubs dot products
+        cands = [["-O3", "-march=native", "-mno-avx512vnni", "-mno-avxvnni"], ["-O3", "-mavx2", "-mfma", "-mf16c"]]
     elif variant == "native":
         cands = ARCH_CANDIDATES
     else:

@@ -148,7 +148,7 @@ def _select(impl: str | None) -> ctypes.CDLL | None:
         if lib is None:
             raise KernelError(f"C kernels requested but unavailable: {_build.get_build().error}")
         return lib
-    if impl in ("c-scalar", "c-avx2"):  # test builds with SIMD paths compiled out
+    if impl in ("c-scalar", "c-avx2", "c-novnni"):  # test builds with SIMD paths compiled out
         variant = impl[2:]
         lib = _get_lib(variant)
         if lib is None:
