@@ -93,6 +93,14 @@ def _unpack_panels(fmt: int, packed: torch.Tensor, n: int, k: int, idx: torch.Te
     return out.view(dtype)
 
 
+def _plain_rows(plain: torch.Tensor | None, fmt: int, packed: torch.Tensor, n: int, k: int, idx: torch.Tensor,
+                row_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows idx in the plain layout, from the plain tensor when it is kept, else from the panels."""
+    if plain is not None:
+        return plain[idx].contiguous()
+    return _unpack_panels(fmt, packed, n, k, idx, row_bytes, dtype)
+
+
 class Int8Weight:
     """Symmetric per-output-channel int8: w[n, k] ~= q[n, k] * scale[n].
 
@@ -156,8 +164,7 @@ class Int8Weight:
 
     def rows(self, idx: torch.Tensor) -> Int8Weight:
         """The weight of output channels idx [n'] int64 only."""
-        q = self._q[idx].contiguous() if self._q is not None else \
-            _unpack_panels(_FMT_I8, self.packed, self.n, self.k, idx, self.k, torch.int8)
+        q = _plain_rows(self._q, _FMT_I8, self.packed, self.n, self.k, idx, self.k, torch.int8)
         return Int8Weight(q, self.scale[idx].contiguous(), int_dot=self.int_dot)
 
     def _c_args(self) -> tuple[int, int, int, int]:
@@ -224,14 +231,10 @@ class GGUFBlockWeight:
             if self.packed is not None:
                 self._raw = None
 
-    def _unpack(self, idx: torch.Tensor) -> torch.Tensor:
-        """File-layout rows [len(idx), row_bytes] of the packed weight."""
-        return _unpack_panels(self.fmt, self.packed, self.n, self.k, idx, self.row_bytes, torch.uint8)
-
     @property
     def raw(self) -> torch.Tensor:
         """uint8 [N, row_bytes] in the file's layout (rebuilt from the panels when packed)."""
-        return self._raw if self._raw is not None else self._unpack(torch.arange(self.n))
+        return self._raw if self._raw is not None else self._rows_raw(torch.arange(self.n))
 
     @classmethod
     def from_raw(cls, raw: Any, qtype: Any, n: int, k: int, *, int_dot: bool = True) -> GGUFBlockWeight:
@@ -303,7 +306,7 @@ class GGUFBlockWeight:
         return GGUFBlockWeight(self._rows_raw(idx), self.qtype, int(idx.numel()), self.k, int_dot=self.int_dot)
 
     def _rows_raw(self, idx: torch.Tensor) -> torch.Tensor:
-        return self._raw[idx].contiguous() if self._raw is not None else self._unpack(idx)
+        return _plain_rows(self._raw, self.fmt, self.packed, self.n, self.k, idx, self.row_bytes, torch.uint8)
 
     def dequantize_rows(self, idx: torch.Tensor) -> torch.Tensor:
         """fp32 [n', K]: channels idx [n'] dequantized (an embedding lookup), nothing repacked."""
