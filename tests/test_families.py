@@ -13,7 +13,7 @@ BASE = dict(num_attention_heads=4, hidden_size=64, intermediate_size=128, num_hi
 
 
 def test_every_family_is_registered_once_under_its_gguf_name():
-    assert SUPPORTED_ARCHS == ("llama", "qwen2", "qwen3", "gemma3")
+    assert SUPPORTED_ARCHS == ("llama", "qwen2", "qwen3", "gemma3", "qwen35")
     for arch, fam in families().items():
         assert fam.arch == arch and family(arch) is fam
         for model_type in fam.hf_model_types:
@@ -35,6 +35,22 @@ def test_every_family_is_registered_once_under_its_gguf_name():
 def test_family_fields_from_config_json(model_type, want):
     cfg = from_hf_config({**BASE, "model_type": model_type})
     assert {k: getattr(cfg, k) for k in want} == want
+
+
+def test_hybrid_fields_from_config_json():
+    """Qwen3.5: layer types from full_attention_interval when layer_types is absent, the text part
+    of a multimodal config with tie_word_embeddings kept at its top level."""
+    text = {**BASE, "model_type": "qwen3_5_text", "head_dim": 16, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+            "full_attention_interval": 3, "rope_parameters": {"rope_type": "default", "rope_theta": 1e7}}
+    cfg = from_hf_config({"model_type": "qwen3_5", "tie_word_embeddings": True, "text_config": text})
+    assert cfg.arch == "qwen35" and cfg.tie_embeddings and cfg.rope_theta == 1e7
+    assert cfg.linear_layers == (0, 1, 3, 4) and cfg.attention_layers == (2, 5)
+    assert cfg.rotary_dim == 4  # partial_rotary_factor defaults to 0.25
+    with pytest.raises(ModelLoadError, match="linear_value_head_dim"):
+        from_hf_config({k: v for k, v in text.items() if k != "linear_value_head_dim"})
+    assert _hf_name("model.language_model.layers.3.linear_attn.A_log", family("qwen35")) == "layers.3.ssm_a_log"
+    assert _hf_name("mtp.layers.0.mlp.up_proj.weight", family("qwen35")) is None
 
 
 def test_family_fields_that_depend_on_the_config():

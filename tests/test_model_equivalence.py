@@ -186,6 +186,8 @@ def _fast_gguf_loads():
     transformers rebuilds gguf's (pure) tensor-name map once per submodule: memoize it."""
     import gguf
 
+    import specserve.models.gguf_fields  # noqa: F401  (subclasses the real reader: import it before the patch)
+
     original, readers = gguf.GGUFReader, {}
 
     def shared_reader(path, mode="r"):

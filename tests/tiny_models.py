@@ -54,3 +54,47 @@ def make_tiny_target(directory: Path, seed: int = 0, layers: int = 3):
     hf.save_pretrained(directory, safe_serialization=True)
     write_byte_tokenizer(directory)
     return load_model(str(directory), FP32)
+
+
+def tiny_hybrid_config(kind: str = "qwen3_5", **over):
+    """A tiny Qwen3.5 text config: every layer type, GQA in both attention kinds, conv kernel 4."""
+    import transformers
+
+    kw = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+              max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+              bos_token_id=None, eos_token_id=257, pad_token_id=0)
+    kw.update(over)
+    return transformers.Qwen3_5TextConfig(**kw)
+
+
+def make_tiny_hybrid(directory: Path, seed: int = 0, options: LoadOptions = FP32, **over):
+    """A tiny random Qwen3_5ForCausalLM saved with save_pretrained and loaded by our loader; the
+    transformers model is returned too (the oracle)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    hf = transformers.Qwen3_5ForCausalLM(tiny_hybrid_config(**over)).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.3 * r)
+            elif "norm" in name:
+                p.copy_(0.3 * r)  # zero-centred: (1 + w)
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand(p.shape, generator=g) * 8 + 0.5))
+            elif name.endswith("dt_bias"):
+                p.copy_(r)
+            elif "embed_tokens" in name or "conv1d" in name:
+                p.copy_(r * (0.5 if "conv1d" in name else 1.0))
+            else:
+                p.copy_(r * (1.2 / p.shape[-1] ** 0.5))
+    directory.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(directory, safe_serialization=True)
+    write_byte_tokenizer(directory)
+    return load_model(str(directory), options), hf

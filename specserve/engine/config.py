@@ -72,6 +72,9 @@ class MemoryPlan:
     window_blocks: int = 0  # blocks of that fixed pool
     window_bytes: int = 0  # its bytes (it does not grow with the context)
     drafter_kv_bytes: int = 0  # a draft model's own KV pool (fixed size), inside drafter_bytes
+    state_slots: int = 0  # hybrid models: recurrent-state slots (one per running sequence, plus one)
+    state_planes: int = 0  # planes per slot: the committed state and one snapshot per row of a step
+    state_bytes: int = 0  # all of them (fixed: they do not grow with the context)
 
     @property
     def pool_bytes(self) -> int:
@@ -84,8 +87,8 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        """Weights (target and drafter), the drafter's own KV pool and the KV pool."""
-        return self.weight_bytes + self.drafter_bytes + self.drafter_kv_bytes + self.pool_bytes
+        """Weights (target and drafter), the drafter's own KV pool, the KV pool and the states."""
+        return self.weight_bytes + self.drafter_bytes + self.drafter_kv_bytes + self.pool_bytes + self.state_bytes
 
     @property
     def max_context(self) -> int:
@@ -106,21 +109,23 @@ class MemoryPlan:
             "concurrency_at_max_model_len": self.concurrency_at(self.max_model_len),
             "sliding_window": self.sliding_window, "window_blocks": self.window_blocks,
             "window_bytes": self.window_bytes, "drafter_kv_bytes": self.drafter_kv_bytes,
+            "state_slots": self.state_slots, "state_planes": self.state_planes, "state_bytes": self.state_bytes,
         }
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str | torch.dtype = "fp32", num_layers: int | None = None) -> int:
     """Exact KV bytes one token takes in num_layers layers (default: all): K and V rows of every
     kv head, scales included (fp8_e4m3 / int8: one fp32 scale per row; int4: fp32 scale and min
-    per 32 values)."""
-    layers = cfg.num_layers if num_layers is None else num_layers
+    per 32 values). By default: every layer that keeps K/V (not a hybrid model's linear-attention
+    layers)."""
+    layers = len(cfg.attention_layers) if num_layers is None else num_layers
     return 2 * layers * cfg.num_kv_heads * kv_row_bytes(resolve_kv_dtype(kv_dtype), cfg.head_dim)
 
 
 def window_paged(cfg: ModelConfig, max_model_len: int) -> bool:
     """Whether sliding-window layers get their own fixed pool: they exist, some layers are
     global (their cache grows), and a context can outgrow the window."""
-    return 0 < cfg.sliding_window < max_model_len and 0 < cfg.num_global_layers < cfg.num_layers
+    return 0 < cfg.sliding_window < max_model_len and 0 < cfg.num_global_layers < len(cfg.attention_layers)
 
 
 def window_pool_blocks(cfg: ModelConfig, ecfg: EngineConfig, lookahead: int) -> int:
@@ -130,6 +135,16 @@ def window_pool_blocks(cfg: ModelConfig, ecfg: EngineConfig, lookahead: int) -> 
     bs = ecfg.block_size
     per_seq = -(-cfg.sliding_window // bs) + 2 + -(-lookahead // bs)
     return ecfg.max_num_seqs * per_seq + -(-ecfg.max_num_batched_tokens // bs)
+
+
+def state_plan(cfg: ModelConfig, ecfg: EngineConfig, lookahead: int) -> tuple[int, int, int]:
+    """(slots, planes per slot, bytes) of a hybrid model's recurrent states: a slot per running
+    sequence plus one (start-up calibration), each holding the committed state and one snapshot
+    per row a step can verify (lookahead = 1 + draft tokens), in float32."""
+    if not cfg.hybrid:
+        return 0, 0, 0
+    slots, planes = ecfg.max_num_seqs + 1, 1 + lookahead
+    return slots, planes, slots * planes * len(cfg.linear_layers) * cfg.deltanet.state_floats * 4
 
 
 def available_memory(device: torch.device) -> int:
@@ -146,19 +161,20 @@ def available_memory(device: torch.device) -> int:
 def plan_memory(ecfg: EngineConfig, per_token: int, max_model_len: int, weight_bytes: int,
                 drafter_bytes: int, available: int, device_type: str, *, kv_dtype: str = "fp32",
                 total_memory: int | None = None, window: tuple[int, int, int] = (0, 0, 0),
-                drafter_kv_bytes: int = 0) -> MemoryPlan:
+                drafter_kv_bytes: int = 0, states: tuple[int, int, int] = (0, 0, 0)) -> MemoryPlan:
     """Size the KV pool; refuse when even one sequence at max_model_len cannot fit.
 
     The pool is ``--kv-cache-memory`` when given; else, with ``total_memory`` (the planner's
     ``--memory``: bytes for weights + KV), whatever the weights leave of it; else sized from the
     available memory, at most what max_num_seqs sequences of max_model_len need (and at most
     CPU_DEFAULT_KV_CAP on the CPU). ``window`` = (sliding window, its blocks, their bytes): a
-    fixed pool for sliding-window layers, taken from the budget before the growing pool."""
+    fixed pool for sliding-window layers, taken from the budget before the growing pool; ``states``
+    = (slots, planes, bytes) of a hybrid model's recurrent states, fixed too."""
     bs = ecfg.block_size
     blocks_one_seq = -(-max_model_len // bs)
     need = blocks_one_seq * bs * per_token
     weights = weight_bytes + drafter_bytes + drafter_kv_bytes  # the drafter's own KV pool is fixed too
-    fixed = window[2]  # the sliding-window layers' pool
+    fixed = window[2] + states[2]  # the sliding-window layers' pool, the recurrent states
     if ecfg.kv_cache_memory is not None:
         pool, source = ecfg.kv_cache_memory - fixed, "--kv-cache-memory"
     elif total_memory is not None:
@@ -190,7 +206,7 @@ def plan_memory(ecfg: EngineConfig, per_token: int, max_model_len: int, weight_b
                              f"({kv_total / 2**20:.0f} MiB) do not fit in the "
                              f"{available / 2**20:.0f} MiB of available memory: lower --kv-cache-memory")
     return MemoryPlan(weight_bytes, drafter_bytes, per_token, int(num_blocks), bs, max_model_len, available,
-                      kv_dtype, ecfg.max_num_seqs, source, *window, drafter_kv_bytes)
+                      kv_dtype, ecfg.max_num_seqs, source, *window, drafter_kv_bytes, *states)
 
 
 def engine_plan(ecfg: EngineConfig, mcfg: ModelConfig, model_dtype: torch.dtype, device: torch.device,
@@ -203,12 +219,12 @@ def engine_plan(ecfg: EngineConfig, mcfg: ModelConfig, model_dtype: torch.dtype,
         raise SpecserveError(f"--kv-cache-dtype {kv_dtype} is not supported on CUDA yet (use auto, bf16 or fp16)")
     max_model_len = ecfg.context_len(mcfg.max_position)
     available = available_memory(device) if total_memory is None else total_memory
-    growing, window = mcfg.num_layers, (0, 0, 0)
+    growing, window = len(mcfg.attention_layers), (0, 0, 0)
     if window_paged(mcfg, max_model_len):
         growing = mcfg.num_global_layers
         nb = window_pool_blocks(mcfg, ecfg, lookahead)
         window = (mcfg.sliding_window, nb,
-                  nb * ecfg.block_size * kv_bytes_per_token(mcfg, kv_dtype, mcfg.num_layers - growing))
+                  nb * ecfg.block_size * kv_bytes_per_token(mcfg, kv_dtype, len(mcfg.attention_layers) - growing))
     return plan_memory(ecfg, kv_bytes_per_token(mcfg, kv_dtype, growing), max_model_len, weight_bytes, drafter_bytes,
                        available, device.type, kv_dtype=kv_dtype, total_memory=total_memory, window=window,
-                       drafter_kv_bytes=drafter_kv_bytes)
+                       drafter_kv_bytes=drafter_kv_bytes, states=state_plan(mcfg, ecfg, lookahead))

@@ -27,6 +27,7 @@ from specserve.engine.scheduler import ScheduledRow, Scheduler
 from specserve.engine.sequence import Sequence, Status
 from specserve.engine.types import AcceptanceStats, EngineStats, RequestOutput, SamplingParams
 from specserve.errors import RequestError
+from specserve.models.hybrid import RecurrentStates
 from specserve.models.loader import LoadedModel
 from specserve.models.kv_cache import KVCache
 from specserve.speculative.adaptive import CostModel, DraftPolicy, calibrate
@@ -51,16 +52,22 @@ class LLMEngine:
         plan = self.plan
         self.kv = KVCache.allocate(mcfg, plan.num_blocks, ecfg.block_size, plan.kv_dtype, self.device,
                                    window_blocks=plan.window_blocks or None)
+        k_max = spec.num_speculative_tokens if spec else 0
         specs = layer_cache_specs(mcfg, ecfg.block_size, kv_bytes_per_token(mcfg, plan.kv_dtype, num_layers=1),
-                                  window_paged=bool(plan.sliding_window))
+                                  window_paged=bool(plan.sliding_window), lookahead=k_max + 1)
+        if mcfg.hybrid:
+            self.kv.states = RecurrentStates.allocate(mcfg, plan.state_slots, plan.state_planes, self.device)
         if ecfg.enable_prefix_caching and plan.sliding_window:
             log.warning("prefix caching is off for %s: its sliding-window layers keep only the last %d tokens",
                         target.name, plan.sliding_window)
-        self.cache = CacheCoordinator.build(specs, (plan.num_blocks, plan.window_blocks)[:len(specs)],
-                                            ecfg.enable_prefix_caching, salt=target.identity)
+        if ecfg.enable_prefix_caching and mcfg.hybrid:
+            log.warning("prefix caching is off for %s: its linear-attention layers keep a recurrent state, "
+                        "not per-token K/V", target.name)
+        sizes = [plan.num_blocks] + ([plan.window_blocks] if plan.sliding_window else [])
+        sizes += [plan.state_slots] if mcfg.hybrid else []
+        self.cache = CacheCoordinator.build(specs, tuple(sizes), ecfg.enable_prefix_caching, salt=target.identity)
         self.totals = AcceptanceStats()
         self.cost = CostModel()
-        k_max = spec.num_speculative_tokens if spec else 0
         self.policy = DraftPolicy(k_max, bool(spec and spec.adaptive), self.cost,
                                   drafter.draft_cost if drafter else lambda k: 0.0)
         self.scheduler = Scheduler(ecfg, self.cache, self.policy, self.max_model_len,

@@ -25,6 +25,7 @@ class BatchEntry:
     tokens: list[int]
     start: int  # position of tokens[0]
     tables: list[list[int]]  # block ids of each paged cache group (group 0: the growing pool)
+    state: tuple[int, int, list[int]] | None = None  # recurrent state: (slot, plane read or -1, plane per row or -1)
 
 
 def build_forward_batch(entries: list[BatchEntry], block_size: int, max_blocks: int, logit_rows: list[int],
@@ -46,6 +47,11 @@ def build_forward_batch(entries: list[BatchEntry], block_size: int, max_blocks: 
             tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
     paging = [(tables.to(device), torch.tensor(slots, dtype=torch.int64, device=device)) for slots, tables in groups]
     window = paging[1] if len(paging) > 1 else (None, None)
+    states = [None] * 3
+    if entries and entries[0].state is not None:
+        states = [torch.tensor([e.state[0] for e in entries], dtype=torch.int64),
+                  torch.tensor([e.state[1] for e in entries], dtype=torch.int64),
+                  torch.tensor([p for e in entries for p in e.state[2]], dtype=torch.int64)]
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
         positions=torch.tensor(pos, dtype=torch.int32, device=device),
@@ -56,6 +62,7 @@ def build_forward_batch(entries: list[BatchEntry], block_size: int, max_blocks: 
         hidden_layers=hidden_layers,
         window_block_tables=window[0],
         window_slot_mapping=window[1],
+        state_slots=states[0], state_read=states[1], state_write=states[2],
     )
 
 
@@ -82,7 +89,7 @@ class ModelRunner:
         seq = r.seq
         toks = ([seq.token_ids[seq.num_computed]] + r.drafts if r.decode
                 else seq.token_ids[seq.num_computed:seq.num_computed + r.count])
-        return BatchEntry(toks, seq.num_computed, self.cache.block_tables(seq))
+        return BatchEntry(toks, seq.num_computed, self.cache.block_tables(seq), self.cache.state_entry(seq, r))
 
     def batch(self, rows: list[ScheduledRow]) -> ForwardBatch:
         return build_forward_batch([self.entry(r) for r in rows], self.block_size, self.max_blocks,

@@ -116,6 +116,7 @@ from .pointwise import (  # noqa: F401
     rms_norm,
     rope,
 )
+from .recurrent import gated_delta, sigmoid_mul  # noqa: F401
 from .decoder_abi import (  # noqa: F401
     LIN_SLOTS,
     SSKVPool,
@@ -147,6 +148,8 @@ __all__ = [
     "add_rms_norm",
     "rope",
     "act_mul",
+    "gated_delta",
+    "sigmoid_mul",
     "ACTIVATIONS",
     "decoder_library",
     "decoder_layers",

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specserve.errors import ModelLoadError
+from specserve.models.deltanet_config import DeltaNetConfig
 from specserve.models.families import families, family, family_for_model_type
 
 SUPPORTED_ARCHS = tuple(families())
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,10 @@ class ModelConfig:
     final_softcap: float = 0.0
     activation: str = "silu"  # "silu" | "gelu_tanh"
     sandwich_norms: bool = False  # Gemma: post-attention and pre/post-feedforward norms
+    layer_types: tuple[str, ...] = ()  # per layer, one of LAYER_TYPES; empty: none is linear attention
+    deltanet: DeltaNetConfig | None = None  # the linear-attention layers' shapes (hybrid models)
+    rotary_dim: int = 0  # rotated dims of a head (partial rotary); 0 = head_dim
+    attn_output_gate: bool = False  # q projection twice as wide: a sigmoid gate on the attention output
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -45,6 +51,16 @@ class ModelConfig:
             raise ModelLoadError(f"unsupported architecture {self.arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.layer_types:
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ModelLoadError(f"unsupported layer type {unknown[0]!r} in the config "
+                                     f"(supported: {', '.join(LAYER_TYPES)})")
+            if len(self.layer_types) != self.num_layers:
+                raise ModelLoadError(f"layer_types lists {len(self.layer_types)} layers, the model has "
+                                     f"{self.num_layers}")
+            if self.linear_layers and self.deltanet is None:
+                raise ModelLoadError("the config has linear_attention layers but no linear-attention shapes")
 
     @property
     def q_size(self) -> int:
@@ -61,13 +77,30 @@ class ModelConfig:
     def sliding(self, layer: int) -> bool:
         return bool(self.layer_is_sliding) and self.layer_is_sliding[layer]
 
+    def is_linear(self, layer: int) -> bool:
+        """A Gated DeltaNet layer (a fixed-size recurrent state instead of K/V)."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_linear(i))
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Layers that keep K/V."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.linear_layers)
+
     def layer_rope_theta(self, layer: int) -> float:
         return self.rope_theta_local if self.sliding(layer) and self.rope_theta_local else self.rope_theta
 
     @property
     def num_global_layers(self) -> int:
         """Layers whose KV cache grows with the context."""
-        return sum(1 for i in range(self.num_layers) if not self.sliding(i))
+        return sum(1 for i in self.attention_layers if not self.sliding(i))
 
 
 def from_gguf_metadata(meta: dict, vocab_size: int) -> ModelConfig:
@@ -96,7 +129,8 @@ def from_hf_config(cfg: dict) -> ModelConfig:
     """Build a config from a Hugging Face config.json dict: the fields every family has, then
     the family's own (``ModelFamily.hf_fields``)."""
     if "text_config" in cfg:
-        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+        top = {k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}  # kept at the top by multimodal configs
+        cfg = {**top, **cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
     fam = family_for_model_type(cfg.get("model_type", ""))
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     rope = cfg.get("rope_parameters") or {}

@@ -77,13 +77,15 @@ class KVCache:
     v_scales: list[torch.Tensor] | None = None
     head_dim: int = 0
     _extra: list[dict] = field(default_factory=list, repr=False)
+    states: object = None  # a hybrid model's recurrent states (models.hybrid.RecurrentStates)
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_blocks: int, block_size: int,
                  kv_dtype: str | torch.dtype = "fp32", device: torch.device | str = "cpu",
                  window_blocks: int | None = None) -> "KVCache":
         """Pools of num_blocks blocks; with window_blocks, sliding-window layers get pools of
-        that many blocks instead (they only ever hold each sequence's last window)."""
+        that many blocks instead (they only ever hold each sequence's last window). A hybrid
+        model's linear-attention layers keep no K/V: their pools are empty."""
         device = torch.device(device)
         name = resolve_kv_dtype(kv_dtype, device.type)
         if device.type != "cpu" and name in QUANTIZED:
@@ -91,8 +93,8 @@ class KVCache:
                                  f"(use auto, fp32, bf16 or fp16)")
         D, hkv = cfg.head_dim, cfg.num_kv_heads
         _, store = ops.KV_FORMATS[name]
-        blocks = [window_blocks if window_blocks is not None and cfg.sliding(i) else num_blocks
-                  for i in range(cfg.num_layers)]
+        blocks = [0 if cfg.is_linear(i) else window_blocks if window_blocks is not None and cfg.sliding(i)
+                  else num_blocks for i in range(cfg.num_layers)]
 
         def pools(tail: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
             return [torch.zeros((nb, block_size, hkv, *tail), dtype=dtype, device=device) for nb in blocks]

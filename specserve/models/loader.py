@@ -15,6 +15,7 @@ from specserve.models import tokenizer as mtok
 from specserve.models import weights as mweights
 from specserve.models.catalog import ResolvedModel, cache_root, resolve_model
 from specserve.models.families import family
+from specserve.models.hybrid import HybridTransformer
 from specserve.models.transformer import Transformer
 
 log = logging.getLogger("specserve.models")
@@ -99,7 +100,9 @@ def load_model(spec: str, options: LoadOptions = LoadOptions()) -> LoadedModel:
         cfg, tensors, tok, offset = _read_gguf(resolved.path, identity)
     else:
         cfg, tensors, tok, offset = _read_hf(resolved.path)
-    model = Transformer(cfg, tensors, quant, device, dtype, norm_offset=offset)
+    model_class = HybridTransformer if cfg.hybrid else Transformer
+    model = model_class(cfg, tensors, quant, device, dtype, norm_offset=offset,
+                        norm_offset_skip=family(cfg.arch).hf_norm_offset_skip if offset else ())
     log.info("loaded %s (%s, %d layers) on %s, weights %s, %.0f MB", resolved.name, cfg.arch, cfg.num_layers,
              device, quant, model.weight_bytes() / 1e6)
     return LoadedModel(resolved.name, resolved, cfg, model, tok, identity)

@@ -37,6 +37,10 @@ class ForwardBatch:
     # sliding-window layers' own paging (None: they share block_tables / slot_mapping)
     window_block_tables: torch.Tensor | None = None  # [S, max_blocks] int32
     window_slot_mapping: torch.Tensor | None = None  # [T] int64
+    # hybrid models' recurrent states (models/hybrid.py; None: the model keeps none)
+    state_slots: torch.Tensor | None = None  # [S] int64, each sequence's state slot
+    state_read: torch.Tensor | None = None  # [S] int64, the plane its step starts from (-1: zeros)
+    state_write: torch.Tensor | None = None  # [T] int64, the plane receiving the state after a row (-1: none)
 
 
 @dataclass
@@ -46,38 +50,77 @@ class ForwardOutput:
     final_hidden: torch.Tensor | None = None  # [T, H] after the final norm
 
 
+class LayerWeights:
+    """Layer i's tensors turned into run-time linears and float32 norms."""
+
+    def __init__(self, i: int, w: dict[str, RawTensor], quant: str, device, dtype):
+        self.i, self.w, self.quant, self.device, self.dtype = i, w, quant, device, dtype
+
+    def lin(self, name: str) -> Linear:
+        bias = self.w.get(f"layers.{self.i}.{name}_bias")
+        return Linear(self.w[f"layers.{self.i}.{name}"], None if bias is None else bias.dequantize(), self.quant,
+                      self.device, self.dtype)
+
+    def vec(self, name: str) -> torch.Tensor:
+        """A norm weight or another per-channel vector, float32 on the device."""
+        return self.w[f"layers.{self.i}.{name}"].dequantize().to(device=self.device, dtype=torch.float32).contiguous()
+
+    def fuse(self, *names: str) -> Linear | None:
+        """One linear over several weights with the same input (None: their formats differ)."""
+        biases = [self.w.get(f"layers.{self.i}.{n}_bias") for n in names]
+        return Linear.fused([self.w[f"layers.{self.i}.{n}"] for n in names],
+                            [None if b is None else b.dequantize() for b in biases], self.quant, self.device,
+                            self.dtype)
+
+
+class MLP:
+    """The gated MLP of a decoder layer: down(act(gate(h)) * up(h))."""
+
+    def __init__(self, lw: LayerWeights, activation: str):
+        self.gate_up, self.activation = lw.fuse("gate", "up"), activation
+        if self.gate_up is None:
+            self.gate, self.up = lw.lin("gate"), lw.lin("up")
+        self.down = lw.lin("down")
+
+    def linears(self) -> list[Linear]:
+        return ([self.gate_up] if self.gate_up is not None else [self.gate, self.up]) + [self.down]
+
+    def project_gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [T, H] -> gate, up: [T, intermediate] each."""
+        if self.gate_up is not None:
+            return self.gate_up(h).chunk(2, dim=-1)
+        return self.gate(h), self.up(h)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down(act_mul(*self.project_gate_up(h), self.activation))
+
+
+def _mlp_attr(name: str) -> property:
+    return property(lambda self: getattr(self.mlp, name), lambda self, value: setattr(self.mlp, name, value))
+
+
 class _Layer:
     def __init__(self, cfg: ModelConfig, i: int, w: dict[str, RawTensor], quant: str, device, dtype):
-        def lin(name: str) -> Linear:
-            bias = w.get(f"layers.{i}.{name}_bias")
-            return Linear(w[f"layers.{i}.{name}"], None if bias is None else bias.dequantize(), quant, device, dtype)
-
-        def norm(name: str) -> torch.Tensor:
-            return w[f"layers.{i}.{name}"].dequantize().to(device=device, dtype=torch.float32)
-
-        def fuse(*names: str) -> Linear | None:
-            biases = [w.get(f"layers.{i}.{n}_bias") for n in names]
-            return Linear.fused([w[f"layers.{i}.{n}"] for n in names],
-                                [None if b is None else b.dequantize() for b in biases], quant, device, dtype)
-
-        self.qkv, self.gate_up = fuse("q", "k", "v"), fuse("gate", "up")
+        lw = LayerWeights(i, w, quant, device, dtype)
+        self.qkv = lw.fuse("q", "k", "v")
         self.split_qkv = (cfg.q_size, cfg.kv_size, cfg.kv_size)
         if self.qkv is None:
-            self.q, self.k, self.v = lin("q"), lin("k"), lin("v")
-        if self.gate_up is None:
-            self.gate, self.up = lin("gate"), lin("up")
-        self.o, self.down = lin("o"), lin("down")
-        self.attn_norm, self.ffn_norm = norm("attn_norm"), norm("ffn_norm")
+            self.q, self.k, self.v = lw.lin("q"), lw.lin("k"), lw.lin("v")
+        self.mlp = MLP(lw, cfg.activation)
+        self.o = lw.lin("o")
+        self.attn_norm, self.ffn_norm = lw.vec("attn_norm"), lw.vec("ffn_norm")
         if cfg.qk_norm:
-            self.q_norm, self.k_norm = norm("q_norm"), norm("k_norm")
+            self.q_norm, self.k_norm = lw.vec("q_norm"), lw.vec("k_norm")
         if cfg.sandwich_norms:
-            self.post_attn_norm, self.post_ffn_norm = norm("post_attn_norm"), norm("post_ffn_norm")
+            self.post_attn_norm, self.post_ffn_norm = lw.vec("post_attn_norm"), lw.vec("post_ffn_norm")
         self.window = cfg.sliding_window if cfg.sliding(i) else 0
+
+    # the MLP's linears as attributes of the layer (the fused C stack and drafters use them)
+    gate_up, gate, up, down = (_mlp_attr(n) for n in ("gate_up", "gate", "up", "down"))
 
     def linears(self) -> list[Linear]:
         qkv = [self.qkv] if self.qkv is not None else [self.q, self.k, self.v]
-        gate_up = [self.gate_up] if self.gate_up is not None else [self.gate, self.up]
-        return qkv + [self.o] + gate_up + [self.down]
+        return qkv + [self.o] + self.mlp.linears()
 
     def project_qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h: [T, H] -> q [T, q_size], k [T, kv_size], v [T, kv_size]."""
@@ -86,10 +129,7 @@ class _Layer:
         return self.q(h), self.k(h), self.v(h)
 
     def project_gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h: [T, H] -> gate, up: [T, intermediate] each."""
-        if self.gate_up is not None:
-            return self.gate_up(h).chunk(2, dim=-1)
-        return self.gate(h), self.up(h)
+        return self.mlp.project_gate_up(h)
 
 
 class Transformer:
@@ -100,22 +140,33 @@ class Transformer:
     the KV cache allow it; False always takes the Python path (``_layer``)."""
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, RawTensor], quant: str, device: torch.device,
-                 dtype: torch.dtype, norm_offset: float = 0.0, fused: bool = True):
+                 dtype: torch.dtype, norm_offset: float = 0.0, fused: bool = True,
+                 norm_offset_skip: tuple[str, ...] = ()):
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.fused = fused
         self._stack: FusedStack | None = None
-        tensors = _check_and_offset(cfg, tensors, norm_offset)
-        self.layers = [_Layer(cfg, i, tensors, quant, device, dtype) for i in range(cfg.num_layers)]
+        tensors = _check_and_offset(tensors, self.required_tensors(cfg), norm_offset, norm_offset_skip)
+        self.layers = self.build_layers(cfg, tensors, quant, device, dtype)
         embed = tensors["embed"]
         head = tensors.get("lm_head") if not cfg.tie_embeddings or "lm_head" in tensors else None
         self.lm_head = Linear(head or embed, None, quant, device, dtype)
         # [V, H], dequantized per row; tied: the head's blocks
         self.token_embedding = TokenEmbedding(embed, device, dtype, None if head else self.lm_head.weight)
         self.final_norm = tensors["norm"].dequantize().to(device=device, dtype=torch.float32)
-        max_pos = cfg.max_position + 64
-        self.rope_global = Rope(cfg.head_dim, cfg.rope_theta, max_pos, device, cfg.rope_scaling_factor)
-        self.rope_local = (Rope(cfg.head_dim, cfg.rope_theta_local, max_pos, device)
+        max_pos, rotary = cfg.max_position + 64, cfg.rotary_dim or cfg.head_dim
+        self.rope_global = Rope(rotary, cfg.rope_theta, max_pos, device, cfg.rope_scaling_factor)
+        self.rope_local = (Rope(rotary, cfg.rope_theta_local, max_pos, device)
                            if cfg.rope_theta_local else self.rope_global)
+
+    # ---- what a model class declares -------------------------------------------------------
+    @staticmethod
+    def required_tensors(cfg: ModelConfig) -> list[str]:
+        return ["embed", "norm"] + [f"layers.{i}.{n}" for i in range(cfg.num_layers)
+                                    for n in ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down")]
+
+    def build_layers(self, cfg: ModelConfig, tensors: dict[str, RawTensor], quant: str, device: torch.device,
+                     dtype: torch.dtype) -> list:
+        return [_Layer(cfg, i, tensors, quant, device, dtype) for i in range(cfg.num_layers)]
 
     # ---- pieces drafters reuse -------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
@@ -142,18 +193,22 @@ class Transformer:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> ForwardOutput:
         x = self.embed(batch.input_ids)  # [T, H]
-        stack = self.fused_stack(batch, kv)
-        if stack is not None:
-            hidden = stack.run(x, batch, kv)  # x updated in place
-        else:
-            hidden = {}
-            for i, layer in enumerate(self.layers):
-                x = self._layer(i, layer, x, batch, kv)
-                if i in batch.hidden_layers:
-                    hidden[i] = x
+        x, hidden = self.run_layers(x, batch, kv)
         h = rms_norm(x, self.final_norm, self.cfg.rms_eps)  # [T, H]
         logits = self.logits(h[batch.logits_indices])
         return ForwardOutput(logits, hidden, h)
+
+    def run_layers(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, dict]:
+        """The decoder layers over x [T, H] -> (x, hidden states of batch.hidden_layers)."""
+        stack = self.fused_stack(batch, kv)
+        if stack is not None:
+            return x, stack.run(x, batch, kv)  # x updated in place
+        hidden = {}
+        for i, layer in enumerate(self.layers):
+            x = self._layer(i, layer, x, batch, kv)
+            if i in batch.hidden_layers:
+                hidden[i] = x
+        return x, hidden
 
     def fused_stack(self, batch: ForwardBatch, kv: KVCache) -> FusedStack | None:
         """The fused layer stack when this forward can use it, else None (Python path)."""
@@ -193,16 +248,16 @@ class Transformer:
             o = rms_norm(o, layer.post_attn_norm, cfg.rms_eps)
         x = x + o
         h = rms_norm(x, layer.ffn_norm, cfg.rms_eps)
-        m = layer.down(act_mul(*layer.project_gate_up(h), cfg.activation))
+        m = layer.mlp(h)
         if cfg.sandwich_norms:
             m = rms_norm(m, layer.post_ffn_norm, cfg.rms_eps)
         return x + m
 
 
-def _check_and_offset(cfg: ModelConfig, tensors: dict[str, RawTensor], norm_offset: float) -> dict[str, RawTensor]:
-    """Fail early on missing tensors; fold Gemma's (1 + w) norm offset into the weights."""
-    needed = ["embed", "norm"] + [f"layers.{i}.{n}" for i in range(cfg.num_layers)
-                                  for n in ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down")]
+def _check_and_offset(tensors: dict[str, RawTensor], needed: list[str], norm_offset: float,
+                      skip: tuple[str, ...] = ()) -> dict[str, RawTensor]:
+    """Fail early on missing tensors; fold a (1 + w) norm offset into the norm weights (Gemma's,
+    Qwen3.5's zero-centred norms), except the norms named in skip."""
     missing = [n for n in needed if n not in tensors]
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
@@ -210,6 +265,6 @@ def _check_and_offset(cfg: ModelConfig, tensors: dict[str, RawTensor], norm_offs
         return tensors
     out = dict(tensors)
     for name, raw in tensors.items():
-        if name == "norm" or name.endswith("norm"):
+        if (name == "norm" or name.endswith("norm")) and not name.endswith(skip or ("\0",)):
             out[name] = RawTensor(name, raw.shape, "torch", raw.dequantize() + norm_offset)
     return out

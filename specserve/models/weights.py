@@ -141,15 +141,14 @@ def read_gguf_tensors(reader, arch: str, num_heads: int, num_kv_heads: int) -> d
 
 
 def _hf_name(name: str, fam: ModelFamily) -> str | None:
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    name = name.replace("model.language_model.", "model.")  # the text part of a multimodal checkpoint
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+?)(?:\.(weight|bias))?", name)
     if m:
-        local = fam.hf_layer_name(m.group(2))
+        local = fam.hf_layer_name(m.group(2))  # parameters without a .weight suffix: A_log, dt_bias
         if local is None:
             return None
         return f"layers.{m.group(1)}.{local}" + ("_bias" if m.group(3) == "bias" else "")
-    base = name.removesuffix(".weight")
-    base = base.replace("model.language_model.", "model.")
-    return HF_TOP.get(base)
+    return HF_TOP.get(name.removesuffix(".weight"))
 
 
 def read_safetensors(directory: Path, arch: str) -> dict[str, RawTensor]:

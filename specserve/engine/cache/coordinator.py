@@ -110,6 +110,19 @@ class CacheCoordinator:
             m.free(t)
 
     # ---- for the model runner ----------------------------------------------------------------
+    def state_entry(self, seq, row) -> tuple[int, int, list[int]] | None:
+        """A scheduled row's recurrent state: (slot, plane read or -1 for the zero state, plane
+        written after each of its rows or -1). A verification writes after every row (any may be
+        the last accepted); a prefill chunk only after its last. None: no recurrent group."""
+        groups = self.groups(RecurrentStateManager)
+        if not groups:
+            return None
+        assert len(groups) == 1, "one recurrent group: every linear-attention layer shares its slots"
+        table = seq.cache.tables[groups[0]]
+        read = table.current if table.num_tokens else -1
+        planes = self.managers[groups[0]].step_planes(table, row.count, every_row=row.decode)
+        return table.slot, read, ([-1] * (row.count - 1) + planes) if not row.decode else planes
+
     def block_tables(self, seq) -> list[list[int]]:
         """seq's block ids in each paged group (released sliding blocks are HOLE)."""
         return [t.blocks for m, t in self._pairs(seq) if not isinstance(t, RecurrentTable)]

@@ -2,8 +2,8 @@
 
 A spec is a frozen description, not storage: the memory plan sums the specs' bytes, and the
 coordinator builds one manager per spec. ``layer_cache_specs`` derives the groups of a model from
-its config (``ModelConfig.sliding(i)`` today; a hybrid model's recurrent layers add a
-:class:`RecurrentStateSpec` group)."""
+its config (``ModelConfig.sliding(i)``, ``ModelConfig.is_linear(i)``: a hybrid model's
+recurrent layers add a :class:`RecurrentStateSpec` group)."""
 
 from __future__ import annotations
 
@@ -58,16 +58,20 @@ CacheSpec = FullAttentionSpec | SlidingWindowSpec | RecurrentStateSpec
 
 
 def layer_cache_specs(cfg: ModelConfig, block_size: int, bytes_per_layer_token: int,
-                      window_paged: bool) -> tuple[CacheSpec, ...]:
+                      window_paged: bool, lookahead: int = 1) -> tuple[CacheSpec, ...]:
     """The model's cache groups: its full-attention layers, then (when ``window_paged``: some
     layers slide and a context can outgrow the window) its sliding-window layers in a group of
-    their own. Without window paging, sliding layers live in the full-attention pool and the
-    attention kernel applies the window."""
-    layers = range(cfg.num_layers)
+    their own, then a hybrid model's linear-attention layers (a recurrent state with a snapshot
+    per row a step can add: lookahead = 1 + draft tokens). Without window paging, sliding layers
+    live in the full-attention pool and the attention kernel applies the window."""
+    layers = cfg.attention_layers
     sliding = tuple(i for i in layers if cfg.sliding(i)) if window_paged else ()
     full = tuple(i for i in layers if i not in sliding)
     specs: list[CacheSpec] = [FullAttentionSpec(full, block_size, bytes_per_layer_token * len(full))]
     if sliding:
         specs.append(SlidingWindowSpec(sliding, block_size, bytes_per_layer_token * len(sliding),
                                        window=cfg.sliding_window))
+    if cfg.linear_layers:
+        linear = cfg.linear_layers
+        specs.append(RecurrentStateSpec(linear, len(linear) * cfg.deltanet.state_floats * 4, lookahead))
     return tuple(specs)

@@ -296,3 +296,9 @@ SS_EXPORT int ss_add_rms_norm(const float *x, const float *residual, int64_t M, 
 /* ------------------------------------------------------------------------ */
 
 #include "decoder.h"
+
+/* ------------------------------------------------------------------------ */
+/* Gated DeltaNet (hybrid models' linear-attention layers)                  */
+/* ------------------------------------------------------------------------ */
+
+#include "deltanet.c"

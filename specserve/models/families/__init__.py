@@ -7,6 +7,7 @@ from specserve.models.families import llama  # noqa: F401, I001
 from specserve.models.families import qwen2  # noqa: F401
 from specserve.models.families import qwen3  # noqa: F401
 from specserve.models.families import gemma3  # noqa: F401
+from specserve.models.families import qwen3_5  # noqa: F401
 from specserve.models.families.base import ModelFamily, families
 
 __all__ = ["ModelFamily", "families", "family", "family_for_model_type"]

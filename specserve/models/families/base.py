@@ -45,6 +45,7 @@ class ModelFamily:
     hf_layer_names: Mapping[str, str] = field(default_factory=dict)  # added to / overriding HF_LAYER
     gguf_permute_qk: bool = False  # llama.cpp's converter permutes llama's q/k rows for its rope
     hf_norm_offset: float = 0.0  # Gemma's norms are (1 + w) in safetensors; GGUF files folded the 1 in
+    hf_norm_offset_skip: tuple[str, ...] = ()  # norms (name suffixes) that are plain w all the same
     hf_rope_kinds: tuple[str | None, ...] = (None, "default", "linear")  # () = any (the family reads its own)
     hf_default_rope_theta: float = 10000.0
 

@@ -1,0 +1,196 @@
+"""Hybrid decoders (Qwen3.5 / Qwen3.6 / Qwen3.8): Gated DeltaNet layers and gated attention.
+
+A linear-attention layer keeps, per sequence, a conv window and a delta-rule state of fixed size
+(float32) instead of K/V. They live in ``KVCache.states``, indexed by (slot, plane): a step reads
+each sequence's committed plane (``ForwardBatch.state_read``; -1 = the zero state before token
+0) and writes the state after a row to that row's plane (``ForwardBatch.state_write``), which the
+cache coordinator's recurrent manager hands out, so rollback to an accepted draft count is an
+index move. The full-attention layers use the paged KV cache like every other family.
+
+Every reduction goes through batch-invariant kernels (linears, norms, attention, the DeltaNet
+kernel that runs a sequence's rows token by token), so a sequence's tokens do not depend on the
+batch, on chunking or on speculation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.errors import ModelLoadError
+from specserve.kernels import ops
+from specserve.models.config import ModelConfig
+from specserve.models.layers import Linear, act_mul, paged_attention, rms_norm
+from specserve.models.transformer import MLP, ForwardBatch, KVCache, LayerWeights, Transformer
+from specserve.models.weights import RawTensor
+
+ATTN_TENSORS = ("attn_norm", "q", "k", "v", "o", "q_norm", "k_norm")
+LINEAR_TENSORS = ("attn_norm", "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_conv1d", "ssm_dt",
+                  "ssm_norm", "ssm_out")
+MLP_TENSORS = ("ffn_norm", "gate", "up", "down")
+
+
+@dataclass
+class RecurrentStates:
+    """Per linear-attention layer: conv windows [slots, planes, K-1, C] and delta-rule states
+    [slots, planes, Hv, dk, dv], float32."""
+
+    conv: dict[int, torch.Tensor]
+    ssm: dict[int, torch.Tensor]
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, slots: int, planes: int, device: torch.device | str = "cpu"
+                 ) -> "RecurrentStates":
+        dn = cfg.deltanet
+        conv = {i: torch.zeros(slots, planes, dn.conv_kernel - 1, dn.conv_dim, device=device)
+                for i in cfg.linear_layers}
+        ssm = {i: torch.zeros(slots, planes, dn.num_v_heads, dn.k_head_dim, dn.v_head_dim, device=device)
+               for i in cfg.linear_layers}
+        return cls(conv, ssm)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.conv.values(), *self.ssm.values()))
+
+
+class GatedAttention:
+    """Full attention with a sigmoid gate on its output (q projection twice as wide, each head's
+    query then gate), per-head q/k norms and partial rotary."""
+
+    def __init__(self, cfg: ModelConfig, lw: LayerWeights):
+        self.q, self.k, self.v, self.o = lw.lin("q"), lw.lin("k"), lw.lin("v"), lw.lin("o")
+        if self.q.out_features != 2 * cfg.q_size:
+            raise ModelLoadError(f"layer {lw.i}: gated attention wants a q projection of {2 * cfg.q_size} rows "
+                                 f"(query and gate per head), the checkpoint has {self.q.out_features}")
+        self.q_norm, self.k_norm = lw.vec("q_norm"), lw.vec("k_norm")
+
+    def linears(self) -> list[Linear]:
+        return [self.q, self.k, self.v, self.o]
+
+    def __call__(self, model: "HybridTransformer", i: int, h: torch.Tensor, batch: ForwardBatch,
+                 kv: KVCache) -> torch.Tensor:
+        cfg, t_len, d = model.cfg, h.shape[0], model.cfg.head_dim
+        qg = self.q(h).view(t_len, cfg.num_heads, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(t_len, cfg.q_size)
+        q = rms_norm(q.reshape(-1, d).contiguous(), self.q_norm, cfg.rms_eps).view(t_len, cfg.num_heads, d)
+        k = rms_norm(self.k(h).reshape(-1, d), self.k_norm, cfg.rms_eps).view(t_len, cfg.num_kv_heads, d)
+        v = self.v(h).view(t_len, cfg.num_kv_heads, d)
+        q, k = model.rotate(q, batch.positions), model.rotate(k, batch.positions)
+        kv.write(i, batch.slot_mapping, k, v)
+        k_pool, v_pool, kv_extra = kv.attention_args(i)
+        attn = paged_attention(q, k_pool, v_pool, batch.block_tables, batch.seq_ids, batch.positions,
+                               cfg.scale, 0, 0.0, **kv_extra)  # [T, Hq, D]
+        return self.o(ops.sigmoid_mul(gate, attn.reshape(t_len, cfg.q_size)))
+
+
+class GatedDeltaNet:
+    """Linear attention: q/k/v through a causal depthwise conv and SiLU, the gated delta rule
+    over a per-sequence state, a gated RMSNorm (norm(o) * w * silu(z)), the output projection."""
+
+    def __init__(self, cfg: ModelConfig, lw: LayerWeights):
+        dn = self.dn = cfg.deltanet
+        self.in_proj = lw.fuse("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")  # [C | z | b | a]
+        if self.in_proj is None:
+            self.qkv, self.z, self.b, self.a = (lw.lin(n) for n in ("attn_qkv", "attn_gate", "ssm_beta",
+                                                                   "ssm_alpha"))
+        self.split = (dn.conv_dim, dn.value_dim, dn.num_v_heads, dn.num_v_heads)
+        conv = lw.vec("ssm_conv1d").reshape(dn.conv_dim, -1)  # [C, 1, K] in the file
+        if conv.shape[1] != dn.conv_kernel:
+            raise ModelLoadError(f"layer {lw.i}: conv1d has {conv.shape[1]} taps, the config says {dn.conv_kernel}")
+        self.conv_wt = conv.t().contiguous()  # [K, C]
+        name = f"layers.{lw.i}.ssm_a"
+        self.A = lw.vec("ssm_a") if name in lw.w else -torch.exp(lw.vec("ssm_a_log"))  # GGUF stores -exp(A_log)
+        self.A = self.A.reshape(-1).contiguous()
+        self.dt_bias = lw.vec("ssm_dt").reshape(-1).contiguous()
+        self.norm, self.out = lw.vec("ssm_norm").reshape(-1), lw.lin("ssm_out")
+        if self.norm.numel() != dn.v_head_dim:
+            raise ModelLoadError(f"layer {lw.i}: the gated norm has {self.norm.numel()} weights, the value "
+                                 f"heads {dn.v_head_dim} dims")
+
+    def linears(self) -> list[Linear]:
+        ins = [self.in_proj] if self.in_proj is not None else [self.qkv, self.z, self.b, self.a]
+        return ins + [self.out]
+
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.in_proj is not None:
+            return self.in_proj(h).split(self.split, dim=-1)
+        return self.qkv(h), self.z(h), self.b(h), self.a(h)
+
+    def __call__(self, model: "HybridTransformer", i: int, h: torch.Tensor, batch: ForwardBatch,
+                 kv: KVCache) -> torch.Tensor:
+        dn, t_len = self.dn, h.shape[0]
+        if kv.states is None or batch.state_slots is None:
+            raise RuntimeError("a hybrid model's forward needs recurrent-state slots (KVCache.states and "
+                               "ForwardBatch.state_*)")
+        qkv, z, b, a = self.project(h)
+        conv, ssm = kv.states.conv[i], kv.states.ssm[i]
+        core = torch.empty(t_len, dn.num_v_heads, dn.v_head_dim)
+        heads = (dn.num_k_heads, dn.num_v_heads, dn.k_head_dim, dn.v_head_dim)
+        for s, r0, r1 in model.runs(batch):
+            slot, read = int(batch.state_slots[s]), int(batch.state_read[s])
+            writes = batch.state_write[r0:r1].tolist()
+            core[r0:r1] = ops.gated_delta(
+                qkv[r0:r1], a[r0:r1], b[r0:r1], self.conv_wt, self.A, self.dt_bias, heads,
+                None if read < 0 else conv[slot, read], None if read < 0 else ssm[slot, read],
+                [None if p < 0 else conv[slot, p] for p in writes], [None if p < 0 else ssm[slot, p] for p in writes])
+        normed = rms_norm(core.view(-1, dn.v_head_dim), self.norm, model.cfg.rms_eps)  # [T * Hv, dv]
+        gated = act_mul(z.reshape(-1, dn.v_head_dim).contiguous(), normed, "silu")  # silu(z) * norm(o) w
+        return self.out(gated.view(t_len, dn.value_dim))
+
+
+class HybridLayer:
+    def __init__(self, cfg: ModelConfig, i: int, w: dict[str, RawTensor], quant: str, device, dtype):
+        lw = LayerWeights(i, w, quant, device, dtype)
+        self.mixer = GatedDeltaNet(cfg, lw) if cfg.is_linear(i) else GatedAttention(cfg, lw)
+        self.mlp = MLP(lw, cfg.activation)
+        self.attn_norm, self.ffn_norm = lw.vec("attn_norm"), lw.vec("ffn_norm")
+
+    def linears(self) -> list[Linear]:
+        return self.mixer.linears() + self.mlp.linears()
+
+
+class HybridTransformer(Transformer):
+    """A decoder whose layers are Gated DeltaNet or gated full attention (``cfg.layer_types``)."""
+
+    @staticmethod
+    def required_tensors(cfg: ModelConfig) -> list[str]:
+        need = ["embed", "norm"]
+        for i in range(cfg.num_layers):
+            mixer = LINEAR_TENSORS if cfg.is_linear(i) else ATTN_TENSORS
+            need += [f"layers.{i}.{n}" for n in (*mixer, *MLP_TENSORS)]
+        return need
+
+    def build_layers(self, cfg, tensors, quant, device, dtype) -> list[HybridLayer]:
+        for i in cfg.linear_layers:
+            if f"layers.{i}.ssm_a" not in tensors and f"layers.{i}.ssm_a_log" not in tensors:
+                raise ModelLoadError(f"checkpoint is missing layer {i}'s A_log (ssm_a)")
+        return [HybridLayer(cfg, i, tensors, quant, device, dtype) for i in range(cfg.num_layers)]
+
+    def fused_stack(self, batch, kv):
+        return None  # the fused C stack runs dense layers only
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Partial rotary: the first rotary_dim dims of each head [T, heads, D]."""
+        rd = self.cfg.rotary_dim or self.cfg.head_dim
+        if rd == x.shape[-1]:
+            return self.rope_global(x, positions)
+        return torch.cat([self.rope_global(x[..., :rd].contiguous(), positions), x[..., rd:]], dim=-1)
+
+    @staticmethod
+    def runs(batch: ForwardBatch) -> list[tuple[int, int, int]]:
+        """(sequence, first row, end row) of each sequence's rows (they are contiguous)."""
+        sid = batch.seq_ids.tolist()
+        out, r0 = [], 0
+        for r in range(1, len(sid) + 1):
+            if r == len(sid) or sid[r] != sid[r0]:
+                out.append((sid[r0], r0, r))
+                r0 = r
+        return out
+
+    def run_layers(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, dict]:
+        eps, hidden = self.cfg.rms_eps, {}
+        for i, layer in enumerate(self.layers):
+            x = x + layer.mixer(self, i, rms_norm(x, layer.attn_norm, eps), batch, kv)
+            x = x + layer.mlp(rms_norm(x, layer.ffn_norm, eps))
+            if i in batch.hidden_layers:
+                hidden[i] = x
+        return x, hidden
