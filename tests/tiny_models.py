@@ -16,12 +16,15 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def write_byte_tokenizer(directory: Path) -> None:
-    """A byte-level tokenizer (256 byte tokens + chat specials) with a chat template."""
+def write_byte_tokenizer(directory: Path, merges: tuple[tuple[str, str], ...] = ()) -> None:
+    """A byte-level tokenizer (256 byte tokens, one per merge, then the chat specials) with a chat
+    template. (A GGUF of a vocabulary without merges cannot be read back by transformers.)"""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab.update({a + b: len(alphabet) + i for i, (a, b) in enumerate(merges)})
+    tok = Tokenizer(models.BPE(vocab, list(merges)))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
@@ -56,17 +59,22 @@ def make_tiny_target(directory: Path, seed: int = 0, layers: int = 3):
     return load_model(str(directory), FP32)
 
 
+HYBRID_MERGES = (("Ġ", "t"),)  # one merge: token 256; <|im_start|> 257, <|im_end|> 258
+HYBRID_EOS = 258
+
+
 def tiny_hybrid_config(kind: str = "qwen3_5", **over):
     """A tiny Qwen3.5 text config: every layer type, GQA in both attention kinds, conv kernel 4."""
     import transformers
 
     kw = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
               max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
               layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-              bos_token_id=None, eos_token_id=257, pad_token_id=0)
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                               "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+              bos_token_id=None, eos_token_id=HYBRID_EOS, pad_token_id=0)
     kw.update(over)
     return transformers.Qwen3_5TextConfig(**kw)
 
@@ -96,5 +104,34 @@ def make_tiny_hybrid(directory: Path, seed: int = 0, options: LoadOptions = FP32
                 p.copy_(r * (1.2 / p.shape[-1] ** 0.5))
     directory.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(directory, safe_serialization=True)
-    write_byte_tokenizer(directory)
+    add_mtp_tensors(directory, hf, seed + 2)
+    write_byte_tokenizer(directory, HYBRID_MERGES)
     return load_model(str(directory), options), hf
+
+
+def mtp_shapes(hf) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's MTP head (``mtp.*``, one layer): the fc over [norm(embedding), norm(hidden)],
+    its two norms, a gated full-attention decoder layer named like the model's, a final norm."""
+    full = hf.config.layer_types.index("full_attention")
+    shapes = {"mtp.fc.weight": (hf.config.hidden_size, 2 * hf.config.hidden_size)}
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        shapes[f"mtp.{n}.weight"] = (hf.config.hidden_size,)
+    for name, p in hf.model.layers[full].named_parameters():
+        shapes[f"mtp.layers.0.{name}"] = tuple(p.shape)
+    return shapes
+
+
+def add_mtp_tensors(directory: Path, hf, seed: int) -> None:
+    """Random mtp.* tensors added to a saved checkpoint (transformers' model has no MTP module;
+    the released checkpoints carry these tensors beside the model's)."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(seed)
+    f = directory / "model.safetensors"
+    tensors = load_file(str(f))
+    for name, shape in mtp_shapes(hf).items():
+        r = torch.randn(shape, generator=g)
+        tensors[name] = 0.3 * r if "norm" in name else r * (1.2 / shape[-1] ** 0.5)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    cfg = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}, indent=2))

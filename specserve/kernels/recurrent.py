@@ -33,13 +33,15 @@ def _check_plane(t: torch.Tensor | None, shape: tuple[int, ...], name: str) -> N
 def gated_delta(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_wt: torch.Tensor, A: torch.Tensor,
                 dt_bias: torch.Tensor, heads: tuple[int, int, int, int], conv_in: torch.Tensor | None,
                 state_in: torch.Tensor | None, conv_out: list[torch.Tensor | None] | None = None,
-                state_out: list[torch.Tensor | None] | None = None, *, impl: str | None = None) -> torch.Tensor:
+                state_out: list[torch.Tensor | None] | None = None, *, v_tiled: bool = False,
+                impl: str | None = None) -> torch.Tensor:
     """One sequence's n rows through conv + SiLU + the gated delta rule -> out [n, Hv, dv].
 
     qkv: [n, C] (C = 2 Hk dk + Hv dv; row-strided views are read in place); a, b: [n, Hv];
     conv_wt: [K, C]; A (= -exp(A_log)), dt_bias: [Hv]; heads = (Hk, Hv, dk, dv); conv_in
     [K-1, C] / state_in [Hv, dk, dv]: the window and state before row 0 (None: zeros).
-    conv_out / state_out: one tensor (or None) per row, receiving the window / state after it."""
+    conv_out / state_out: one tensor (or None) per row, receiving the window / state after it.
+    v_tiled: value head h reads key head h % Hk (llama.cpp's order), else h // (Hv / Hk)."""
     hk, hv, dk, dv = heads
     n, c = qkv.shape
     k = conv_wt.shape[0]
@@ -53,7 +55,8 @@ def gated_delta(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_wt: to
         _check_plane(p, (hv, dk, dv), "state_out")
     lib = _select(impl)
     if lib is None:
-        return _gated_delta_torch(qkv, a, b, conv_wt, A, dt_bias, heads, conv_in, state_in, conv_out, state_out)
+        return _gated_delta_torch(qkv, a, b, conv_wt, A, dt_bias, heads, conv_in, state_in, conv_out, state_out,
+                                  v_tiled)
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
     if not (a.stride(1) == 1 and b.stride(1) == 1 and a.stride(0) == b.stride(0)):
         a, b = a.contiguous(), b.contiguous()
@@ -64,7 +67,7 @@ def gated_delta(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_wt: to
                               A.data_ptr(), dt_bias.data_ptr(), None if conv_in is None else conv_in.data_ptr(),
                               None if state_in is None else state_in.data_ptr(),
                               None if co is None else co.data_ptr(), None if so is None else so.data_ptr(),
-                              out.data_ptr(), get_num_threads()), "gated_delta")
+                              out.data_ptr(), int(v_tiled), get_num_threads()), "gated_delta")
     return out
 
 
@@ -88,7 +91,7 @@ def sigmoid_mul(gate: torch.Tensor, x: torch.Tensor, *, impl: str | None = None)
     return out
 
 
-def _gated_delta_torch(qkv, a, b, conv_wt, A, dt_bias, heads, conv_in, state_in, conv_out, state_out):
+def _gated_delta_torch(qkv, a, b, conv_wt, A, dt_bias, heads, conv_in, state_in, conv_out, state_out, v_tiled):
     """The same steps in torch, one row at a time (fixed shapes per row: batch-invariant)."""
     hk, hv, dk, dv = heads
     n, c = qkv.shape
@@ -103,7 +106,8 @@ def _gated_delta_torch(qkv, a, b, conv_wt, A, dt_bias, heads, conv_in, state_in,
         q, kk, v = y.split((hk * dk, hk * dk, hv * dv))
         q = q.view(hk, dk) * torch.rsqrt((q.view(hk, dk) ** 2).sum(-1, keepdim=True) + _EPS) * dk ** -0.5
         kk = kk.view(hk, dk) * torch.rsqrt((kk.view(hk, dk) ** 2).sum(-1, keepdim=True) + _EPS)
-        q, kk, v = q.repeat_interleave(rep, 0), kk.repeat_interleave(rep, 0), v.view(hv, dv)
+        spread = (lambda x: x.repeat(rep, 1)) if v_tiled else (lambda x: x.repeat_interleave(rep, 0))
+        q, kk, v = spread(q), spread(kk), v.view(hv, dv)
         decay = torch.exp(A * F.softplus(a[t] + dt_bias))  # [Hv]
         beta = torch.sigmoid(b[t])
         S = S * decay[:, None, None]

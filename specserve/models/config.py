@@ -44,6 +44,7 @@ class ModelConfig:
     deltanet: DeltaNetConfig | None = None  # the linear-attention layers' shapes (hybrid models)
     rotary_dim: int = 0  # rotated dims of a head (partial rotary); 0 = head_dim
     attn_output_gate: bool = False  # q projection twice as wide: a sigmoid gate on the attention output
+    mtp_layers: int = 0  # multi-token-prediction layers shipped in the checkpoint (mtp.*, GGUF nextn)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

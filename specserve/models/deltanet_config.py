@@ -16,6 +16,9 @@ class DeltaNetConfig:
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int = 4
+    # value heads in llama.cpp's tiled order (v head h reads k head h % num_k_heads) instead of the
+    # checkpoint's grouped order (h // (num_v_heads / num_k_heads)): its converter reorders them
+    v_tiled: bool = False
 
     def __post_init__(self) -> None:
         if min(self.num_k_heads, self.num_v_heads, self.k_head_dim, self.v_head_dim, self.conv_kernel) < 1:

@@ -25,8 +25,8 @@ from specserve.models.transformer import MLP, ForwardBatch, KVCache, LayerWeight
 from specserve.models.weights import RawTensor
 
 ATTN_TENSORS = ("attn_norm", "q", "k", "v", "o", "q_norm", "k_norm")
-LINEAR_TENSORS = ("attn_norm", "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_conv1d", "ssm_dt",
-                  "ssm_norm", "ssm_out")
+LINEAR_TENSORS = ("attn_norm", "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_conv1d", "ssm_norm",
+                  "ssm_out")  # and ssm_a or ssm_a_log, ssm_dt or ssm_dt_bias
 MLP_TENSORS = ("ffn_norm", "gate", "up", "down")
 
 
@@ -97,10 +97,10 @@ class GatedDeltaNet:
         if conv.shape[1] != dn.conv_kernel:
             raise ModelLoadError(f"layer {lw.i}: conv1d has {conv.shape[1]} taps, the config says {dn.conv_kernel}")
         self.conv_wt = conv.t().contiguous()  # [K, C]
-        name = f"layers.{lw.i}.ssm_a"
-        self.A = lw.vec("ssm_a") if name in lw.w else -torch.exp(lw.vec("ssm_a_log"))  # GGUF stores -exp(A_log)
+        has = lambda n: f"layers.{lw.i}.{n}" in lw.w  # noqa: E731
+        self.A = lw.vec("ssm_a") if has("ssm_a") else -torch.exp(lw.vec("ssm_a_log"))  # GGUF stores -exp(A_log)
         self.A = self.A.reshape(-1).contiguous()
-        self.dt_bias = lw.vec("ssm_dt").reshape(-1).contiguous()
+        self.dt_bias = lw.vec("ssm_dt" if has("ssm_dt") else "ssm_dt_bias").reshape(-1).contiguous()
         self.norm, self.out = lw.vec("ssm_norm").reshape(-1), lw.lin("ssm_out")
         if self.norm.numel() != dn.v_head_dim:
             raise ModelLoadError(f"layer {lw.i}: the gated norm has {self.norm.numel()} weights, the value "
@@ -131,7 +131,8 @@ class GatedDeltaNet:
             core[r0:r1] = ops.gated_delta(
                 qkv[r0:r1], a[r0:r1], b[r0:r1], self.conv_wt, self.A, self.dt_bias, heads,
                 None if read < 0 else conv[slot, read], None if read < 0 else ssm[slot, read],
-                [None if p < 0 else conv[slot, p] for p in writes], [None if p < 0 else ssm[slot, p] for p in writes])
+                [None if p < 0 else conv[slot, p] for p in writes], [None if p < 0 else ssm[slot, p] for p in writes],
+                v_tiled=dn.v_tiled)
         normed = rms_norm(core.view(-1, dn.v_head_dim), self.norm, model.cfg.rms_eps)  # [T * Hv, dv]
         gated = act_mul(z.reshape(-1, dn.v_head_dim).contiguous(), normed, "silu")  # silu(z) * norm(o) w
         return self.out(gated.view(t_len, dn.value_dim))
@@ -161,8 +162,10 @@ class HybridTransformer(Transformer):
 
     def build_layers(self, cfg, tensors, quant, device, dtype) -> list[HybridLayer]:
         for i in cfg.linear_layers:
-            if f"layers.{i}.ssm_a" not in tensors and f"layers.{i}.ssm_a_log" not in tensors:
-                raise ModelLoadError(f"checkpoint is missing layer {i}'s A_log (ssm_a)")
+            for names in (("ssm_a", "ssm_a_log"), ("ssm_dt", "ssm_dt_bias")):
+                if not any(f"layers.{i}.{n}" in tensors for n in names):
+                    raise ModelLoadError(f"checkpoint is missing tensor layers.{i}.{names[0]} "
+                                         f"({'A_log' if names[0] == 'ssm_a' else 'dt_bias'})")
         return [HybridLayer(cfg, i, tensors, quant, device, dtype) for i in range(cfg.num_layers)]
 
     def fused_stack(self, batch, kv):

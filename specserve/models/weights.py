@@ -104,12 +104,13 @@ def open_gguf(path: Path):
         raise ModelLoadError(f"cannot read GGUF file {path}: corrupt or truncated ({type(exc).__name__}: {exc})") from exc
 
 
-def _gguf_name(name: str) -> str | None:
+def _gguf_name(name: str, fam: ModelFamily | None = None) -> str | None:
     base = name.removesuffix(".weight").removesuffix(".bias")
     suffix = "_bias" if name.endswith(".bias") else ""
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in GGUF_LAYER:
-        return f"layers.{m.group(1)}.{GGUF_LAYER[m.group(2)]}{suffix}"
+    m = re.fullmatch(r"blk\.(\d+)\.([\w.]+)", base)
+    if m:
+        local = fam.gguf_layer_name(m.group(2)) if fam is not None else GGUF_LAYER.get(m.group(2))
+        return None if local is None else f"layers.{m.group(1)}.{local}{suffix}"
     return GGUF_TOP.get(base)
 
 
@@ -123,10 +124,11 @@ def check_tensor_types(reader) -> None:
 
 
 def read_gguf_tensors(reader, arch: str, num_heads: int, num_kv_heads: int) -> dict[str, RawTensor]:
-    permute_qk = family(arch).gguf_permute_qk
+    fam = family(arch)
+    permute_qk = fam.gguf_permute_qk
     out: dict[str, RawTensor] = {}
     for t in reader.tensors:
-        name = _gguf_name(t.name)
+        name = _gguf_name(t.name, fam)
         if name is None:
             continue
         qtype = t.tensor_type.name

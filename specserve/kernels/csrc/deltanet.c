@@ -89,13 +89,14 @@ static void SS_NOCONTRACT dn_head(float *S, const float *y, int64_t C, int64_t n
 /* qkv [n, C] (row stride ld_qkv) with C = 2 Hk dk + Hv dv: q heads, k heads, v heads; a, b [n, Hv]
  * (row stride ld_ab); conv_wt [K, C]; A (= -exp(A_log)), dt_bias [Hv]; conv_in [K-1, C] and
  * state_in [Hv, dk, dv] (NULL: zeros); conv_out / state_out: n pointers each (or NULL), row t's
- * entry non-NULL to receive the window / state after row t; out [n, Hv, dv]. */
+ * entry non-NULL to receive the window / state after row t; out [n, Hv, dv]. v_tiled: value head h
+ * reads key head h % Hk (llama.cpp's tiled order), else h / (Hv / Hk) (grouped, as checkpoints). */
 SS_EXPORT int SS_NOCONTRACT ss_gated_delta(int64_t n, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t K,
                                            const float *qkv, int64_t ld_qkv, const float *a, const float *b,
                                            int64_t ld_ab, const float *conv_wt, const float *A,
                                            const float *dt_bias, const float *conv_in, const float *state_in,
                                            float *const *conv_out, float *const *state_out, float *out,
-                                           int nthreads) {
+                                           int v_tiled, int nthreads) {
     if (n < 0 || Hk <= 0 || Hv <= 0 || Hv % Hk || dk <= 0 || dv <= 0 || K < 1) return SS_EINVAL;
     const int64_t C = 2 * Hk * dk + Hv * dv, W = K - 1;
     if (ld_qkv < C || ld_ab < Hv) return SS_EINVAL;
@@ -143,7 +144,7 @@ SS_EXPORT int SS_NOCONTRACT ss_gated_delta(int64_t n, int64_t Hk, int64_t Hv, in
             if (!S) continue;
             if (state_in) memcpy(S, state_in + h * S_len, (size_t)S_len * sizeof(float));
             else memset(S, 0, (size_t)S_len * sizeof(float));
-            const int64_t kh = h / rep;
+            const int64_t kh = v_tiled ? h % Hk : h / rep; /* llama.cpp's order / the checkpoint's */
             dn_head(S, y, C, n, dk, dv, kh * dk, (Hk + kh) * dk, 2 * Hk * dk + h * dv, decay + h, beta + h, Hv,
                     out + h * dv, Hv * dv, state_out, h * S_len, S + S_len);
         }

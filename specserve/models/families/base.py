@@ -43,6 +43,7 @@ class ModelFamily:
     gguf_fields: ConfigHook = _no_fields  # read(key) gets "{arch}.{key}" from the GGUF metadata
     hf_fields: ConfigHook = _no_fields  # read(key) gets a config.json key
     hf_layer_names: Mapping[str, str] = field(default_factory=dict)  # added to / overriding HF_LAYER
+    gguf_layer_names: Mapping[str, str] = field(default_factory=dict)  # added to / overriding GGUF_LAYER
     gguf_permute_qk: bool = False  # llama.cpp's converter permutes llama's q/k rows for its rope
     hf_norm_offset: float = 0.0  # Gemma's norms are (1 + w) in safetensors; GGUF files folded the 1 in
     hf_norm_offset_skip: tuple[str, ...] = ()  # norms (name suffixes) that are plain w all the same
@@ -51,6 +52,9 @@ class ModelFamily:
 
     def hf_layer_name(self, part: str) -> str | None:
         return self.hf_layer_names.get(part) or HF_LAYER.get(part)
+
+    def gguf_layer_name(self, part: str) -> str | None:
+        return self.gguf_layer_names.get(part) or GGUF_LAYER.get(part)
 
 
 _REGISTRY: dict[str, ModelFamily] = {}

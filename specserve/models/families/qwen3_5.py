@@ -37,9 +37,33 @@ def _hf_fields(read, kw: dict) -> dict:
     tie = read("tie_word_embeddings")
     return dict(layer_types=hybrid_layer_types(kw["num_layers"], read("layer_types"), read("full_attention_interval")),
                 deltanet=deltanet, rotary_dim=int(kw["head_dim"] * float(partial)), attn_output_gate=True,
-                qk_norm=True, tie_embeddings=bool(tie))
+                qk_norm=True, tie_embeddings=bool(tie), mtp_layers=int(read("mtp_num_hidden_layers") or 0))
+
+
+# llama.cpp's names (its converter folded the norms' 1 in, stores -exp(A_log) as ssm_a, and puts
+# the value heads in tiled order); post_attention_norm is the pre-MLP norm in this architecture
+GGUF_HYBRID = {n: n for n in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_conv1d", "ssm_a", "ssm_dt",
+                              "ssm_norm", "ssm_out")}
+GGUF_HYBRID["post_attention_norm"] = "ffn_norm"
+
+
+def _gguf_fields(read, kw: dict) -> dict:
+    nextn = int(read("nextn_predict_layers") or 0)  # MTP layers, counted in block_count
+    n = kw["num_layers"] - nextn
+    need = ("ssm.group_count", "ssm.time_step_rank", "ssm.state_size", "ssm.inner_size", "ssm.conv_kernel")
+    missing = [k for k in need if read(k) is None]
+    if missing:
+        raise ModelLoadError(f"GGUF of a hybrid model lacks qwen35.{', qwen35.'.join(missing)}")
+    hk, hv, dk, inner, kernel = (int(read(k)) for k in need)
+    recurrent = read("attention.recurrent_layers")
+    types = (tuple("linear_attention" if r else "full_attention" for r in list(recurrent)[:n]) if recurrent
+             else hybrid_layer_types(n, None, read("full_attention_interval")))
+    return dict(num_layers=n, layer_types=types, qk_norm=True, attn_output_gate=True,
+                deltanet=DeltaNetConfig(hk, hv, dk, inner // hv, kernel, v_tiled=hk != hv),
+                rotary_dim=int(read("rope.dimension_count") or kw["head_dim"] // 4), mtp_layers=nextn)
 
 
 QWEN3_5 = register(ModelFamily(
-    "qwen35", ("qwen3_5", "qwen3_5_text"), hf_fields=_hf_fields, hf_layer_names=HF_LINEAR_ATTN,
-    hf_norm_offset=1.0, hf_norm_offset_skip=("ssm_norm",), hf_default_rope_theta=1e7))
+    "qwen35", ("qwen3_5", "qwen3_5_text"), gguf_fields=_gguf_fields, hf_fields=_hf_fields,
+    hf_layer_names=HF_LINEAR_ATTN, gguf_layer_names=GGUF_HYBRID, hf_norm_offset=1.0,
+    hf_norm_offset_skip=("ssm_norm",), hf_default_rope_theta=1e7))

@@ -1,0 +1,93 @@
+"""Make the committed llama.cpp oracle of the hybrid model tests (tests/test_hybrid_gguf.py).
+
+    python tests/data/make_tiny_qwen35.py
+
+1. the tiny random Qwen3.5 checkpoint of tests/tiny_models.py (its mtp.* tensors included) is
+   saved under tests/data/tiny_qwen35/hf;
+2. llama.cpp's own ``convert_hf_to_gguf.py`` (from the llama-cpp-python sdist, the source the
+   native benchmark builds) converts it to F32 and Q8_0 GGUF, MTP head included; its tokenizer
+   pre-tokenizer check does not know the tests' byte-level vocabulary, so the conversion declares
+   it 'qwen2' (only token ids are compared);
+3. native ``llama-server`` (benchmarks/native_llamacpp.py builds it) generates 32 greedy tokens
+   for each prompt of token ids on each file; they go into llama_cpp_tokens.json.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+OUT = HERE / "tiny_qwen35"
+PROMPTS = [[(7 * i + 3 * j * j) % 256 for j in range(12 + 9 * i)] for i in range(4)]
+TOKENS = 32
+
+
+def convert(src: Path, outtype: str) -> Path:
+    out = OUT / f"tiny-qwen35-{outtype}.gguf"
+    code = (f"import runpy, sys; sys.path[:0] = [{str(src)!r}, {str(src / 'gguf-py')!r}]\n"
+            "import conversion.base as b\n"
+            "for c in vars(b).values():\n"
+            "    if isinstance(c, type) and hasattr(c, 'get_vocab_base_pre'):\n"
+            "        c.get_vocab_base_pre = lambda self, tokenizer: 'qwen2'\n"
+            f"sys.argv = ['convert_hf_to_gguf.py', {str(OUT / 'hf')!r}, '--outfile', {str(out)!r}, "
+            f"'--outtype', {outtype!r}]\n"
+            f"runpy.run_path({str(src / 'convert_hf_to_gguf.py')!r}, run_name='__main__')\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return out
+
+
+def llama_cpp_tokens(server: Path, gguf: Path) -> list[list[int]]:
+    from specserve.bench.serverproc import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([str(server), "-m", str(gguf), "--port", str(port), "-t", "2", "-c", "1024",
+                             "--no-warmup"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            for _ in range(120):
+                try:
+                    if http.get("/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+            out = []
+            for p in PROMPTS:
+                r = http.post("/completion", json={"prompt": p, "n_predict": TOKENS, "temperature": 0.0,
+                                                   "top_k": 1, "ignore_eos": True, "cache_prompt": False,
+                                                   "return_tokens": True})
+                r.raise_for_status()
+                out.append(r.json()["tokens"])
+            return out
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    from native_llamacpp import build_native, native_dir
+    from tiny_models import make_tiny_hybrid
+
+    make_tiny_hybrid(OUT / "hf")
+    bindir = build_native()
+    src = native_dir() / "src"
+    record = {"prompts": PROMPTS, "tokens": TOKENS, "llama_cpp": str(native_dir().name), "files": {}}
+    for outtype in ("f32", "q8_0"):
+        gguf = convert(src, outtype)
+        record["files"][gguf.name] = llama_cpp_tokens(bindir / "llama-server", gguf)
+    (OUT / "llama_cpp_tokens.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps(record["files"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
