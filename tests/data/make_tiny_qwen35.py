@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-import runpy
 import subprocess
 import sys
 import time
