@@ -34,6 +34,7 @@ from specserve.models.loader import load_model  # noqa: E402
 from specserve.speculative.config import SpeculativeConfig  # noqa: E402
 from specserve.speculative.draft_model import DraftModelDrafter  # noqa: E402
 from specserve.speculative.drafter import Drafter, Proposal  # noqa: E402
+from specserve.speculative.mtp import MTPDrafter  # noqa: E402
 from specserve.speculative.ngram import NgramDrafter  # noqa: E402
 from specserve.speculative.suffix import SuffixDrafter  # noqa: E402
 from tiny_models import FP32, make_tiny_target  # noqa: E402
@@ -183,6 +184,8 @@ def _drafters(draft):
         "suffix": lambda: (SpeculativeConfig("suffix", num_speculative_tokens=3), SuffixDrafter(16, 3)),
         "draft_model": lambda: (SpeculativeConfig("draft_model", num_speculative_tokens=5, model="x"),
                                 DraftModelDrafter(draft, 200, 8, 256)),
+        "mtp": lambda: (SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False),
+                        MTPDrafter.load(None, load_model(str(DATA / "hf"), FP32))),
     }
 
 
@@ -192,7 +195,7 @@ def _repetitive(seed: int) -> list[int]:
     return (unit * 12)[:rnd.randrange(20, 60)]
 
 
-@pytest.mark.parametrize("method", ["oracle", "ngram", "suffix", "draft_model"])
+@pytest.mark.parametrize("method", ["oracle", "ngram", "suffix", "draft_model", "mtp"])
 def test_speculation_is_lossless_alone_and_in_a_batch_of_8(hybrid, draft, method):
     ours, _ = hybrid
     prompts = [_repetitive(s) if s % 2 else _prompt(s, 30 + s) for s in range(8)]
@@ -323,6 +326,101 @@ def test_gguf_of_another_architecture_names_it(tmp_path):
     w.close()
     with pytest.raises(ModelLoadError, match="ssm.group_count"):
         load_model(str(tmp_path / "bad.gguf"), FP32)
+
+
+# ---- the checkpoint's own MTP head -----------------------------------------------------------
+def _reference_mtp_logits(hf, ids: list[int]) -> torch.Tensor:
+    """The MTP head (mtp.* of the checkpoint) in transformers' own Qwen3.5 modules: row i reads
+    token i's embedding and the target's final-normed hidden state at i - 1, through its norms,
+    fc, one gated-attention decoder layer (causal over its rows), its norm and the LM head."""
+    from safetensors.torch import load_file
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+
+    w = {k[4:]: v for k, v in load_file(str(DATA / "hf" / "model.safetensors")).items() if k.startswith("mtp.")}
+    cfg = hf.config
+    layer = Qwen3_5DecoderLayer(cfg, cfg.layer_types.index("full_attention")).eval()
+    layer.load_state_dict({k[len("layers.0."):]: v for k, v in w.items() if k.startswith("layers.0.")})
+    norms = {}
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[n] = Qwen3_5RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norms[n].load_state_dict({"weight": w[f"{n}.weight"]})
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        h = hf.model(x).last_hidden_state  # after the final norm
+        e = hf.model.embed_tokens(x)
+        z = torch.cat([norms["pre_fc_norm_embedding"](e[:, 1:]), norms["pre_fc_norm_hidden"](h[:, :-1])], -1)
+        z = z @ w["fc.weight"].T
+        pos = torch.arange(1, len(ids))[None]
+        n = len(ids) - 1
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        out = layer(z, hf.model.rotary_emb(z, pos), attention_mask=mask, position_ids=pos)
+        return hf.lm_head(norms["norm"](out))[0]  # [n, V]: row j predicts token j + 2
+
+
+@pytest.mark.parametrize("source", ["hf", "tiny-qwen35-f32.gguf"])
+def test_checkpoint_mtp_head_matches_transformers_modules(hybrid, source):
+    """The head read from the safetensors (mtp.*, zero-centred norms) or from llama.cpp's GGUF
+    (blk.4.nextn.*, norms folded) computes what transformers' modules compute."""
+    ours, hf = hybrid
+    ids = _prompt(7, 30)
+    ref = _reference_mtp_logits(hf, ids)
+    target = load_model(str(DATA / source), FP32)
+    head = MTPDrafter.load(None, target).model
+    assert head.cfg.output_gate and head.cfg.rotary_dim == 8
+    eng = _engine(target)
+    eng.add_request("a", ids, SamplingParams(max_tokens=1))
+    eng.scheduler.admit()
+    rows = eng.scheduler.schedule(drafting=False)
+    batch = eng.runner.batch(rows)
+    hidden = target.model.forward(batch, eng.kv).final_hidden  # [T, H] after the final norm
+    with torch.no_grad():
+        emb = target.model.embed(torch.tensor(ids[1:]))[None]
+        n = len(ids) - 1
+        causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
+        g, _ = head(emb, hidden[None, :-1], torch.arange(1, len(ids))[None], None, None, causal)
+        got = target.model.logits(head.out_norm(g)[0])
+    assert (got - ref).abs().max() <= RTOL * ref.abs().max()
+
+
+def test_trained_mtp_head_keeps_the_sampling_distribution(hybrid, tmp_path):
+    """train-drafter --method mtp on the hybrid target: greedy stays lossless, its mean acceptance
+    length is what the training reports, and at temperature > 0 the joint distribution of the
+    first three tokens is the target's exact one."""
+    import subprocess
+    import sys
+
+    from test_suffix import sampled_joint_pvalue
+
+    ours, _ = hybrid
+    prompts = tmp_path / "p.json"
+    rnd = random.Random(0)
+    prompts.write_text(json.dumps([{"prompt": "".join(rnd.choice("abcdefgh ") for _ in range(rnd.randrange(20, 60)))}
+                                   for _ in range(40)]))
+    out = subprocess.run([sys.executable, "-m", "specserve", "train-drafter", "--model", str(DATA / "hf"), "--method",
+                          "mtp", "--out", str(tmp_path / "mtp"), "--prompts", str(prompts), "--steps", "150",
+                          "--max-new-tokens", "48", "--batch", "8", "--seq-len", "96", "--quantization", "none"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "final validation mean acceptance length" in out.stderr + out.stdout
+    spec = SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False, model=str(tmp_path / "mtp"))
+    eng = _engine(ours, spec, MTPDrafter.load(str(tmp_path / "mtp"), ours), max_num_seqs=32)
+    prompts = [_repetitive(s) for s in range(8)]
+    assert _greedy(eng, prompts, 24) == _greedy(_engine(ours, max_num_seqs=8), prompts, 24)
+    assert eng.totals.accepted_tokens > 0
+    assert sampled_joint_pvalue(eng, ours, [11, 12, 13, 14] * 5, 1000) > 0.001
+
+
+def test_mtp_without_mtp_tensors_fails_at_start_up(hybrid, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from specserve.errors import SpecserveError
+
+    dst, _ = _copy(hybrid, tmp_path)
+    f = dst / "model.safetensors"
+    save_file({k: v for k, v in load_file(str(f)).items() if not k.startswith("mtp.")}, str(f),
+              metadata={"format": "pt"})
+    with pytest.raises(SpecserveError, match="ships no MTP head"):
+        MTPDrafter.load(None, load_model(str(dst), FP32))
 
 
 # ---- bad checkpoints -------------------------------------------------------------------------

@@ -35,14 +35,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP; attention over (extra keys/values ++ own rows) with a mask."""
+    """Pre-norm attention + SwiGLU MLP; attention over (extra keys/values ++ own rows) with a mask.
+
+    output_gate (Qwen3.5's gated attention): the q projection gives each head its query then a
+    gate, and the attention output is multiplied by sigmoid(gate); rotary_dim: rope on the first
+    rotary_dim dims of each head only (0 = all)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
-                 theta: float, qk_norm: bool = False, qkv_bias: bool = False):
+                 theta: float, qk_norm: bool = False, qkv_bias: bool = False, output_gate: bool = False,
+                 rotary_dim: int = 0):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.eps, self.theta = heads, kv_heads, head_dim, eps, theta
+        self.output_gate, self.rotary_dim = output_gate, rotary_dim or head_dim
         self.attn_norm = nn.Parameter(torch.ones(hidden))
-        self.q = nn.Linear(hidden, heads * head_dim, bias=qkv_bias)
+        self.q = nn.Linear(hidden, heads * head_dim * (2 if output_gate else 1), bias=qkv_bias)
         self.k = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
         self.v = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
         self.o = nn.Linear(heads * head_dim, hidden, bias=False)
@@ -61,8 +67,14 @@ class DecoderLayer(nn.Module):
         v = self.v(h).unflatten(-1, (self.kv_heads, self.head_dim))
         if self.qk_norm:
             k = rms(k, self.k_norm, self.eps)
-        cos, sin = rope_tables(self.head_dim, self.theta, positions)
-        return apply_rope(k, cos, sin), v
+        return self.rotate(k, positions), v
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        rd = self.rotary_dim
+        cos, sin = rope_tables(rd, self.theta, positions)
+        if rd == self.head_dim:
+            return apply_rope(x, cos, sin)
+        return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, extra_k: torch.Tensor | None,
                 extra_v: torch.Tensor | None, mask: torch.Tensor | None, return_kv: bool = False):
@@ -70,11 +82,11 @@ class DecoderLayer(nn.Module):
         mask: [b, T, C + T] bool (True = may attend) or None (everything).
         Returns x [b, T, H], plus the rows' own (k, v) with return_kv."""
         h = rms(x, self.attn_norm, self.eps)
-        q = self.q(h).unflatten(-1, (self.heads, self.head_dim))
+        q = self.q(h).unflatten(-1, (self.heads, -1))  # [b, T, heads, D or 2D]
+        q, gate = (q[..., :self.head_dim], q[..., self.head_dim:]) if self.output_gate else (q, None)
         if self.qk_norm:
             q = rms(q, self.q_norm, self.eps)
-        cos, sin = rope_tables(self.head_dim, self.theta, positions)
-        q = apply_rope(q, cos, sin)
+        q = self.rotate(q, positions)
         k, v = self.kv(h, positions)
         own = (k, v)
         if extra_k is not None:
@@ -84,7 +96,10 @@ class DecoderLayer(nn.Module):
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None])
-        x = x + self.o(attn.transpose(1, 2).flatten(-2))
+        attn = attn.transpose(1, 2)  # [b, T, heads, D]
+        if gate is not None:
+            attn = attn * torch.sigmoid(gate)
+        x = x + self.o(attn.flatten(-2))
         h = rms(x, self.ffn_norm, self.eps)
         x = x + self.down(F.silu(self.gate(h)) * self.up(h))
         return (x, own) if return_kv else x

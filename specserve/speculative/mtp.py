@@ -74,6 +74,8 @@ class MTPConfig:
     training: dict = field(default_factory=dict)
     source: str = "trained"  # "trained" | the checkpoint the head came from
     drafter: str = "mtp"
+    output_gate: bool = False  # gated attention (Qwen3.5's heads)
+    rotary_dim: int = 0  # partial rotary (0 = the whole head)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -100,7 +102,8 @@ class MTPModel(nn.Module):
         self.hnorm = nn.Parameter(torch.ones(H))
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.layer = DecoderLayer(H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                                  cfg.rms_eps, cfg.rope_theta, cfg.qk_norm, cfg.qkv_bias)
+                                  cfg.rms_eps, cfg.rope_theta, cfg.qk_norm, cfg.qkv_bias, cfg.output_gate,
+                                  cfg.rotary_dim)
         self.norm = nn.Parameter(torch.ones(H))
 
     def init_weights(self, final_norm: torch.Tensor | None, seed: int) -> None:
@@ -172,7 +175,7 @@ _GGUF_LAYER = {
 _UNSUPPORTED = re.compile(r"(q_a_proj|kv_a_proj|kv_b_proj|experts|mlp\.gate\.weight$|shared_expert|_exps\b|"
                           r"ffn_gate_inp|attn_kv_a)")
 # Qwen3-Next style checkpoints store norms as (w - 1) ("zero-centred"): add 1 back
-_OFFSET_NORMS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma3_text")
+_OFFSET_NORMS = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "gemma3", "gemma3_text")
 
 
 def _map_hf_name(key: str, n_layers: int | None) -> str | None:
@@ -237,7 +240,9 @@ def _read_gguf_mtp(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
             continue
         if _UNSUPPORTED.search(t.name):
             raise SpecserveError(f"MTP tensor {t.name}: MLA / mixture-of-experts MTP layers are not supported")
-        name = _GGUF_LAYER.get(m.group(1))
+        part = m.group(1)
+        own = families().get(arch).gguf_layer_name(part) if arch in families() else None  # the family's names
+        name = f"layer.{own}" if own in _LAYER_PARAMS else _GGUF_LAYER.get(part)
         if name is None:
             continue
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
@@ -280,10 +285,11 @@ def config_from_state(state: dict[str, torch.Tensor], target: LoadedModel, sourc
     if tuple(state["eh_proj.weight"].shape) != (H, 2 * H):
         raise SpecserveError(f"MTP head in {source}: eh_proj is {tuple(state['eh_proj.weight'].shape)}, "
                              f"expected {(H, 2 * H)} for {target.name}")
-    head_dim = c.head_dim
-    return MTPConfig(H, state["layer.q.weight"].shape[0] // head_dim, state["layer.k.weight"].shape[0] // head_dim,
-                     head_dim, state["layer.gate.weight"].shape[0], c.rms_eps, c.rope_theta,
-                     "layer.q_norm" in state, "layer.q.bias" in state, target=target_identity(target), source=source)
+    head_dim, gated = c.head_dim, c.attn_output_gate  # a hybrid target's MTP layer is its gated attention
+    return MTPConfig(H, state["layer.q.weight"].shape[0] // (head_dim * (2 if gated else 1)),
+                     state["layer.k.weight"].shape[0] // head_dim, head_dim, state["layer.gate.weight"].shape[0],
+                     c.rms_eps, c.rope_theta, "layer.q_norm" in state, "layer.q.bias" in state,
+                     target=target_identity(target), source=source, output_gate=gated, rotary_dim=c.rotary_dim)
 
 
 # ---- the drafter ------------------------------------------------------------------------------

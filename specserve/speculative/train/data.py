@@ -102,6 +102,7 @@ def capture_hidden(target, seqs: list[list[int]], layers: tuple[int, ...], final
     final norm is applied (one layer). progress: called with a line at every tenth of the tokens."""
     from specserve.models.layers import rms_norm
     from specserve.engine.model_runner import BatchEntry, build_forward_batch
+    from specserve.models.hybrid import RecurrentStates
     from specserve.models.transformer import KVCache
 
     model, cfg = target.model, target.config
@@ -118,9 +119,12 @@ def capture_hidden(target, seqs: list[list[int]], layers: tuple[int, ...], final
             i += 1
         blocks = [-(-len(seqs[g]) // bs) for g in group]
         kv = KVCache.allocate(cfg, sum(blocks), bs, model.dtype, dev)
+        if cfg.hybrid:  # every sequence starts from the zero state; no state is kept
+            kv.states = RecurrentStates.allocate(cfg, 1, 1, dev)
         entries, base = [], 0
         for g, nb in zip(group, blocks):  # each sequence's blocks follow the previous one's
-            entries.append(BatchEntry(seqs[g], 0, [list(range(base, base + nb))]))
+            state = (0, -1, [-1] * len(seqs[g])) if cfg.hybrid else None
+            entries.append(BatchEntry(seqs[g], 0, [list(range(base, base + nb))], state))
             base += nb
         batch = build_forward_batch(entries, bs, max(blocks), [sum(len(seqs[g]) for g in group) - 1], dev,
                                     hidden_layers=tuple(layers))
