@@ -225,9 +225,32 @@ def test_chunked_prefill_and_batch_invariance(hybrid, kv_dtype):
     assert chunked == alone
 
 
+def test_prefix_cache_hits_restore_state_checkpoints(hybrid):
+    """A long shared system prompt is a cache hit up to the last state checkpoint inside it (one
+    every 512 tokens, and at each prompt's last full block); a follow-up turn hits the previous
+    prompt's last full block. Outputs equal those without prefix caching."""
+    ours, _ = hybrid
+    system = _prompt(90, 600)
+    a, b = system + _prompt(91, 40), system + _prompt(92, 30)
+    off = _engine(ours, max_model_len=1024, enable_prefix_caching=False)
+    want = [_greedy_one(off, p, 16, f"o{i}") for i, p in enumerate((a, b))]
+    eng = _engine(ours, max_model_len=1024)
+    outs = []
+    for i, p in enumerate((a, b)):
+        res = list(eng.generate(p, SamplingParams(max_tokens=16, ignore_eos=True), request_id=f"c{i}"))
+        outs.append(([t for o in res for t in o.new_token_ids], res[-1].cached_tokens))
+    assert [o[0] for o in outs] == want
+    assert outs[0][1] == 0 and outs[1][1] == 512  # the checkpoint at 512 of the 592 shared full-block tokens
+    turn2 = a + want[0] + _prompt(93, 20)
+    res = list(eng.generate(turn2, SamplingParams(max_tokens=16, ignore_eos=True), request_id="t2"))
+    assert [t for o in res for t in o.new_token_ids] == _greedy_one(off, turn2, 16, "o-t2")
+    assert res[-1].cached_tokens == len(a) // 16 * 16  # the last full block of the first turn's prompt
+    assert eng.cache.idle()
+
+
 def test_random_traffic_keeps_outputs_and_frees_state_slots(hybrid, draft):
     ours, _ = hybrid
-    ref, preempted = _engine(ours, max_num_seqs=4), 0
+    ref, preempted, hits, eng_cached = _engine(ours, max_num_seqs=4, enable_prefix_caching=False), 0, 0, {}
     for trial in range(3):
         rnd = random.Random(trial)
         method = ("ngram", "draft_model", "suffix")[trial]
@@ -238,10 +261,12 @@ def test_random_traffic_keeps_outputs_and_frees_state_slots(hybrid, draft):
         eng = _engine(ours, spec, drafter, max_num_seqs=seqs, max_model_len=96, block_size=8,
                       max_num_batched_tokens=rnd.choice([8, 24]), max_step_ms=0, kv_cache_memory=memory)
         reqs, got, aborted = {}, {}, set()
+        bases = [_repetitive(trial), _prompt(50 + trial, 60)]
         while len(reqs) < 10 or eng.has_work():
             if len(reqs) < 10 and rnd.random() < 0.5:
                 rid = f"t{trial}-{len(reqs)}"
-                ids = _repetitive(rnd.randrange(99)) if rnd.random() < 0.5 else _prompt(rnd.randrange(99), 20)
+                base = bases[rnd.randrange(len(bases))]  # shared prefixes: prefix-cache hits and checkpoints
+                ids = base[:rnd.randrange(8, len(base))] + _prompt(rnd.randrange(99), rnd.randrange(1, 12))
                 reqs[rid], got[rid] = (ids, rnd.randrange(1, 30)), []
                 eng.add_request(rid, ids, SamplingParams(max_tokens=reqs[rid][1], ignore_eos=True))
             if reqs and rnd.random() < 0.03:
@@ -250,12 +275,14 @@ def test_random_traffic_keeps_outputs_and_frees_state_slots(hybrid, draft):
                     aborted.add(rid)
             for out in eng.step():
                 got[out.request_id] += out.new_token_ids
+                eng_cached[out.request_id] = out.cached_tokens
         for rid, (ids, n) in reqs.items():
             if rid not in aborted:
                 assert got[rid] == _greedy_one(ref, ids, n, f"ref-{rid}"), rid
         assert eng.cache.idle()
         preempted += eng.num_preemptions
-    assert preempted > 0
+        hits += sum(1 for rid in reqs if eng_cached.get(rid))
+    assert preempted > 0 and hits > 0
 
 
 def _greedy_one(eng, ids, n, rid):
@@ -270,14 +297,15 @@ def test_memory_plan_counts_the_states(hybrid):
     plan = plan_for(ours, ecfg, spec, NgramDrafter(1, 3))
     dn = ours.config.deltanet
     per = 2 * ((dn.conv_kernel - 1) * dn.conv_dim + dn.num_v_heads * dn.k_head_dim * dn.v_head_dim) * 4
-    assert (plan.state_slots, plan.state_planes) == (4, 6)
-    assert plan.state_bytes == 4 * 6 * per
+    assert (plan.state_slots, plan.state_planes, plan.state_checkpoints) == (4, 6, 8)
+    assert plan.state_bytes == (4 * 6 + 8) * per
     assert plan.total_bytes >= plan.state_bytes + plan.pool_bytes
     # only the full-attention layers keep K/V
     assert plan.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
     eng = _engine(ours, spec, NgramDrafter(1, 3), max_num_seqs=3)
-    assert eng.kv.states.nbytes() == plan.state_bytes
-    assert not eng.cache.prefix_caching
+    assert eng.kv.states.nbytes() == plan.state_bytes and eng.cache.prefix_caching
+    off = plan_for(ours, EngineConfig(max_model_len=256, max_num_seqs=3, enable_prefix_caching=False), spec, None)
+    assert off.state_checkpoints == 0 and off.state_bytes == 4 * 6 * per
 
 
 # ---- GGUF: llama.cpp's converter and llama.cpp itself as the oracle ----------------------------

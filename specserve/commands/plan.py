@@ -41,14 +41,23 @@ def format_plan(plan, title: str = "memory plan") -> str:
         f"{title}: weights {_mib(plan.weight_bytes)}"
         + (f" + drafter {_mib(plan.drafter_bytes)}" if plan.drafter_bytes else "")
         + (f" + drafter KV {_mib(plan.drafter_kv_bytes)}" if plan.drafter_kv_bytes else "")
-        + f" + KV pool {_mib(plan.pool_bytes)} = {_mib(plan.total_bytes)}",
+        + f" + KV pool {_mib(plan.pool_bytes)}"
+        + (f" + recurrent states {_mib(plan.state_bytes)}" if plan.state_bytes else "")
+        + f" = {_mib(plan.total_bytes)}",
         f"  KV cache: {plan.kv_dtype}, {plan.kv_bytes_per_token:,} bytes/token"
         + (" (global layers only)" if plan.sliding_window else "")
+        + (" (full-attention layers only)" if plan.state_bytes else "")
         + f"; pool {plan.pool_tokens:,} tokens ({plan.num_blocks:,} blocks of {plan.block_size}; {source})",
     ]
     if plan.sliding_window:
         lines.append(f"  sliding-window layers: window {plan.sliding_window:,} tokens, fixed pool "
                      f"{_mib(plan.window_bytes)} ({plan.window_blocks:,} blocks, for --max-num-seqs {plan.max_num_seqs})")
+    if plan.state_bytes:
+        lines.append(f"  recurrent states (linear-attention layers, float32): {plan.state_slots} slots (--max-num-seqs "
+                     f"{plan.max_num_seqs} + 1) x {plan.state_planes} planes (the committed state and one snapshot "
+                     f"per row a step verifies)"
+                     + (f" + {plan.state_checkpoints} prefix-cache checkpoints" if plan.state_checkpoints else "")
+                     + f" = {_mib(plan.state_bytes)}, fixed")
     lines += [
         f"  max context for one sequence: {plan.max_context:,} tokens; at --max-model-len {plan.max_model_len:,}: "
         f"{conc:,} sequence{'s fit' if conc != 1 else ' fits'}"

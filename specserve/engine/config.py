@@ -74,6 +74,7 @@ class MemoryPlan:
     drafter_kv_bytes: int = 0  # a draft model's own KV pool (fixed size), inside drafter_bytes
     state_slots: int = 0  # hybrid models: recurrent-state slots (one per running sequence, plus one)
     state_planes: int = 0  # planes per slot: the committed state and one snapshot per row of a step
+    state_checkpoints: int = 0  # prefix caching: states kept at block boundaries
     state_bytes: int = 0  # all of them (fixed: they do not grow with the context)
 
     @property
@@ -109,7 +110,8 @@ class MemoryPlan:
             "concurrency_at_max_model_len": self.concurrency_at(self.max_model_len),
             "sliding_window": self.sliding_window, "window_blocks": self.window_blocks,
             "window_bytes": self.window_bytes, "drafter_kv_bytes": self.drafter_kv_bytes,
-            "state_slots": self.state_slots, "state_planes": self.state_planes, "state_bytes": self.state_bytes,
+            "state_slots": self.state_slots, "state_planes": self.state_planes,
+            "state_checkpoints": self.state_checkpoints, "state_bytes": self.state_bytes,
         }
 
 
@@ -137,14 +139,24 @@ def window_pool_blocks(cfg: ModelConfig, ecfg: EngineConfig, lookahead: int) -> 
     return ecfg.max_num_seqs * per_seq + -(-ecfg.max_num_batched_tokens // bs)
 
 
-def state_plan(cfg: ModelConfig, ecfg: EngineConfig, lookahead: int) -> tuple[int, int, int]:
-    """(slots, planes per slot, bytes) of a hybrid model's recurrent states: a slot per running
-    sequence plus one (start-up calibration), each holding the committed state and one snapshot
-    per row a step can verify (lookahead = 1 + draft tokens), in float32."""
+def state_plan(cfg: ModelConfig, ecfg: EngineConfig, lookahead: int) -> tuple[int, int, int, int]:
+    """(slots, planes per slot, checkpoints, bytes) of a hybrid model's recurrent states: a slot
+    per running sequence plus one (start-up calibration), each holding the committed state and one
+    snapshot per row a step can verify (lookahead = 1 + draft tokens), plus the prefix cache's
+    checkpoints, in float32."""
     if not cfg.hybrid:
-        return 0, 0, 0
-    slots, planes = ecfg.max_num_seqs + 1, 1 + lookahead
-    return slots, planes, slots * planes * len(cfg.linear_layers) * cfg.deltanet.state_floats * 4
+        return 0, 0, 0, 0
+    slots, planes, ckpts = ecfg.max_num_seqs + 1, 1 + lookahead, state_checkpoints(ecfg)
+    return slots, planes, ckpts, (slots * planes + ckpts) * len(cfg.linear_layers) * cfg.deltanet.state_floats * 4
+
+
+STATE_CHECKPOINT_EVERY = 512  # tokens between a hybrid model's prefix-cache state checkpoints in a prefill
+
+
+def state_checkpoints(ecfg: EngineConfig) -> int:
+    """Prefix-cache checkpoints of a hybrid model's states (0 without prefix caching): the state
+    every STATE_CHECKPOINT_EVERY tokens of a prompt and at its last full block, kept LRU."""
+    return max(8, 2 * ecfg.max_num_seqs) if ecfg.enable_prefix_caching else 0
 
 
 def available_memory(device: torch.device) -> int:
@@ -161,7 +173,7 @@ def available_memory(device: torch.device) -> int:
 def plan_memory(ecfg: EngineConfig, per_token: int, max_model_len: int, weight_bytes: int,
                 drafter_bytes: int, available: int, device_type: str, *, kv_dtype: str = "fp32",
                 total_memory: int | None = None, window: tuple[int, int, int] = (0, 0, 0),
-                drafter_kv_bytes: int = 0, states: tuple[int, int, int] = (0, 0, 0)) -> MemoryPlan:
+                drafter_kv_bytes: int = 0, states: tuple[int, int, int, int] = (0, 0, 0, 0)) -> MemoryPlan:
     """Size the KV pool; refuse when even one sequence at max_model_len cannot fit.
 
     The pool is ``--kv-cache-memory`` when given; else, with ``total_memory`` (the planner's
@@ -169,12 +181,12 @@ def plan_memory(ecfg: EngineConfig, per_token: int, max_model_len: int, weight_b
     available memory, at most what max_num_seqs sequences of max_model_len need (and at most
     CPU_DEFAULT_KV_CAP on the CPU). ``window`` = (sliding window, its blocks, their bytes): a
     fixed pool for sliding-window layers, taken from the budget before the growing pool; ``states``
-    = (slots, planes, bytes) of a hybrid model's recurrent states, fixed too."""
+    = (slots, planes, checkpoints, bytes) of a hybrid model's recurrent states, fixed too."""
     bs = ecfg.block_size
     blocks_one_seq = -(-max_model_len // bs)
     need = blocks_one_seq * bs * per_token
     weights = weight_bytes + drafter_bytes + drafter_kv_bytes  # the drafter's own KV pool is fixed too
-    fixed = window[2] + states[2]  # the sliding-window layers' pool, the recurrent states
+    fixed = window[2] + states[3]  # the sliding-window layers' pool, the recurrent states
     if ecfg.kv_cache_memory is not None:
         pool, source = ecfg.kv_cache_memory - fixed, "--kv-cache-memory"
     elif total_memory is not None:

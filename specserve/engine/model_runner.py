@@ -25,7 +25,8 @@ class BatchEntry:
     tokens: list[int]
     start: int  # position of tokens[0]
     tables: list[list[int]]  # block ids of each paged cache group (group 0: the growing pool)
-    state: tuple[int, int, list[int]] | None = None  # recurrent state: (slot, plane read or -1, plane per row or -1)
+    # recurrent state: (slot, plane read or -1, plane per row or -1, checkpoint read or -1, checkpoint per row or -1)
+    state: tuple | None = None
 
 
 def build_forward_batch(entries: list[BatchEntry], block_size: int, max_blocks: int, logit_rows: list[int],
@@ -47,11 +48,11 @@ def build_forward_batch(entries: list[BatchEntry], block_size: int, max_blocks: 
             tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
     paging = [(tables.to(device), torch.tensor(slots, dtype=torch.int64, device=device)) for slots, tables in groups]
     window = paging[1] if len(paging) > 1 else (None, None)
-    states = [None] * 3
+    states = [None] * 5
     if entries and entries[0].state is not None:
-        states = [torch.tensor([e.state[0] for e in entries], dtype=torch.int64),
-                  torch.tensor([e.state[1] for e in entries], dtype=torch.int64),
-                  torch.tensor([p for e in entries for p in e.state[2]], dtype=torch.int64)]
+        per_seq = [torch.tensor([e.state[f] for e in entries], dtype=torch.int64) for f in (0, 1, 3)]
+        per_row = [torch.tensor([p for e in entries for p in e.state[f]], dtype=torch.int64) for f in (2, 4)]
+        states = [per_seq[0], per_seq[1], per_row[0], per_seq[2], per_row[1]]
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
         positions=torch.tensor(pos, dtype=torch.int32, device=device),
@@ -62,7 +63,8 @@ def build_forward_batch(entries: list[BatchEntry], block_size: int, max_blocks: 
         hidden_layers=hidden_layers,
         window_block_tables=window[0],
         window_slot_mapping=window[1],
-        state_slots=states[0], state_read=states[1], state_write=states[2],
+        state_slots=states[0], state_read=states[1], state_write=states[2], state_ckpt_read=states[3],
+        state_ckpt_write=states[4],
     )
 
 

@@ -33,23 +33,29 @@ MLP_TENSORS = ("ffn_norm", "gate", "up", "down")
 @dataclass
 class RecurrentStates:
     """Per linear-attention layer: conv windows [slots, planes, K-1, C] and delta-rule states
-    [slots, planes, Hv, dk, dv], float32."""
+    [slots, planes, Hv, dk, dv], float32; and the prefix cache's checkpoints of both
+    ([checkpoints, K-1, C], [checkpoints, Hv, dk, dv])."""
 
     conv: dict[int, torch.Tensor]
     ssm: dict[int, torch.Tensor]
+    conv_ckpt: dict[int, torch.Tensor]
+    ssm_ckpt: dict[int, torch.Tensor]
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, slots: int, planes: int, device: torch.device | str = "cpu"
-                 ) -> "RecurrentStates":
+    def allocate(cls, cfg: ModelConfig, slots: int, planes: int, device: torch.device | str = "cpu",
+                 checkpoints: int = 0) -> "RecurrentStates":
         dn = cfg.deltanet
-        conv = {i: torch.zeros(slots, planes, dn.conv_kernel - 1, dn.conv_dim, device=device)
-                for i in cfg.linear_layers}
-        ssm = {i: torch.zeros(slots, planes, dn.num_v_heads, dn.k_head_dim, dn.v_head_dim, device=device)
-               for i in cfg.linear_layers}
-        return cls(conv, ssm)
+        conv, ssm = (dn.conv_kernel - 1, dn.conv_dim), (dn.num_v_heads, dn.k_head_dim, dn.v_head_dim)
+
+        def per_layer(*shape: int) -> dict[int, torch.Tensor]:
+            return {i: torch.zeros(shape, device=device) for i in cfg.linear_layers}
+
+        return cls(per_layer(slots, planes, *conv), per_layer(slots, planes, *ssm), per_layer(checkpoints, *conv),
+                   per_layer(checkpoints, *ssm))
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.conv.values(), *self.ssm.values()))
+        tensors = (*self.conv.values(), *self.ssm.values(), *self.conv_ckpt.values(), *self.ssm_ckpt.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class GatedAttention:
@@ -110,6 +116,24 @@ class GatedDeltaNet:
         ins = [self.in_proj] if self.in_proj is not None else [self.qkv, self.z, self.b, self.a]
         return ins + [self.out]
 
+    @staticmethod
+    def state_io(i: int, st: RecurrentStates, batch: ForwardBatch, s: int, r0: int, r1: int):
+        """Sequence s's (rows r0..r1) state in layer i: ((conv, ssm) to start from or Nones for
+        the zero state), (conv, ssm) outputs per row, and (checkpoint, plane) copies after the call."""
+        slot, read, ck = int(batch.state_slots[s]), int(batch.state_read[s]), int(batch.state_ckpt_read[s])
+        start = ((st.conv_ckpt[i][ck], st.ssm_ckpt[i][ck]) if ck >= 0 else
+                 (st.conv[i][slot, read], st.ssm[i][slot, read]) if read >= 0 else (None, None))
+        conv_out, ssm_out, copies = [], [], []
+        for p, c in zip(batch.state_write[r0:r1].tolist(), batch.state_ckpt_write[r0:r1].tolist()):
+            plane = (st.conv[i][slot, p], st.ssm[i][slot, p]) if p >= 0 else None
+            ckpt = (st.conv_ckpt[i][c], st.ssm_ckpt[i][c]) if c >= 0 else None
+            dst = plane or ckpt or (None, None)
+            conv_out.append(dst[0])
+            ssm_out.append(dst[1])
+            if plane and ckpt:
+                copies += [(ckpt[0], plane[0]), (ckpt[1], plane[1])]
+        return start, (conv_out, ssm_out), copies
+
     def project(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.in_proj is not None:
             return self.in_proj(h).split(self.split, dim=-1)
@@ -122,17 +146,14 @@ class GatedDeltaNet:
             raise RuntimeError("a hybrid model's forward needs recurrent-state slots (KVCache.states and "
                                "ForwardBatch.state_*)")
         qkv, z, b, a = self.project(h)
-        conv, ssm = kv.states.conv[i], kv.states.ssm[i]
         core = torch.empty(t_len, dn.num_v_heads, dn.v_head_dim)
         heads = (dn.num_k_heads, dn.num_v_heads, dn.k_head_dim, dn.v_head_dim)
         for s, r0, r1 in model.runs(batch):
-            slot, read = int(batch.state_slots[s]), int(batch.state_read[s])
-            writes = batch.state_write[r0:r1].tolist()
-            core[r0:r1] = ops.gated_delta(
-                qkv[r0:r1], a[r0:r1], b[r0:r1], self.conv_wt, self.A, self.dt_bias, heads,
-                None if read < 0 else conv[slot, read], None if read < 0 else ssm[slot, read],
-                [None if p < 0 else conv[slot, p] for p in writes], [None if p < 0 else ssm[slot, p] for p in writes],
-                v_tiled=dn.v_tiled)
+            (conv_in, ssm_in), outs, copies = self.state_io(i, kv.states, batch, s, r0, r1)
+            core[r0:r1] = ops.gated_delta(qkv[r0:r1], a[r0:r1], b[r0:r1], self.conv_wt, self.A, self.dt_bias, heads,
+                                          conv_in, ssm_in, outs[0], outs[1], v_tiled=dn.v_tiled)
+            for dst, src in copies:  # a row whose state goes to a plane and to a checkpoint
+                dst.copy_(src)
         normed = rms_norm(core.view(-1, dn.v_head_dim), self.norm, model.cfg.rms_eps)  # [T * Hv, dv]
         gated = act_mul(z.reshape(-1, dn.v_head_dim).contiguous(), normed, "silu")  # silu(z) * norm(o) w
         return self.out(gated.view(t_len, dn.value_dim))

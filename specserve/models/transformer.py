@@ -41,6 +41,8 @@ class ForwardBatch:
     state_slots: torch.Tensor | None = None  # [S] int64, each sequence's state slot
     state_read: torch.Tensor | None = None  # [S] int64, the plane its step starts from (-1: zeros)
     state_write: torch.Tensor | None = None  # [T] int64, the plane receiving the state after a row (-1: none)
+    state_ckpt_read: torch.Tensor | None = None  # [S] int64, a prefix-cache checkpoint to start from (-1: none)
+    state_ckpt_write: torch.Tensor | None = None  # [T] int64, a checkpoint receiving the state after a row
 
 
 @dataclass

@@ -31,17 +31,22 @@ PROMPTS = [[(7 * i + 3 * j * j) % 256 for j in range(12 + 9 * i)] for i in range
 TOKENS = 32
 
 
-def convert(src: Path, outtype: str) -> Path:
-    out = OUT / f"tiny-qwen35-{outtype}.gguf"
+def convert_cmd(src: Path, ckpt: Path, out: Path, outtype: str) -> list[str]:
+    """The command running llama.cpp's converter (source tree src) on ckpt, with the test vocabulary's
+    pre-tokenizer declared 'qwen2'."""
     code = (f"import runpy, sys; sys.path[:0] = [{str(src)!r}, {str(src / 'gguf-py')!r}]\n"
             "import conversion.base as b\n"
             "for c in vars(b).values():\n"
             "    if isinstance(c, type) and hasattr(c, 'get_vocab_base_pre'):\n"
             "        c.get_vocab_base_pre = lambda self, tokenizer: 'qwen2'\n"
-            f"sys.argv = ['convert_hf_to_gguf.py', {str(OUT / 'hf')!r}, '--outfile', {str(out)!r}, "
-            f"'--outtype', {outtype!r}]\n"
+            f"sys.argv = ['convert_hf_to_gguf.py', {str(ckpt)!r}, '--outfile', {str(out)!r}, '--outtype', {outtype!r}]\n"
             f"runpy.run_path({str(src / 'convert_hf_to_gguf.py')!r}, run_name='__main__')\n")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    return [sys.executable, "-c", code]
+
+
+def convert(src: Path, outtype: str) -> Path:
+    out = OUT / f"tiny-qwen35-{outtype}.gguf"
+    subprocess.run(convert_cmd(src, OUT / "hf", out, outtype), check=True)
     return out
 
 

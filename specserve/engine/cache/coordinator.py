@@ -44,8 +44,10 @@ class CacheCoordinator:
     def build(cls, specs: tuple[CacheSpec, ...], sizes: tuple[int, ...], prefix_caching: bool,
               salt: str = "") -> "CacheCoordinator":
         """prefix_caching: asked for; it is on only when every group can serve a prefix hit
-        (a sliding window's cached block would lack the window before it)."""
-        prefix_caching = prefix_caching and all(type(s) is FullAttentionSpec for s in specs)
+        (a sliding window's cached block would lack the window before it; a recurrent state needs
+        checkpoints)."""
+        prefix_caching = prefix_caching and all(
+            type(s) is FullAttentionSpec or (isinstance(s, RecurrentStateSpec) and s.checkpoints) for s in specs)
         return cls([make_manager(s, n, prefix_caching, salt) for s, n in zip(specs, sizes, strict=True)])
 
     @property
@@ -70,7 +72,14 @@ class CacheCoordinator:
         every group can serve prefix hits)."""
         if not self.prefix_caching:
             return 0
-        return self.main.match_prefix(next(iter(self._pairs(seq)))[1], seq.token_ids)
+        main = next(iter(self._pairs(seq)))[1]
+        n = self.main.match_prefix(main, seq.token_ids)
+        for g in self.groups(RecurrentStateManager):  # only as far as a state checkpoint reaches
+            n_state = self.managers[g].match_prefix(seq.cache.tables[g], main.hashes[:n // self.main.spec.block_size])
+            if n_state < n:
+                self.main.pool.truncate(main, n_state)
+                n = n_state
+        return n
 
     def has_tables(self, seq) -> bool:
         return bool(seq.cache.tables) and bool(seq.cache.tables[0].blocks)
@@ -94,6 +103,8 @@ class CacheCoordinator:
     def commit(self, seq) -> None:
         for m, t in self._pairs(seq):
             m.commit(t, seq.token_ids, seq.num_computed)
+        for g in self.groups(RecurrentStateManager):  # checkpoints under the blocks just hashed
+            self.managers[g].register(seq.cache.tables[g], seq.cache.tables[0].hashes)
 
     def rollback(self, seq) -> None:
         """After verification: keep the state of seq.num_computed tokens."""
@@ -110,18 +121,23 @@ class CacheCoordinator:
             m.free(t)
 
     # ---- for the model runner ----------------------------------------------------------------
-    def state_entry(self, seq, row) -> tuple[int, int, list[int]] | None:
+    def state_entry(self, seq, row) -> tuple | None:
         """A scheduled row's recurrent state: (slot, plane read or -1 for the zero state, plane
-        written after each of its rows or -1). A verification writes after every row (any may be
-        the last accepted); a prefill chunk only after its last. None: no recurrent group."""
+        written after each of its rows or -1, checkpoint read or -1, checkpoint written after each
+        row or -1). A verification writes after every row (any may be the last accepted); a prefill
+        chunk after its last, and prefix-cache checkpoints at block boundaries. None: no recurrent
+        group."""
         groups = self.groups(RecurrentStateManager)
         if not groups:
             return None
         assert len(groups) == 1, "one recurrent group: every linear-attention layer shares its slots"
-        table = seq.cache.tables[groups[0]]
-        read = table.current if table.num_tokens else -1
-        planes = self.managers[groups[0]].step_planes(table, row.count, every_row=row.decode)
-        return table.slot, read, ([-1] * (row.count - 1) + planes) if not row.decode else planes
+        m, table = self.managers[groups[0]], seq.cache.tables[groups[0]]
+        read = table.current if table.num_tokens and table.restore < 0 else -1
+        planes = m.step_planes(table, row.count, every_row=row.decode)
+        if row.decode:
+            return table.slot, read, planes, table.restore, [-1] * row.count
+        checkpoints = m.checkpoint_rows(table, row.count, len(seq.prompt_ids))
+        return table.slot, read, [-1] * (row.count - 1) + planes, table.restore, checkpoints
 
     def block_tables(self, seq) -> list[list[int]]:
         """seq's block ids in each paged group (released sliding blocks are HOLE)."""

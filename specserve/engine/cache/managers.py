@@ -15,6 +15,7 @@ same verbs, so the coordinator treats them alike:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from specserve.engine.block_manager import BlockManager, BlockTable, NoFreeBlocks
@@ -77,12 +78,16 @@ class SlidingWindowManager(FullAttentionManager):
 class RecurrentTable:
     """A sequence's state slot. ``current`` is the plane holding the committed state, the state
     after the sequence's first ``num_tokens`` tokens; ``pending`` maps the token counts a running
-    step may end at to the planes where the step writes those states."""
+    step may end at to the planes where the step writes those states. ``restore``: a prefix-cache
+    checkpoint the first step starts from (its state is that of the first num_tokens tokens);
+    ``checkpointing``: token count -> checkpoint the running step writes at that count."""
 
     slot: int = -1
     current: int = 0
     num_tokens: int = 0
     pending: dict[int, int] = field(default_factory=dict)
+    restore: int = -1
+    checkpointing: dict[int, int] = field(default_factory=dict)
 
 
 class RecurrentStateManager:
@@ -99,7 +104,12 @@ class RecurrentStateManager:
         self.spec = spec
         self.num_slots = num_slots
         self.free_slots = list(range(num_slots - 1, -1, -1))
-        self.prefix_caching = False  # state checkpoints at block boundaries come with the hybrid models
+        # prefix caching: states at block boundaries, keyed by the full-attention block hash chain
+        self.prefix_caching = spec.checkpoints > 0
+        self.by_hash: OrderedDict[int, int] = OrderedDict()  # block hash -> checkpoint; LRU first
+        self.hash_of: dict[int, int] = {}  # checkpoint -> its block hash
+        self.free_ckpts = list(range(spec.checkpoints - 1, -1, -1))
+        self.pins: dict[int, int] = {}  # checkpoint -> tables about to start from it
 
     @property
     def num_free(self) -> int:
@@ -108,18 +118,80 @@ class RecurrentStateManager:
     def new_table(self) -> RecurrentTable:
         return RecurrentTable()
 
-    def match_prefix(self, table: RecurrentTable, token_ids: list[int]) -> int:
+    def match_prefix(self, table: RecurrentTable, block_hashes: list[int]) -> int:
+        """The longest prefix (of the full-attention blocks matched, their chained hashes) whose
+        state a checkpoint holds: the table will start from it. Returns its token count."""
+        for b in range(len(block_hashes), 0, -1):
+            ck = self.by_hash.get(block_hashes[b - 1])
+            if ck is not None:
+                self.by_hash.move_to_end(block_hashes[b - 1])
+                table.restore, table.num_tokens = ck, b * self.spec.block_size
+                self.pins[ck] = self.pins.get(ck, 0) + 1
+                return table.num_tokens
         return 0
+
+    def checkpoint_rows(self, table: RecurrentTable, num_rows: int, prompt_len: int) -> list[int]:
+        """A prefill chunk of num_rows rows: the checkpoint each row writes (-1: none). Rows that
+        end a block at a multiple of checkpoint_every, or the prompt's last full block, get one
+        (taken free or evicted least-recently-used); the step's states land there."""
+        out = [-1] * num_rows
+        if not self.prefix_caching:
+            return out
+        bs, every = self.spec.block_size, self.spec.checkpoint_every
+        last_full = prompt_len // bs * bs
+        for j in range(num_rows):
+            n = table.num_tokens + j + 1
+            if n % bs or not (n % every == 0 or n == last_full) or n > prompt_len:
+                continue
+            ck = self._take()
+            if ck < 0:
+                break
+            out[j], table.checkpointing[n] = ck, ck
+        return out
+
+    def _take(self) -> int:
+        if self.free_ckpts:
+            return self.free_ckpts.pop()
+        for h, ck in self.by_hash.items():  # least recently used first
+            if not self.pins.get(ck):
+                del self.by_hash[h], self.hash_of[ck]
+                return ck
+        return -1
+
+    def register(self, table: RecurrentTable, block_hashes: list[int]) -> None:
+        """After a step: the checkpoints it wrote become prefix-cache entries under the hash of
+        the block they end (known once the full-attention pool has committed the blocks)."""
+        bs = self.spec.block_size
+        for n, ck in list(table.checkpointing.items()):
+            b = n // bs
+            if n > table.num_tokens or b > len(block_hashes):
+                continue  # not computed yet (the step ended earlier) or its block is not hashed
+            del table.checkpointing[n]
+            h = block_hashes[b - 1]
+            if h in self.by_hash:  # another sequence checkpointed the same prefix first
+                self.free_ckpts.append(ck)
+            else:
+                self.by_hash[h], self.hash_of[ck] = ck, h
+
+    def consumed(self, table: RecurrentTable) -> None:
+        """The table's first step has read its restored checkpoint: unpin it."""
+        if table.restore >= 0:
+            self.pins[table.restore] -= 1
+            if not self.pins[table.restore]:
+                del self.pins[table.restore]
+            table.restore = -1
 
     def blocks_to_admit(self, table: RecurrentTable, num_tokens: int) -> int:
         return 0
 
     def reserve(self, table: RecurrentTable, num_tokens: int) -> None:
-        """A slot for the sequence; its state starts zeroed, before token 0."""
+        """A slot for the sequence; its state starts zeroed, before token 0 (or from the
+        checkpoint a prefix hit restores)."""
         if table.slot < 0:
             if not self.free_slots:
                 raise NoFreeBlocks
-            table.slot, table.current, table.num_tokens = self.free_slots.pop(), 0, 0
+            table.slot, table.current = self.free_slots.pop(), 0
+            table.num_tokens = table.num_tokens if table.restore >= 0 else 0
             table.pending.clear()
 
     def step_planes(self, table: RecurrentTable, num_rows: int, every_row: bool) -> list[int]:
@@ -151,9 +223,13 @@ class RecurrentStateManager:
 
     def advance(self, table: RecurrentTable, num_computed: int) -> None:
         self.rollback(table, num_computed)
+        self.consumed(table)  # the step that read a restored checkpoint is over
 
     def free(self, table: RecurrentTable) -> None:
         if table.slot >= 0:
             self.free_slots.append(table.slot)
+        self.consumed(table)
+        self.free_ckpts += table.checkpointing.values()  # written by a step that never committed them
         table.slot, table.current, table.num_tokens = -1, 0, 0
         table.pending.clear()
+        table.checkpointing.clear()

@@ -43,6 +43,9 @@ class RecurrentStateSpec:
     layers: tuple[int, ...]
     state_bytes: int  # one sequence's state over all of this group's layers
     num_snapshots: int  # rows a step can add: 1 + the largest draft
+    checkpoints: int = 0  # prefix caching: states kept at block boundaries, in a pool of this many
+    checkpoint_every: int = 0  # tokens between checkpoints in a prefill (a multiple of the block size)
+    block_size: int = 16  # the full-attention blocks the checkpoints are keyed by
     kind = "recurrent"
 
     @property
@@ -51,19 +54,21 @@ class RecurrentStateSpec:
         return 1 + self.num_snapshots
 
     def bytes_for(self, num_slots: int) -> int:
-        return num_slots * self.planes * self.state_bytes
+        return (num_slots * self.planes + self.checkpoints) * self.state_bytes
 
 
 CacheSpec = FullAttentionSpec | SlidingWindowSpec | RecurrentStateSpec
 
 
 def layer_cache_specs(cfg: ModelConfig, block_size: int, bytes_per_layer_token: int,
-                      window_paged: bool, lookahead: int = 1) -> tuple[CacheSpec, ...]:
+                      window_paged: bool, lookahead: int = 1, checkpoints: tuple[int, int] = (0, 0)
+                      ) -> tuple[CacheSpec, ...]:
     """The model's cache groups: its full-attention layers, then (when ``window_paged``: some
     layers slide and a context can outgrow the window) its sliding-window layers in a group of
     their own, then a hybrid model's linear-attention layers (a recurrent state with a snapshot
-    per row a step can add: lookahead = 1 + draft tokens). Without window paging, sliding layers
-    live in the full-attention pool and the attention kernel applies the window."""
+    per row a step can add: lookahead = 1 + draft tokens; checkpoints = (pool size, tokens between
+    them) for prefix caching). Without window paging, sliding layers live in the full-attention pool
+    and the attention kernel applies the window."""
     layers = cfg.attention_layers
     sliding = tuple(i for i in layers if cfg.sliding(i)) if window_paged else ()
     full = tuple(i for i in layers if i not in sliding)
@@ -73,5 +78,6 @@ def layer_cache_specs(cfg: ModelConfig, block_size: int, bytes_per_layer_token: 
                                        window=cfg.sliding_window))
     if cfg.linear_layers:
         linear = cfg.linear_layers
-        specs.append(RecurrentStateSpec(linear, len(linear) * cfg.deltanet.state_floats * 4, lookahead))
+        specs.append(RecurrentStateSpec(linear, len(linear) * cfg.deltanet.state_floats * 4, lookahead,
+                                        *checkpoints, block_size=block_size))
     return tuple(specs)

@@ -123,7 +123,7 @@ def capture_hidden(target, seqs: list[list[int]], layers: tuple[int, ...], final
             kv.states = RecurrentStates.allocate(cfg, 1, 1, dev)
         entries, base = [], 0
         for g, nb in zip(group, blocks):  # each sequence's blocks follow the previous one's
-            state = (0, -1, [-1] * len(seqs[g])) if cfg.hybrid else None
+            state = (0, -1, [-1] * len(seqs[g]), -1, [-1] * len(seqs[g])) if cfg.hybrid else None
             entries.append(BatchEntry(seqs[g], 0, [list(range(base, base + nb))], state))
             base += nb
         batch = build_forward_batch(entries, bs, max(blocks), [sum(len(seqs[g]) for g in group) - 1], dev,

@@ -1,0 +1,229 @@
+"""Hybrid Qwen3.5 speed at the real shapes of Qwen3.5-0.8B (random weights), us vs native llama.cpp.
+
+    python benchmarks/hybrid_speed.py [--types q8_0,q4_k_m] [--prefill 2048,8192] [--decode 64]
+        [--widths 1-9] [--out r.json] [--markdown r.md]
+
+No Qwen3.5 checkpoint ships inside a package on the registries this project installs from, so
+the model is random weights at the published Qwen3.5-0.8B text shapes (SHAPES below: 24 layers,
+18 Gated DeltaNet + 6 gated attention, hidden 1024, vocabulary 248,320, tied embeddings),
+written as safetensors, converted to GGUF by llama.cpp's own convert_hf_to_gguf.py (Q8_0) and
+llama-quantize (Q4_K_M), from the llama-cpp-python sdist that benchmarks/native_llamacpp.py
+builds. Both engines read the same file, one at a time, 2 threads:
+
+* llama.cpp: ``llama-bench -t 2 -p 2048,8192 -n 64`` (prompt processing and generation tok/s),
+  and ``-p 1..9`` for the forward cost of w rows at an empty context;
+* specserve: the engine itself (fp32 KV, the file's blocks as weights): a 2K / 8K prompt prefilled
+  (chunks of 2048, --max-step-ms 0) timed to its first token, 64 tokens decoded after a 16-token
+  prompt, and forwards of one sequence verifying w - 1 drafts after 512 tokens, w = 1..9.
+
+Random weights make the text meaningless but every byte is read and every kernel runs as with
+the real model; speed is all this measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE.parent / "tests")]
+
+# Qwen3.5-0.8B's text_config (the published config.json)
+SHAPES = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+              num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+              linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+              linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=262144,
+              rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=None, eos_token_id=248044,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                               "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+
+
+def random_checkpoint(out: Path) -> Path:
+    """Random bf16 weights under transformers' names and shapes (a meta-device model gives them)."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    from tiny_models import mtp_shapes, write_byte_tokenizer
+
+    if (out / "model.safetensors").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = transformers.Qwen3_5TextConfig(**SHAPES)
+    with torch.device("meta"):
+        hf = transformers.Qwen3_5ForCausalLM(cfg)
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, p in hf.named_parameters():
+        if name == "lm_head.weight":
+            continue  # tied
+        r = torch.randn(tuple(p.shape), generator=g)
+        if name.endswith("linear_attn.norm.weight"):
+            r = 1.0 + 0.1 * r
+        elif "norm" in name:
+            r = 0.1 * r
+        elif name.endswith("A_log"):
+            r = torch.log(torch.rand(tuple(p.shape), generator=g) * 15 + 1)
+        elif p.dim() >= 2:
+            r = r * p.shape[-1] ** -0.5
+        tensors[name] = r.to(torch.bfloat16).contiguous()
+    for name, shape in mtp_shapes(hf).items():  # the checkpoint's MTP layer, as the released one has
+        r = torch.randn(shape, generator=g)
+        tensors[name] = (0.1 * r if "norm" in name else r * shape[-1] ** -0.5).to(torch.bfloat16)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg.architectures, cfg.mtp_num_hidden_layers = ["Qwen3_5ForCausalLM"], 1
+    cfg.save_pretrained(out)
+    write_byte_tokenizer(out, (("Ġ", "t"),))
+    return out
+
+
+def gguf_files(ckpt: Path, types: list[str], top: Path) -> dict[str, Path]:
+    from native_llamacpp import build_native, native_dir
+
+    bindir = build_native()
+    src = native_dir() / "src"
+    q8 = top / "qwen35-0.8b-random-q8_0.gguf"
+    if not q8.exists():
+        sys.path[:0] = [str(HERE.parent / "tests" / "data")]
+        from make_tiny_qwen35 import convert_cmd
+
+        subprocess.run(convert_cmd(src, ckpt, q8, "q8_0"), check=True)
+    out = {"q8_0": q8}
+    if "q4_k_m" in types:
+        q4 = top / "qwen35-0.8b-random-q4_k_m.gguf"
+        if not q4.exists():
+            quant = bindir / "llama-quantize"
+            if not quant.exists():
+                subprocess.run(["cmake", "--build", str(native_dir() / "build"), "-j", "2", "--target",
+                                "llama-quantize"], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run([str(quant), "--allow-requantize", str(q8), str(q4), "Q4_K_M"], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out["q4_k_m"] = q4
+    return {t: out[t] for t in types}
+
+
+def llama_cpp(bench: Path, gguf: Path, prefill: list[int], decode: int, widths: list[int]) -> dict:
+    def run(args: list[str]) -> list[dict]:
+        res = subprocess.run([str(bench), "-m", str(gguf), "-t", "2", "-r", "2", "-o", "json", *args],
+                             capture_output=True, text=True, check=True)
+        return json.loads(res.stdout)
+
+    rows = run(["-p", ",".join(map(str, prefill)), "-n", str(decode)])
+    rows += run(["-p", ",".join(map(str, widths)), "-n", "0"])
+    out = {"prefill_tok_s": {}, "width_s": {}}
+    for r in rows:
+        if r["n_gen"]:
+            out["decode_tok_s"] = r["avg_ts"]
+        elif r["n_prompt"] in prefill and r["n_prompt"] not in out["prefill_tok_s"]:
+            out["prefill_tok_s"][r["n_prompt"]] = r["avg_ts"]
+        if not r["n_gen"] and r["n_prompt"] in widths:
+            out["width_s"][r["n_prompt"]] = r["n_prompt"] / r["avg_ts"]
+    return out
+
+
+def specserve(gguf: Path, prefill: list[int], decode: int, widths: list[int]) -> dict:
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.llm_engine import LLMEngine
+    from specserve.engine.scheduler import ScheduledRow
+    from specserve.engine.types import SamplingParams
+    from specserve.models.loader import load_model
+
+    target = load_model(str(gguf))
+    out = {"prefill_tok_s": {}, "width_s": {}}
+    eng = LLMEngine(target, EngineConfig(max_model_len=max(prefill) + 64, max_num_seqs=2, max_step_ms=0,
+                                         enable_prefix_caching=False))
+    for n in prefill:
+        t0 = time.perf_counter()
+        list(eng.generate(list(range(1000, 1000 + n)), SamplingParams(max_tokens=1), request_id=f"p{n}"))
+        out["prefill_tok_s"][n] = n / (time.perf_counter() - t0)
+    t0, got = None, 0
+    for o in eng.generate(list(range(2000, 2016)), SamplingParams(max_tokens=decode + 1, ignore_eos=True),
+                          request_id="d"):
+        got += len(o.new_token_ids)
+        if t0 is None:
+            t0, first = time.perf_counter(), got
+    out["decode_tok_s"] = (got - first) / (time.perf_counter() - t0)
+    # forwards of one sequence verifying w - 1 drafts after 512 tokens (its state and KV stay put)
+    eng.add_request("w", list(range(3000, 3512)), SamplingParams(max_tokens=8, ignore_eos=True))
+    seq = eng.by_id["w"]
+    while seq.num_computed < 512:
+        eng.step()
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for _ in range(3):
+        for w in widths:
+            eng.scheduler.reserve(seq, seq.num_computed + w)
+            row = ScheduledRow(seq, 0, w, True, num_drafts=w - 1, drafts=[5] * (w - 1))
+            t = time.perf_counter()
+            eng.runner.run([row], timed=False)
+            times[w].append(time.perf_counter() - t)
+            eng.cache.rollback(seq)  # back to the committed state: nothing was accepted
+    out["width_s"] = {w: statistics.median(ts) for w, ts in times.items()}
+    eng.abort("w")
+    return out
+
+
+def markdown(res: dict, cpu: str) -> str:
+    lines = [f"CPU: {cpu}, 2 threads. Random weights at Qwen3.5-0.8B's shapes; the same GGUF file for both.", "",
+             "| file | engine | decode tok/s | prefill 2K tok/s | prefill 8K tok/s | "
+             + " | ".join(f"t({w})/t(1)" for w in res["widths"][1:]) + " |",
+             "|---|---|---|---|---|" + "---|" * (len(res["widths"]) - 1)]
+    for t, by in res["files"].items():
+        for eng in ("llama.cpp", "specserve"):
+            r = by[eng]
+            pf = [f"{r['prefill_tok_s'].get(n, float('nan')):.0f}" for n in res["prefill"]]
+            ws = r["width_s"]
+            ratios = [f"{ws[w] / ws[1]:.2f}" for w in res["widths"][1:]]
+            lines.append(f"| {t} | {eng} | {r['decode_tok_s']:.1f} | " + " | ".join(pf) + " | " + " | ".join(ratios)
+                         + " |")
+        ratio = by["specserve"]["decode_tok_s"] / by["llama.cpp"]["decode_tok_s"]
+        lines.append(f"| {t} | specserve / llama.cpp | {ratio:.2f}x | "
+                     + " | ".join(f"{by['specserve']['prefill_tok_s'][n] / by['llama.cpp']['prefill_tok_s'][n]:.2f}x"
+                                  for n in res["prefill"]) + " |" + " |" * (len(res["widths"]) - 1))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    from native_llamacpp import build_native
+
+    from specserve.models.catalog import cache_root
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--types", default="q8_0,q4_k_m")
+    ap.add_argument("--prefill", default="2048,8192")
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--widths", default="1-9")
+    ap.add_argument("--out")
+    ap.add_argument("--markdown")
+    a = ap.parse_args()
+    lo, hi = (int(x) for x in a.widths.split("-"))
+    widths, prefill = list(range(lo, hi + 1)), [int(x) for x in a.prefill.split(",")]
+    top = cache_root() / "bench" / "qwen35-0.8b-random"
+    files = gguf_files(random_checkpoint(top / "hf"), a.types.split(","), top)
+    bench = build_native() / "llama-bench"
+    res = {"prefill": prefill, "widths": widths, "files": {}}
+    for t, f in files.items():
+        print(f"{t}: llama.cpp", file=sys.stderr, flush=True)
+        ours_first = {}
+        ref = llama_cpp(bench, f, prefill, a.decode, widths)
+        print(f"{t}: specserve", file=sys.stderr, flush=True)
+        ours_first = specserve(f, prefill, a.decode, widths)
+        res["files"][t] = {"llama.cpp": ref, "specserve": ours_first}
+        print(json.dumps(res["files"][t]), file=sys.stderr, flush=True)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    res["cpu"] = cpu
+    md = markdown(res, cpu)
+    print(md)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    if a.markdown:
+        Path(a.markdown).write_text(md)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    main()
