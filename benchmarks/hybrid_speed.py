@@ -132,24 +132,32 @@ def specserve(gguf: Path, prefill: list[int], decode: int, widths: list[int]) ->
     from specserve.engine.scheduler import ScheduledRow
     from specserve.engine.types import SamplingParams
     from specserve.models.loader import load_model
+    from specserve.speculative.config import SpeculativeConfig
 
     target = load_model(str(gguf))
     out = {"prefill_tok_s": {}, "width_s": {}}
-    eng = LLMEngine(target, EngineConfig(max_model_len=max(prefill) + 64, max_num_seqs=2, max_step_ms=0,
-                                         enable_prefix_caching=False))
+    vocab = target.config.vocab_size
+
+    def ids(start: int, n: int) -> list[int]:
+        return [(start + 7 * i) % vocab for i in range(n)]
+
+    # room for max(widths) - 1 drafts per step (snapshot planes), no drafter: plain decoding
+    room = SpeculativeConfig("ngram", num_speculative_tokens=max(widths) - 1, adaptive=False)
+    eng = LLMEngine(target, EngineConfig(max_model_len=max(max(prefill), 512) + 64, max_num_seqs=2, max_step_ms=0,
+                                         enable_prefix_caching=False), room)
     for n in prefill:
         t0 = time.perf_counter()
-        list(eng.generate(list(range(1000, 1000 + n)), SamplingParams(max_tokens=1), request_id=f"p{n}"))
+        list(eng.generate(ids(1000, n), SamplingParams(max_tokens=1), request_id=f"p{n}"))
         out["prefill_tok_s"][n] = n / (time.perf_counter() - t0)
     t0, got = None, 0
-    for o in eng.generate(list(range(2000, 2016)), SamplingParams(max_tokens=decode + 1, ignore_eos=True),
+    for o in eng.generate(ids(2000, 16), SamplingParams(max_tokens=decode + 1, ignore_eos=True),
                           request_id="d"):
         got += len(o.new_token_ids)
         if t0 is None:
             t0, first = time.perf_counter(), got
     out["decode_tok_s"] = (got - first) / (time.perf_counter() - t0)
     # forwards of one sequence verifying w - 1 drafts after 512 tokens (its state and KV stay put)
-    eng.add_request("w", list(range(3000, 3512)), SamplingParams(max_tokens=8, ignore_eos=True))
+    eng.add_request("w", ids(3000, 512), SamplingParams(max_tokens=8, ignore_eos=True))
     seq = eng.by_id["w"]
     while seq.num_computed < 512:
         eng.step()
@@ -208,11 +216,9 @@ def main() -> None:
     res = {"prefill": prefill, "widths": widths, "files": {}}
     for t, f in files.items():
         print(f"{t}: llama.cpp", file=sys.stderr, flush=True)
-        ours_first = {}
         ref = llama_cpp(bench, f, prefill, a.decode, widths)
         print(f"{t}: specserve", file=sys.stderr, flush=True)
-        ours_first = specserve(f, prefill, a.decode, widths)
-        res["files"][t] = {"llama.cpp": ref, "specserve": ours_first}
+        res["files"][t] = {"llama.cpp": ref, "specserve": specserve(f, prefill, a.decode, widths)}
         print(json.dumps(res["files"][t]), file=sys.stderr, flush=True)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     res["cpu"] = cpu
