@@ -37,7 +37,7 @@ from specserve.speculative.drafter import Drafter, Proposal  # noqa: E402
 from specserve.speculative.mtp import MTPDrafter  # noqa: E402
 from specserve.speculative.ngram import NgramDrafter  # noqa: E402
 from specserve.speculative.suffix import SuffixDrafter  # noqa: E402
-from tiny_models import FP32, make_tiny_target  # noqa: E402
+from tiny_models import FP32, make_tiny_qwen3_next, make_tiny_target  # noqa: E402
 
 RTOL = 1e-4
 
@@ -157,6 +157,55 @@ def test_deltanet_kernel_exact_under_any_chunking(impl):
             assert torch.equal(co, conv_s[end - 1]) and torch.equal(so, ssm_s[end - 1])
             conv_in, ssm_in, start = co, so, end
         assert torch.equal(torch.cat(parts), whole)
+
+
+def test_rollback_fuzz_states_equal_plain_decoding_bit_for_bit(hybrid):
+    """Random verification widths and accepted counts, two sequences sharing each forward: the
+    state the cache keeps after every step (read back from the plane the rollback picked) is, bit
+    for bit, the state after the same tokens fed in one plain prefill."""
+    from specserve.engine.model_runner import BatchEntry, build_forward_batch
+    from specserve.models.hybrid import RecurrentStates
+    from specserve.models.kv_cache import KVCache
+
+    ours, _ = hybrid
+    cfg, model = ours.config, ours.model
+    n, planes, bs = 60, 6, 16
+    seqs = [_prompt(70 + i, n) for i in range(2)]
+    blocks = [list(range(i * 8, i * 8 + 8)) for i in range(2)]
+
+    def fresh():
+        kv = KVCache.allocate(cfg, 16, bs)
+        kv.states = RecurrentStates.allocate(cfg, 2, planes)
+        return kv
+
+    def run(kv, entries):
+        model.forward(build_forward_batch(entries, bs, 8, [0], torch.device("cpu")), kv)
+
+    # reference: each sequence alone, one prefill writing the state after every row ("planes" 0..n-1)
+    ref = []
+    for toks, blk in zip(seqs, blocks):
+        kv = KVCache.allocate(cfg, 16, bs)
+        kv.states = RecurrentStates.allocate(cfg, 1, n)
+        run(kv, [BatchEntry(toks, 0, [blk], (0, -1, list(range(n)), -1, [-1] * n))])
+        ref.append(kv.states)
+    rnd = random.Random(1)
+    kv = fresh()
+    done, current = [0, 0], [-1, -1]  # tokens whose state is committed, the plane holding it
+    while min(done) < n - 1:
+        entries, picks, live = [], {}, [s for s in range(2) if done[s] < n]
+        for s in live:
+            w = min(rnd.randrange(1, 6), n - done[s])
+            rows = [(current[s] + 1 + j) % planes for j in range(w)]
+            entries.append(BatchEntry(seqs[s][done[s]:done[s] + w], done[s], [blocks[s]],
+                                      (s, current[s], rows, -1, [-1] * w)))
+            picks[s] = rows[rnd.randrange(w)]
+        run(kv, entries)
+        for s in live:
+            kept = (picks[s] - current[s] - 1) % planes + 1  # rows kept: the accepted count + 1
+            done[s], current[s] = done[s] + kept, picks[s]
+            for i in cfg.linear_layers:
+                assert torch.equal(kv.states.ssm[i][s, current[s]], ref[s].ssm[i][0, done[s] - 1])
+                assert torch.equal(kv.states.conv[i][s, current[s]], ref[s].conv[i][0, done[s] - 1])
 
 
 # ---- lossless --------------------------------------------------------------------------------
@@ -449,6 +498,45 @@ def test_mtp_without_mtp_tensors_fails_at_start_up(hybrid, tmp_path):
               metadata={"format": "pt"})
     with pytest.raises(SpecserveError, match="ships no MTP head"):
         MTPDrafter.load(None, load_model(str(dst), FP32))
+
+
+# ---- Qwen3-Next: mixture-of-experts MLPs, interleaved DeltaNet projections ---------------------
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    return make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"))
+
+
+def test_qwen3_next_matches_transformers(qwen3_next):
+    ours, hf = qwen3_next
+    cfg = ours.config
+    assert cfg.arch == "qwen3next" and cfg.moe.num_experts == 4 and cfg.moe.sparse(2) and not cfg.moe.sparse(3)
+    ids = _prompt(3, 40)
+    eng = _engine(ours)
+    eng.add_request("a", ids, SamplingParams(max_tokens=1))
+    eng.scheduler.admit()
+    rows = eng.scheduler.schedule(drafting=False)
+    batch = eng.runner.batch(rows)
+    batch.logits_indices = torch.arange(len(ids))
+    got = ours.model.forward(batch, eng.kv).logits
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (got - ref).abs().max() <= RTOL * ref.abs().max()
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False)[0, len(ids):]
+    want = want.tolist()
+    assert len(want) >= 8 and _greedy(_engine(ours), [ids], 32)[0][:len(want)] == want
+
+
+def test_qwen3_next_speculation_and_chunking_are_lossless(qwen3_next):
+    ours, _ = qwen3_next
+    prompts = [_prompt(60 + s, 25 + 11 * s) for s in range(4)]
+    plain = _greedy(_engine(ours, max_num_seqs=4), prompts, 24)
+    truth = {tuple(p): out for p, out in zip(prompts, plain)}
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=4)
+    eng = _engine(ours, spec, OracleDrafter(truth), max_num_seqs=4, max_num_batched_tokens=16, max_step_ms=0)
+    assert _greedy(eng, prompts, 24) == plain
+    assert eng.totals.accepted_tokens > 0 and eng.cache.idle()
 
 
 # ---- bad checkpoints -------------------------------------------------------------------------

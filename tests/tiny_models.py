@@ -135,3 +135,42 @@ def add_mtp_tensors(directory: Path, hf, seed: int) -> None:
     save_file(tensors, str(f), metadata={"format": "pt"})
     cfg = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}, indent=2))
+
+
+def make_tiny_qwen3_next(directory: Path, seed: int = 0, options: LoadOptions = FP32):
+    """A tiny random Qwen3NextForCausalLM (sparse MoE layers with a shared expert, one dense
+    layer, GQA in both attention kinds) saved with save_pretrained, loaded by our loader; the
+    transformers model is returned too."""
+    import transformers
+
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[3],
+        max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        bos_token_id=None, eos_token_id=HYBRID_EOS, pad_token_id=0)
+    torch.manual_seed(seed)
+    hf = transformers.Qwen3NextForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.3 * r)
+            elif "norm" in name:
+                p.copy_(0.3 * r)
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand(p.shape, generator=g) * 8 + 0.5))
+            elif name.endswith("dt_bias") or "embed_tokens" in name or name.endswith("mlp.gate.weight"):
+                p.copy_(r)
+            elif "conv1d" in name:
+                p.copy_(0.5 * r)
+            else:
+                p.copy_(r * (1.2 / p.shape[-1] ** 0.5))
+    directory.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(directory, safe_serialization=True)
+    write_byte_tokenizer(directory, HYBRID_MERGES)
+    return load_model(str(directory), options), hf

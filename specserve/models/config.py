@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specserve.errors import ModelLoadError
-from specserve.models.deltanet_config import DeltaNetConfig
+from specserve.models.deltanet_config import DeltaNetConfig, MoEConfig
 from specserve.models.families import families, family, family_for_model_type
 
 SUPPORTED_ARCHS = tuple(families())
@@ -45,6 +45,7 @@ class ModelConfig:
     rotary_dim: int = 0  # rotated dims of a head (partial rotary); 0 = head_dim
     attn_output_gate: bool = False  # q projection twice as wide: a sigmoid gate on the attention output
     mtp_layers: int = 0  # multi-token-prediction layers shipped in the checkpoint (mtp.*, GGUF nextn)
+    moe: MoEConfig | None = None  # sparse MLPs (Qwen3-Next); None: every MLP is dense
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

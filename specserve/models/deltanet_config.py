@@ -1,4 +1,5 @@
-"""The shapes of a hybrid model's Gated DeltaNet (linear-attention) layers."""
+"""The shapes of a hybrid model's Gated DeltaNet (linear-attention) layers and of a
+mixture-of-experts MLP (Qwen3-Next)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,24 @@ class DeltaNetConfig:
     def state_floats(self) -> int:
         """float32 values of one sequence's state in one layer: the conv window and S."""
         return (self.conv_kernel - 1) * self.conv_dim + self.num_v_heads * self.k_head_dim * self.v_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse MLP: a router over num_experts experts, the top num_experts_per_tok per token
+    (renormalised when norm_topk_prob), plus a shared expert behind a sigmoid gate."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int  # of each expert
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    norm_topk_prob: bool = True
+    sparse_step: int = 1  # every sparse_step-th layer is sparse ...
+    dense_layers: tuple[int, ...] = ()  # ... except these (mlp_only_layers)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..{self.num_experts}")
+
+    def sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0

@@ -1,4 +1,5 @@
-"""Hybrid decoders (Qwen3.5 / Qwen3.6 / Qwen3.8): Gated DeltaNet layers and gated attention.
+"""Hybrid decoders (Qwen3.5 / Qwen3.6 / Qwen3.8, Qwen3-Next): Gated DeltaNet layers and gated
+attention, with dense or mixture-of-experts MLPs.
 
 A linear-attention layer keeps, per sequence, a conv window and a delta-rule state of fixed size
 (float32) instead of K/V. They live in ``KVCache.states``, indexed by (slot, plane): a step reads
@@ -159,11 +160,56 @@ class GatedDeltaNet:
         return self.out(gated.view(t_len, dn.value_dim))
 
 
+class _Prefixed(LayerWeights):
+    """A layer's weights under a name prefix (one expert's gate / up / down)."""
+
+    def __init__(self, lw: LayerWeights, prefix: str):
+        super().__init__(lw.i, lw.w, lw.quant, lw.device, lw.dtype)
+        self.prefix = prefix
+
+    def lin(self, name: str) -> Linear:
+        return super().lin(self.prefix + name)
+
+    def fuse(self, *names: str) -> Linear | None:
+        return super().fuse(*(self.prefix + n for n in names))
+
+
+class SparseMoE:
+    """Mixture of experts: softmax router, the top k experts of each token (weights renormalised
+    with norm_topk_prob), plus a shared expert scaled by sigmoid(shared gate). Each expert runs on
+    the rows routed to it through the batch-invariant linears, and a token adds its experts'
+    outputs in expert order, so a row's result does not depend on the other rows."""
+
+    def __init__(self, cfg: ModelConfig, lw: LayerWeights):
+        self.moe, self.router = cfg.moe, lw.lin("router")
+        self.experts = [MLP(_Prefixed(lw, f"expert{e}."), cfg.activation) for e in range(cfg.moe.num_experts)]
+        self.shared = MLP(_Prefixed(lw, "shexp."), cfg.activation) if cfg.moe.shared_intermediate_size else None
+        self.shared_gate = lw.lin("shexp_gate") if self.shared else None
+
+    def linears(self) -> list[Linear]:
+        shared = self.shared.linears() + [self.shared_gate] if self.shared else []
+        return [self.router] + [lin for e in self.experts for lin in e.linears()] + shared
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        probs = torch.softmax(self.router(h), dim=-1)  # [T, E], row by row
+        weight, chosen = torch.topk(probs, self.moe.num_experts_per_tok, dim=-1)  # [T, k]
+        if self.moe.norm_topk_prob:
+            weight = weight / weight.sum(-1, keepdim=True)
+        out = torch.zeros_like(h)
+        for e in torch.unique(chosen).tolist():
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            out[rows] += self.experts[e](h[rows].contiguous()) * weight[rows, slot, None]
+        if self.shared is not None:
+            shared = self.shared(h)
+            out += ops.sigmoid_mul(self.shared_gate(h).expand_as(shared).contiguous(), shared)
+        return out
+
+
 class HybridLayer:
     def __init__(self, cfg: ModelConfig, i: int, w: dict[str, RawTensor], quant: str, device, dtype):
         lw = LayerWeights(i, w, quant, device, dtype)
         self.mixer = GatedDeltaNet(cfg, lw) if cfg.is_linear(i) else GatedAttention(cfg, lw)
-        self.mlp = MLP(lw, cfg.activation)
+        self.mlp = SparseMoE(cfg, lw) if cfg.moe and cfg.moe.sparse(i) else MLP(lw, cfg.activation)
         self.attn_norm, self.ffn_norm = lw.vec("attn_norm"), lw.vec("ffn_norm")
 
     def linears(self) -> list[Linear]:
@@ -178,7 +224,12 @@ class HybridTransformer(Transformer):
         need = ["embed", "norm"]
         for i in range(cfg.num_layers):
             mixer = LINEAR_TENSORS if cfg.is_linear(i) else ATTN_TENSORS
-            need += [f"layers.{i}.{n}" for n in (*mixer, *MLP_TENSORS)]
+            mlp = MLP_TENSORS
+            if cfg.moe and cfg.moe.sparse(i):
+                shared = ("shexp.gate", "shexp.up", "shexp.down", "shexp_gate") if cfg.moe.shared_intermediate_size else ()
+                mlp = ("ffn_norm", "router", *shared, *(f"expert{e}.{p}" for e in range(cfg.moe.num_experts)
+                                                         for p in ("gate", "up", "down")))
+            need += [f"layers.{i}.{n}" for n in (*mixer, *mlp)]
         return need
 
     def build_layers(self, cfg, tensors, quant, device, dtype) -> list[HybridLayer]:

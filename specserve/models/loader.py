@@ -134,6 +134,8 @@ def _read_hf(directory: Path):
     raw_cfg = mweights.read_hf_config(directory)
     cfg = mconfig.from_hf_config(raw_cfg)
     tensors = mweights.read_safetensors(directory, cfg.arch)
+    if family(cfg.arch).hf_rewrite is not None:
+        tensors = family(cfg.arch).hf_rewrite(tensors, cfg)
     _check_shapes(cfg, tensors, directory)
     tok = mtok.from_hf_dir(directory)
     return cfg, tensors, tok, family(cfg.arch).hf_norm_offset

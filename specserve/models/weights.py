@@ -146,6 +146,9 @@ def _hf_name(name: str, fam: ModelFamily) -> str | None:
     name = name.replace("model.language_model.", "model.")  # the text part of a multimodal checkpoint
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+?)(?:\.(weight|bias))?", name)
     if m:
+        experts = re.fullmatch(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj", m.group(2))  # mixture of experts
+        if experts:
+            return f"layers.{m.group(1)}.expert{experts.group(1)}.{experts.group(2)}"
         local = fam.hf_layer_name(m.group(2))  # parameters without a .weight suffix: A_log, dt_bias
         if local is None:
             return None
