@@ -366,7 +366,7 @@ def test_gguf_f32_greedy_equals_llama_cpp_and_the_safetensors(hybrid):
     assert ours.config.deltanet.v_tiled and ours.config.mtp_layers == 1 and ours.config.num_layers == 4
     ref = LLAMA_CPP["files"]["tiny-qwen35-f32.gguf"]
     got = [_greedy(_engine(ours), [p], LLAMA_CPP["tokens"])[0] for p in LLAMA_CPP["prompts"]]
-    assert got == ref
+    assert got == ref and all(len(r) == LLAMA_CPP["tokens"] for r in ref)
     assert got == [_greedy(_engine(hybrid[0]), [p], LLAMA_CPP["tokens"])[0] for p in LLAMA_CPP["prompts"]]
 
 
@@ -537,6 +537,21 @@ def test_qwen3_next_speculation_and_chunking_are_lossless(qwen3_next):
     eng = _engine(ours, spec, OracleDrafter(truth), max_num_seqs=4, max_num_batched_tokens=16, max_step_ms=0)
     assert _greedy(eng, prompts, 24) == plain
     assert eng.totals.accepted_tokens > 0 and eng.cache.idle()
+
+
+def test_qwen3_next_gguf_greedy_equals_llama_cpp():
+    """llama.cpp's GGUF of a Qwen3-Next (experts merged into 3-D tensors, ssm_ba interleaved per
+    key head, value heads in the grouped order): native llama-server's greedy tokens, all of them
+    (32 per prompt, or up to its end-of-text token); and lossless under speculation."""
+    ours = load_model(str(DATA / "tiny-qwen3next-f32.gguf"), FP32)
+    assert ours.config.arch == "qwen3next" and ours.config.moe.num_experts == 4 and not ours.config.deltanet.v_tiled
+    prompts, n = LLAMA_CPP["prompts"], LLAMA_CPP["tokens"]
+    plain = [_greedy(_engine(ours), [p], n)[0] for p in prompts]
+    ref = LLAMA_CPP["files"]["tiny-qwen3next-f32.gguf"]  # llama.cpp stops at the end-of-text token
+    assert [g[:len(r)] for g, r in zip(plain, ref)] == ref and sum(map(len, ref)) >= 3 * n
+    truth = {tuple(p): out for p, out in zip(prompts, plain)}
+    eng = _engine(ours, SpeculativeConfig("ngram", num_speculative_tokens=4), OracleDrafter(truth), max_num_seqs=4)
+    assert _greedy(eng, prompts, n) == plain
 
 
 # ---- bad checkpoints -------------------------------------------------------------------------

@@ -137,7 +137,7 @@ def add_mtp_tensors(directory: Path, hf, seed: int) -> None:
     (directory / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}, indent=2))
 
 
-def make_tiny_qwen3_next(directory: Path, seed: int = 0, options: LoadOptions = FP32):
+def make_tiny_qwen3_next(directory: Path, seed: int = 0, options: LoadOptions = FP32, **over):
     """A tiny random Qwen3NextForCausalLM (sparse MoE layers with a shared expert, one dense
     layer, GQA in both attention kinds) saved with save_pretrained, loaded by our loader; the
     transformers model is returned too."""
@@ -152,6 +152,8 @@ def make_tiny_qwen3_next(directory: Path, seed: int = 0, options: LoadOptions = 
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         bos_token_id=None, eos_token_id=HYBRID_EOS, pad_token_id=0)
+    for k, v in over.items():
+        setattr(cfg, k, v)
     torch.manual_seed(seed)
     hf = transformers.Qwen3NextForCausalLM(cfg).eval()
     g = torch.Generator().manual_seed(seed + 1)

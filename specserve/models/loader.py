@@ -116,6 +116,8 @@ def _read_gguf(path: Path, identity: str):
     vocab = _gguf_vocab_size(reader, meta)
     cfg = mconfig.from_gguf_metadata(meta, vocab)
     tensors = mweights.read_gguf_tensors(reader, arch, cfg.num_heads, cfg.num_kv_heads)
+    if family(arch).gguf_rewrite is not None:
+        tensors = family(arch).gguf_rewrite(tensors, cfg)
     _check_shapes(cfg, tensors, path)
     tok = _gguf_tokenizer(path, identity)
     return cfg, tensors, tok, 0.0  # llama.cpp's converter already folded Gemma's +1 into the norms

@@ -3,13 +3,15 @@
     python tests/data/make_tiny_qwen35.py
 
 1. the tiny random Qwen3.5 checkpoint of tests/tiny_models.py (its mtp.* tensors included) is
-   saved under tests/data/tiny_qwen35/hf;
+   saved under tests/data/tiny_qwen35/hf (and a tiny Qwen3-Next, converted, its GGUF kept);
 2. llama.cpp's own ``convert_hf_to_gguf.py`` (from the llama-cpp-python sdist, the source the
    native benchmark builds) converts it to F32 and Q8_0 GGUF, MTP head included; its tokenizer
    pre-tokenizer check does not know the tests' byte-level vocabulary, so the conversion declares
    it 'qwen2' (only token ids are compared);
 3. native ``llama-server`` (benchmarks/native_llamacpp.py builds it) generates 32 greedy tokens
-   for each prompt of token ids on each file; they go into llama_cpp_tokens.json.
+   for each prompt of token ids on each file, or fewer when it stops at the end-of-text token
+   (its ``ignore_eos`` would forbid that token, which changes the greedy path); they go into
+   llama_cpp_tokens.json.
 """
 
 from __future__ import annotations
@@ -44,9 +46,12 @@ def convert_cmd(src: Path, ckpt: Path, out: Path, outtype: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-def convert(src: Path, outtype: str) -> Path:
-    out = OUT / f"tiny-qwen35-{outtype}.gguf"
-    subprocess.run(convert_cmd(src, OUT / "hf", out, outtype), check=True)
+def convert(src: Path, outtype: str, ckpt: Path = OUT / "hf", out: Path | None = None, *extra: str) -> Path:
+    out = out or OUT / f"tiny-qwen35-{outtype}.gguf"
+    cmd = convert_cmd(src, ckpt, out, outtype)
+    cmd[-1] = cmd[-1].replace(f"'--outtype', {outtype!r}]", f"'--outtype', {outtype!r}, " + "".join(
+        f"{e!r}, " for e in extra) + "]")
+    subprocess.run(cmd, check=True)
     return out
 
 
@@ -68,7 +73,7 @@ def llama_cpp_tokens(server: Path, gguf: Path) -> list[list[int]]:
             out = []
             for p in PROMPTS:
                 r = http.post("/completion", json={"prompt": p, "n_predict": TOKENS, "temperature": 0.0,
-                                                   "top_k": 1, "ignore_eos": True, "cache_prompt": False,
+                                                   "top_k": 1, "cache_prompt": False,
                                                    "return_tokens": True})
                 r.raise_for_status()
                 out.append(r.json()["tokens"])
@@ -79,8 +84,10 @@ def llama_cpp_tokens(server: Path, gguf: Path) -> list[list[int]]:
 
 
 def main() -> None:
+    import tempfile
+
     from native_llamacpp import build_native, native_dir
-    from tiny_models import make_tiny_hybrid
+    from tiny_models import make_tiny_hybrid, make_tiny_qwen3_next
 
     make_tiny_hybrid(OUT / "hf")
     bindir = build_native()
@@ -89,6 +96,12 @@ def main() -> None:
     for outtype in ("f32", "q8_0"):
         gguf = convert(src, outtype)
         record["files"][gguf.name] = llama_cpp_tokens(bindir / "llama-server", gguf)
+    # Qwen3-Next: every MLP sparse (llama.cpp's converter rejects dense layers), no MTP head; the
+    # GGUF alone is kept (experts merged into 3-D tensors, ssm_ba interleaved per key head)
+    with tempfile.TemporaryDirectory() as tmp:
+        make_tiny_qwen3_next(Path(tmp), mlp_only_layers=[])
+        gguf = convert(src, "f32", Path(tmp), OUT / "tiny-qwen3next-f32.gguf", "--no-mtp")
+    record["files"][gguf.name] = llama_cpp_tokens(bindir / "llama-server", gguf)
     (OUT / "llama_cpp_tokens.json").write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record["files"], indent=1))
 

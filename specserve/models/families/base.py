@@ -52,6 +52,7 @@ class ModelFamily:
     # rewrites a safetensors checkpoint's tensors (our names) into the layout the model code reads
     # (Qwen3-Next's interleaved qkvz / ba projections); None: as read
     hf_rewrite: Callable[[dict, object], dict] | None = None
+    gguf_rewrite: Callable[[dict, object], dict] | None = None  # the same for a GGUF's tensors
 
     def hf_layer_name(self, part: str) -> str | None:
         return self.hf_layer_names.get(part) or HF_LAYER.get(part)

@@ -48,18 +48,24 @@ GGUF_HYBRID["post_attention_norm"] = "ffn_norm"
 
 
 def _gguf_fields(read, kw: dict) -> dict:
+    return hybrid_gguf_fields(read, kw, tiled=True)
+
+
+def hybrid_gguf_fields(read, kw: dict, tiled: bool) -> dict:
+    """tiled: the converter put the value heads in llama.cpp's tiled order (Qwen3.5's does, when
+    there are more value heads than key heads; Qwen3-Next's does not)."""
     nextn = int(read("nextn_predict_layers") or 0)  # MTP layers, counted in block_count
     n = kw["num_layers"] - nextn
     need = ("ssm.group_count", "ssm.time_step_rank", "ssm.state_size", "ssm.inner_size", "ssm.conv_kernel")
     missing = [k for k in need if read(k) is None]
     if missing:
-        raise ModelLoadError(f"GGUF of a hybrid model lacks qwen35.{', qwen35.'.join(missing)}")
+        raise ModelLoadError(f"GGUF of a hybrid model lacks {', '.join(missing)}")
     hk, hv, dk, inner, kernel = (int(read(k)) for k in need)
     recurrent = read("attention.recurrent_layers")
     types = (tuple("linear_attention" if r else "full_attention" for r in list(recurrent)[:n]) if recurrent
              else hybrid_layer_types(n, None, read("full_attention_interval")))
     return dict(num_layers=n, layer_types=types, qk_norm=True, attn_output_gate=True,
-                deltanet=DeltaNetConfig(hk, hv, dk, inner // hv, kernel, v_tiled=hk != hv),
+                deltanet=DeltaNetConfig(hk, hv, dk, inner // hv, kernel, v_tiled=tiled and hk != hv),
                 rotary_dim=int(read("rope.dimension_count") or kw["head_dim"] // 4), mtp_layers=nextn)
 
 

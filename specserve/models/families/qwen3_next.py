@@ -7,7 +7,7 @@ import torch
 
 from specserve.models.deltanet_config import MoEConfig
 from specserve.models.families.base import ModelFamily, register
-from specserve.models.families.qwen3_5 import HF_LINEAR_ATTN
+from specserve.models.families.qwen3_5 import GGUF_HYBRID, HF_LINEAR_ATTN, hybrid_gguf_fields
 from specserve.models.families.qwen3_5 import _hf_fields as hybrid_fields
 
 HF_NAMES = {
@@ -29,25 +29,55 @@ def _hf_fields(read, kw: dict) -> dict:
 
 
 def _rewrite(tensors: dict, cfg) -> dict:
-    """[q, k, v, z] and [b, a] interleaved per key head -> q|k|v (all heads of each), z, b, a."""
+    """[q, k, v, z] and [b, a] interleaved per key head -> q|k|v (all heads of each), z, b, a;
+    GGUF's experts (3-D, all experts in one tensor) -> one tensor per expert."""
     from specserve.models.weights import RawTensor
 
-    dn, out = cfg.deltanet, dict(tensors)
+    dn, out, hidden = cfg.deltanet, dict(tensors), cfg.hidden_size
     hk, r = dn.num_k_heads, dn.num_v_heads // dn.num_k_heads
+
+    def put(name: str, t: torch.Tensor) -> None:
+        t = t.reshape(-1, hidden).contiguous()
+        out[name] = RawTensor(name, tuple(t.shape), "torch", t)
+
     for i in cfg.linear_layers:
         qkvz, ba = out.pop(f"layers.{i}.ssm_in_qkvz", None), out.pop(f"layers.{i}.ssm_in_ba", None)
-        if qkvz is None or ba is None:
-            continue  # reported as missing tensors by the model
-        w = qkvz.dequantize().view(hk, -1, cfg.hidden_size)
-        q, k, v, z = w.split((dn.k_head_dim, dn.k_head_dim, r * dn.v_head_dim, r * dn.v_head_dim), dim=1)
-        b, a = ba.dequantize().view(hk, 2 * r, cfg.hidden_size).split((r, r), dim=1)
-        for name, t in (("attn_qkv", torch.cat([x.reshape(-1, cfg.hidden_size) for x in (q, k, v)])),
-                        ("attn_gate", z), ("ssm_beta", b), ("ssm_alpha", a)):
-            t = t.reshape(-1, cfg.hidden_size).contiguous()
-            out[f"layers.{i}.{name}"] = RawTensor(f"layers.{i}.{name}", tuple(t.shape), "torch", t)
+        if qkvz is not None:  # (llama.cpp's converter splits it into attn_qkv and attn_gate itself)
+            w = qkvz.dequantize().view(hk, -1, hidden)
+            q, k, v, z = w.split((dn.k_head_dim, dn.k_head_dim, r * dn.v_head_dim, r * dn.v_head_dim), dim=1)
+            put(f"layers.{i}.attn_qkv", torch.cat([x.reshape(-1, hidden) for x in (q, k, v)]))
+            put(f"layers.{i}.attn_gate", z)
+        if ba is not None:
+            b, a = ba.dequantize().view(hk, 2 * r, hidden).split((r, r), dim=1)
+            put(f"layers.{i}.ssm_beta", b)
+            put(f"layers.{i}.ssm_alpha", a)
+    for name in [n for n in out if ".experts." in n]:
+        raw = out.pop(name)
+        layer, part = name.split(".experts.")
+        for e in range(raw.shape[0]):
+            data = raw.data[e] if raw.qtype != "torch" else raw.data[e].contiguous()
+            out[f"{layer}.expert{e}.{part}"] = RawTensor(f"{layer}.expert{e}.{part}", tuple(raw.shape[1:]), raw.qtype,
+                                                         data)
+    return out
+
+
+GGUF_NAMES = {**GGUF_HYBRID, "ssm_ba": "ssm_in_ba", "ffn_gate_inp": "router", "ffn_gate_shexp": "shexp.gate",
+              "ffn_up_shexp": "shexp.up", "ffn_down_shexp": "shexp.down", "ffn_gate_inp_shexp": "shexp_gate",
+              "ffn_gate_exps": "experts.gate", "ffn_up_exps": "experts.up", "ffn_down_exps": "experts.down"}
+
+
+def _gguf_fields(read, kw: dict) -> dict:
+    out = hybrid_gguf_fields(read, kw, tiled=False)  # Qwen3-Next's converter keeps the grouped order
+    if int(read("expert_count") or 0) > 0:
+        norm = read("expert_weights_norm")
+        out["moe"] = MoEConfig(int(read("expert_count")), int(read("expert_used_count")),
+                               int(read("expert_feed_forward_length")),
+                               int(read("expert_shared_feed_forward_length") or 0),
+                               True if norm is None else bool(norm))
     return out
 
 
 QWEN3_NEXT = register(ModelFamily(
-    "qwen3next", ("qwen3_next",), hf_fields=_hf_fields, hf_layer_names=HF_NAMES, hf_norm_offset=1.0,
-    hf_norm_offset_skip=("ssm_norm",), hf_default_rope_theta=1e7, hf_rewrite=_rewrite))
+    "qwen3next", ("qwen3_next",), gguf_fields=_gguf_fields, hf_fields=_hf_fields, hf_layer_names=HF_NAMES,
+    gguf_layer_names=GGUF_NAMES, hf_norm_offset=1.0, hf_norm_offset_skip=("ssm_norm",), hf_default_rope_theta=1e7,
+    hf_rewrite=_rewrite, gguf_rewrite=_rewrite))
