@@ -19,7 +19,9 @@ needs_c = pytest.mark.skipif(not ops.kernels_available(), reason="C kernels unav
 
 
 def _cfg(layers=2, hkv=2, d=64):
-    return SimpleNamespace(num_layers=layers, num_kv_heads=hkv, head_dim=d)
+    # the ModelConfig fields the cache reads (no sliding-window or linear-attention layers)
+    return SimpleNamespace(num_layers=layers, num_kv_heads=hkv, head_dim=d, is_linear=lambda i: False,
+                           sliding=lambda i: False, attention_layers=tuple(range(layers)))
 
 
 def _bound(dtype: str, x: torch.Tensor) -> torch.Tensor:
