@@ -406,20 +406,31 @@ def test_gguf_of_another_architecture_names_it(tmp_path):
 
 
 # ---- the checkpoint's own MTP head -----------------------------------------------------------
-def _reference_mtp_logits(hf, ids: list[int]) -> torch.Tensor:
-    """The MTP head (mtp.* of the checkpoint) in transformers' own Qwen3.5 modules: row i reads
-    token i's embedding and the target's final-normed hidden state at i - 1, through its norms,
-    fc, one gated-attention decoder layer (causal over its rows), its norm and the LM head."""
+def _reference_mtp_logits(hf, ids: list[int], ckpt: Path = DATA / "hf") -> torch.Tensor:
+    """The MTP head (mtp.* of the checkpoint) in transformers' own modules (Qwen3.5's or
+    Qwen3-Next's): row i reads token i's embedding and the target's final-normed hidden state at
+    i - 1, through its norms, fc, one gated-attention decoder layer (causal over its rows; a MoE
+    MLP for Qwen3-Next), its norm and the LM head."""
     from safetensors.torch import load_file
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
 
-    w = {k[4:]: v for k, v in load_file(str(DATA / "hf" / "model.safetensors")).items() if k.startswith("mtp.")}
+    w = {k[4:]: v for k, v in load_file(str(ckpt / "model.safetensors")).items() if k.startswith("mtp.")}
     cfg = hf.config
-    layer = Qwen3_5DecoderLayer(cfg, cfg.layer_types.index("full_attention")).eval()
-    layer.load_state_dict({k[len("layers.0."):]: v for k, v in w.items() if k.startswith("layers.0.")})
+    nxt = cfg.model_type == "qwen3_next"
+    layer_cls, norm_cls = (Qwen3NextDecoderLayer, Qwen3NextRMSNorm) if nxt else (Qwen3_5DecoderLayer, Qwen3_5RMSNorm)
+    layer = layer_cls(cfg, cfg.layer_types.index("full_attention")).eval()
+    sd = {k[len("layers.0."):]: v for k, v in w.items() if k.startswith("layers.0.")}
+    if nxt:  # transformers keeps its experts as 3-D tensors
+        e = cfg.num_experts
+        sd["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([sd.pop(f"mlp.experts.{j}.gate_proj.weight"),
+                                                                 sd.pop(f"mlp.experts.{j}.up_proj.weight")])
+                                                      for j in range(e)])
+        sd["mlp.experts.down_proj"] = torch.stack([sd.pop(f"mlp.experts.{j}.down_proj.weight") for j in range(e)])
+    layer.load_state_dict(sd)
     norms = {}
     for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        norms[n] = Qwen3_5RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norms[n] = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         norms[n].load_state_dict({"weight": w[f"{n}.weight"]})
     x = torch.tensor([ids])
     with torch.no_grad():
@@ -434,14 +445,16 @@ def _reference_mtp_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf.lm_head(norms["norm"](out))[0]  # [n, V]: row j predicts token j + 2
 
 
-@pytest.mark.parametrize("source", ["hf", "tiny-qwen35-f32.gguf"])
-def test_checkpoint_mtp_head_matches_transformers_modules(hybrid, source):
-    """The head read from the safetensors (mtp.*, zero-centred norms) or from llama.cpp's GGUF
-    (blk.4.nextn.*, norms folded) computes what transformers' modules compute."""
-    ours, hf = hybrid
+@pytest.mark.parametrize("source", ["hf", "tiny-qwen35-f32.gguf", "qwen3_next"])
+def test_checkpoint_mtp_head_matches_transformers_modules(hybrid, qwen3_next, source):
+    """The head read from the safetensors (mtp.*, zero-centred norms), from llama.cpp's GGUF
+    (blk.4.nextn.*, norms folded), or Qwen3-Next's (a mixture-of-experts layer) computes what
+    transformers' modules compute."""
+    ours, hf = qwen3_next if source == "qwen3_next" else hybrid
+    ckpt = ours.resolved.path if source == "qwen3_next" else DATA / "hf"
     ids = _prompt(7, 30)
-    ref = _reference_mtp_logits(hf, ids)
-    target = load_model(str(DATA / source), FP32)
+    ref = _reference_mtp_logits(hf, ids, ckpt)
+    target = ours if source == "qwen3_next" else load_model(str(DATA / source), FP32)
     head = MTPDrafter.load(None, target).model
     assert head.cfg.output_gate and head.cfg.rotary_dim == 8
     eng = _engine(target)
@@ -503,7 +516,7 @@ def test_mtp_without_mtp_tensors_fails_at_start_up(hybrid, tmp_path):
 # ---- Qwen3-Next: mixture-of-experts MLPs, interleaved DeltaNet projections ---------------------
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory):
-    return make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"))
+    return make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"), mtp=True)
 
 
 def test_qwen3_next_matches_transformers(qwen3_next):
@@ -537,6 +550,9 @@ def test_qwen3_next_speculation_and_chunking_are_lossless(qwen3_next):
     eng = _engine(ours, spec, OracleDrafter(truth), max_num_seqs=4, max_num_batched_tokens=16, max_step_ms=0)
     assert _greedy(eng, prompts, 24) == plain
     assert eng.totals.accepted_tokens > 0 and eng.cache.idle()
+    mtp = _engine(ours, SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False),
+                  MTPDrafter.load(None, ours), max_num_seqs=4)  # the checkpoint's MoE MTP head
+    assert _greedy(mtp, prompts, 24) == plain and mtp.totals.draft_tokens > 0
 
 
 def test_qwen3_next_gguf_greedy_equals_llama_cpp():

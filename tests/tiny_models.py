@@ -117,7 +117,16 @@ def mtp_shapes(hf) -> dict[str, tuple[int, ...]]:
     for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         shapes[f"mtp.{n}.weight"] = (hf.config.hidden_size,)
     for name, p in hf.model.layers[full].named_parameters():
-        shapes[f"mtp.layers.0.{name}"] = tuple(p.shape)
+        if name == "mlp.experts.gate_up_proj":  # a MoE layer: checkpoints store one tensor per expert
+            e, two_i, h = p.shape
+            for j in range(e):
+                shapes[f"mtp.layers.0.mlp.experts.{j}.gate_proj.weight"] = (two_i // 2, h)
+                shapes[f"mtp.layers.0.mlp.experts.{j}.up_proj.weight"] = (two_i // 2, h)
+        elif name == "mlp.experts.down_proj":
+            for j in range(p.shape[0]):
+                shapes[f"mtp.layers.0.mlp.experts.{j}.down_proj.weight"] = tuple(p.shape[1:])
+        else:
+            shapes[f"mtp.layers.0.{name}"] = tuple(p.shape)
     return shapes
 
 
@@ -137,7 +146,7 @@ def add_mtp_tensors(directory: Path, hf, seed: int) -> None:
     (directory / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}, indent=2))
 
 
-def make_tiny_qwen3_next(directory: Path, seed: int = 0, options: LoadOptions = FP32, **over):
+def make_tiny_qwen3_next(directory: Path, seed: int = 0, options: LoadOptions = FP32, mtp: bool = False, **over):
     """A tiny random Qwen3NextForCausalLM (sparse MoE layers with a shared expert, one dense
     layer, GQA in both attention kinds) saved with save_pretrained, loaded by our loader; the
     transformers model is returned too."""
@@ -174,5 +183,7 @@ def make_tiny_qwen3_next(directory: Path, seed: int = 0, options: LoadOptions = 
                 p.copy_(r * (1.2 / p.shape[-1] ** 0.5))
     directory.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(directory, safe_serialization=True)
+    if mtp:
+        add_mtp_tensors(directory, hf, seed + 2)
     write_byte_tokenizer(directory, HYBRID_MERGES)
     return load_model(str(directory), options), hf

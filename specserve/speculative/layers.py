@@ -34,16 +34,53 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate = nn.Linear(hidden, inter, bias=False)
+        self.up = nn.Linear(hidden, inter, bias=False)
+        self.down = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class MoEMLP(nn.Module):
+    """A mixture-of-experts MLP (Qwen3-Next's): softmax router, the top k experts per token
+    (renormalised with norm_topk), a shared expert behind a sigmoid gate."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, inter: int, shared_inter: int, norm_topk: bool):
+        super().__init__()
+        self.top_k, self.norm_topk = top_k, norm_topk
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(hidden, inter) for _ in range(num_experts))
+        self.shared = SwiGLU(hidden, shared_inter) if shared_inter else None
+        self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared_inter else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [..., H]
+        flat = h.reshape(-1, h.shape[-1])
+        weight, chosen = torch.topk(torch.softmax(self.router(flat).float(), dim=-1), self.top_k, dim=-1)
+        if self.norm_topk:
+            weight = weight / weight.sum(-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e in torch.unique(chosen).tolist():
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            out = out.index_add(0, rows, self.experts[e](flat[rows]) * weight[rows, slot, None].to(flat.dtype))
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
+        return out.view_as(h)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP; attention over (extra keys/values ++ own rows) with a mask.
 
     output_gate (Qwen3.5's gated attention): the q projection gives each head its query then a
     gate, and the attention output is multiplied by sigmoid(gate); rotary_dim: rope on the first
-    rotary_dim dims of each head only (0 = all)."""
+    rotary_dim dims of each head only (0 = all); moe: a mixture-of-experts MLP instead of SwiGLU."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
                  theta: float, qk_norm: bool = False, qkv_bias: bool = False, output_gate: bool = False,
-                 rotary_dim: int = 0):
+                 rotary_dim: int = 0, moe: tuple | None = None):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.eps, self.theta = heads, kv_heads, head_dim, eps, theta
         self.output_gate, self.rotary_dim = output_gate, rotary_dim or head_dim
@@ -57,9 +94,11 @@ class DecoderLayer(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(head_dim))
             self.k_norm = nn.Parameter(torch.ones(head_dim))
         self.ffn_norm = nn.Parameter(torch.ones(hidden))
-        self.gate = nn.Linear(hidden, inter, bias=False)
-        self.up = nn.Linear(hidden, inter, bias=False)
-        self.down = nn.Linear(inter, hidden, bias=False)
+        self.moe = MoEMLP(hidden, *moe) if moe else None  # (experts, top k, inter, shared inter, norm top k)
+        if self.moe is None:
+            self.gate = nn.Linear(hidden, inter, bias=False)
+            self.up = nn.Linear(hidden, inter, bias=False)
+            self.down = nn.Linear(inter, hidden, bias=False)
 
     def kv(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [..., T, H] (already normed) -> rotated k, v: [..., T, kv_heads, D]."""
@@ -101,7 +140,7 @@ class DecoderLayer(nn.Module):
             attn = attn * torch.sigmoid(gate)
         x = x + self.o(attn.flatten(-2))
         h = rms(x, self.ffn_norm, self.eps)
-        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
+        x = x + (self.moe(h) if self.moe is not None else self.down(F.silu(self.gate(h)) * self.up(h)))
         return (x, own) if return_kv else x
 
 

@@ -32,14 +32,14 @@ Weights come from (first match):
    ``eh_proj``, ``enorm``, ``hnorm``, ``shared_head.norm`` are accepted too), DeepSeek-V3's
    ``model.layers.{num_hidden_layers}.{eh_proj,enorm,hnorm,shared_head.norm,...}``, or GGUF
    ``blk.{N}.nextn.{eh_proj,enorm,hnorm,shared_head_norm}`` with the block's ordinary layer
-   tensors (``attn_q``, ``ffn_gate``, ...). Only a dense attention + SwiGLU MTP layer is
-   supported (not MLA or mixture-of-experts layers).
+   tensors (``attn_q``, ``ffn_gate``, ...); read by mtp_checkpoint.py. The layer is attention
+   (gated with partial rotary for a Qwen3.5 / Qwen3-Next target) with a SwiGLU MLP or, from
+   safetensors, a mixture of experts (Qwen3-Next); MLA layers are not supported.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -50,10 +50,9 @@ from torch import nn
 from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
 from specserve.models.loader import LoadedModel
-from specserve.models.families import families
-from specserve.models.families.base import GGUF_LAYER, HF_LAYER
 from specserve.speculative.dflash import CONTEXT_TRIM, DecoderLayer, TargetHead, check_target, load_state, rms, target_identity
 from specserve.speculative.drafter import Drafter, Proposal, pick_tokens
+from specserve.speculative.mtp_checkpoint import config_from_state, read_checkpoint_mtp  # noqa: F401
 from specserve.speculative.prefix_store import PrefixStore
 
 
@@ -76,6 +75,7 @@ class MTPConfig:
     drafter: str = "mtp"
     output_gate: bool = False  # gated attention (Qwen3.5's heads)
     rotary_dim: int = 0  # partial rotary (0 = the whole head)
+    moe: list | None = None  # [experts, top k, inter, shared inter, norm top k]: Qwen3-Next's MoE layer
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -103,7 +103,7 @@ class MTPModel(nn.Module):
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.layer = DecoderLayer(H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                                   cfg.rms_eps, cfg.rope_theta, cfg.qk_norm, cfg.qkv_bias, cfg.output_gate,
-                                  cfg.rotary_dim)
+                                  cfg.rotary_dim, tuple(cfg.moe) if cfg.moe else None)
         self.norm = nn.Parameter(torch.ones(H))
 
     def init_weights(self, final_norm: torch.Tensor | None, seed: int) -> None:
@@ -113,7 +113,8 @@ class MTPModel(nn.Module):
                 if p.dim() == 2:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.02)
             self.layer.o.weight.mul_(0.5)
-            self.layer.down.weight.mul_(0.5)
+            if self.layer.moe is None:
+                self.layer.down.weight.mul_(0.5)
             if final_norm is not None:
                 self.norm.copy_(final_norm.float())
 
@@ -157,139 +158,6 @@ class MTPModel(nn.Module):
             outs.append(g)
             prev_src = g
         return outs
-
-
-# ---- loading MTP weights from checkpoints -----------------------------------------------------
-# the MTP layer's parameters, named as the target's layers are (the family maps, prefixed "layer.")
-_LAYER_PARAMS = ("attn_norm", "ffn_norm", "q", "k", "v", "o", "q_norm", "k_norm", "gate", "up", "down")
-_HF_LAYER = {k: f"layer.{v}" for k, v in HF_LAYER.items()
-             if v in _LAYER_PARAMS and k not in ("pre_feedforward_layernorm", "post_feedforward_layernorm")}
-_HF_TOP = {
-    "fc": "eh_proj", "eh_proj": "eh_proj", "pre_fc_norm_embedding": "enorm", "enorm": "enorm",
-    "pre_fc_norm_hidden": "hnorm", "hnorm": "hnorm", "norm": "norm", "shared_head.norm": "norm",
-}
-_GGUF_LAYER = {
-    **{k: f"layer.{v}" for k, v in GGUF_LAYER.items() if v in _LAYER_PARAMS},
-    "nextn.eh_proj": "eh_proj", "nextn.enorm": "enorm", "nextn.hnorm": "hnorm", "nextn.shared_head_norm": "norm",
-}
-_UNSUPPORTED = re.compile(r"(q_a_proj|kv_a_proj|kv_b_proj|experts|mlp\.gate\.weight$|shared_expert|_exps\b|"
-                          r"ffn_gate_inp|attn_kv_a)")
-# Qwen3-Next style checkpoints store norms as (w - 1) ("zero-centred"): add 1 back
-_OFFSET_NORMS = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "gemma3", "gemma3_text")
-
-
-def _map_hf_name(key: str, n_layers: int | None) -> str | None:
-    """A safetensors key of an MTP head -> our parameter name (None: not an MTP tensor)."""
-    base, suffix = key.rsplit(".", 1) if key.endswith((".weight", ".bias")) else (key, "weight")
-    for prefix in ("model.mtp.", "mtp."):
-        if base.startswith(prefix):
-            rest = base[len(prefix):]
-            rest = re.sub(r"^layers\.0\.", "", rest)
-            break
-    else:
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
-        if not m or n_layers is None or int(m.group(1)) != n_layers:
-            return None
-        rest = m.group(2)
-    if _UNSUPPORTED.search(key):
-        raise SpecserveError(f"MTP tensor {key}: MLA / mixture-of-experts MTP layers are not supported")
-    name = _HF_LAYER.get(rest) or _HF_TOP.get(rest)
-    if name is None:
-        return None  # embed_tokens / shared_head.head: the target's are used
-    if suffix == "bias":
-        return f"{name}.bias"
-    return name if name.endswith("norm") else f"{name}.weight"
-
-
-def _read_hf_mtp(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    from safetensors import safe_open
-
-    raw_cfg = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
-    text = raw_cfg.get("text_config", raw_cfg)
-    n_layers = text.get("num_hidden_layers")
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                name = _map_hf_name(key, n_layers)
-                if name is not None:
-                    state[name] = st.get_tensor(key).float()
-    if state and text.get("model_type") in _OFFSET_NORMS:
-        for k in list(state):
-            if k.endswith("norm"):
-                state[k] = state[k] + 1.0
-    return state, text
-
-
-def _read_gguf_mtp(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    from specserve.models import weights as mweights
-
-    reader = mweights.open_gguf(path)
-    meta = mweights.gguf_metadata(reader)
-    arch = meta.get("general.architecture")
-    blocks = [int(m.group(1)) for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.nextn\.", t.name))]
-    if not blocks:
-        return {}, meta
-    n = min(blocks)  # the first MTP block (block_count - nextn_predict_layers)
-    heads = int(meta.get(f"{arch}.attention.head_count", 0) or 0)
-    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads) or heads)
-    state: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        m = re.fullmatch(rf"blk\.{n}\.(.+)\.(weight|bias)", t.name)
-        if not m:
-            continue
-        if _UNSUPPORTED.search(t.name):
-            raise SpecserveError(f"MTP tensor {t.name}: MLA / mixture-of-experts MTP layers are not supported")
-        part = m.group(1)
-        own = families().get(arch).gguf_layer_name(part) if arch in families() else None  # the family's names
-        name = f"layer.{own}" if own in _LAYER_PARAMS else _GGUF_LAYER.get(part)
-        if name is None:
-            continue
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-        perm = None
-        fam = families().get(arch)
-        if fam and fam.gguf_permute_qk and name in ("layer.q", "layer.k") and heads:  # undo llama.cpp's permutation
-            perm = mweights._unpermute_rows(shape[0], heads if name == "layer.q" else kv_heads)
-        w = mweights.RawTensor(t.name, shape, t.tensor_type.name, t.data, perm).dequantize()
-        if m.group(2) == "bias":
-            state[f"{name}.bias"] = w
-        elif name.endswith("norm"):
-            state[name] = w.reshape(-1)
-        else:
-            state[f"{name}.weight"] = w
-    return state, meta
-
-
-def read_checkpoint_mtp(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
-    """MTP head tensors (our names) found in a checkpoint file or directory; {} if none."""
-    path = Path(path).expanduser()
-    if path.is_file() and path.suffix == ".gguf" or (path.is_file() and path.read_bytes()[:4] == b"GGUF"):
-        state, _ = _read_gguf_mtp(path)
-    elif path.is_dir() and any(path.glob("*.safetensors")):
-        state, _ = _read_hf_mtp(path)
-    elif path.is_dir() and len(list(path.glob("*.gguf"))) == 1:
-        path = next(path.glob("*.gguf"))
-        state, _ = _read_gguf_mtp(path)
-    else:
-        return {}, str(path)
-    return state, str(path)
-
-
-def config_from_state(state: dict[str, torch.Tensor], target: LoadedModel, source: str) -> MTPConfig:
-    need = ("eh_proj.weight", "enorm", "hnorm", "layer.q.weight", "layer.k.weight", "layer.gate.weight")
-    missing = [n for n in need if n not in state]
-    if missing:
-        raise SpecserveError(f"MTP head in {source} is incomplete: missing {missing}")
-    c = target.config
-    H = c.hidden_size
-    if tuple(state["eh_proj.weight"].shape) != (H, 2 * H):
-        raise SpecserveError(f"MTP head in {source}: eh_proj is {tuple(state['eh_proj.weight'].shape)}, "
-                             f"expected {(H, 2 * H)} for {target.name}")
-    head_dim, gated = c.head_dim, c.attn_output_gate  # a hybrid target's MTP layer is its gated attention
-    return MTPConfig(H, state["layer.q.weight"].shape[0] // (head_dim * (2 if gated else 1)),
-                     state["layer.k.weight"].shape[0] // head_dim, head_dim, state["layer.gate.weight"].shape[0],
-                     c.rms_eps, c.rope_theta, "layer.q_norm" in state, "layer.q.bias" in state,
-                     target=target_identity(target), source=source, output_gate=gated, rotary_dim=c.rotary_dim)
 
 
 # ---- the drafter ------------------------------------------------------------------------------
