@@ -445,16 +445,22 @@ def _reference_mtp_logits(hf, ids: list[int], ckpt: Path = DATA / "hf") -> torch
         return hf.lm_head(norms["norm"](out))[0]  # [n, V]: row j predicts token j + 2
 
 
-@pytest.mark.parametrize("source", ["hf", "tiny-qwen35-f32.gguf", "qwen3_next"])
+@pytest.mark.parametrize("source", ["hf", "tiny-qwen35-f32.gguf", "qwen3_next", "tiny-qwen3next-f32.gguf"])
 def test_checkpoint_mtp_head_matches_transformers_modules(hybrid, qwen3_next, source):
     """The head read from the safetensors (mtp.*, zero-centred norms), from llama.cpp's GGUF
-    (blk.4.nextn.*, norms folded), or Qwen3-Next's (a mixture-of-experts layer) computes what
-    transformers' modules compute."""
-    ours, hf = qwen3_next if source == "qwen3_next" else hybrid
-    ckpt = ours.resolved.path if source == "qwen3_next" else DATA / "hf"
+    (blk.4.nextn.*, norms folded), or Qwen3-Next's (a mixture-of-experts layer; from GGUF its
+    experts merged into 3-D tensors) computes what transformers' modules compute."""
+    if source == "qwen3_next":
+        ours, hf = qwen3_next
+        ckpt, target = ours.resolved.path, ours
+    elif "qwen3next" in source:
+        ckpt = DATA / "next_hf"
+        hf = transformers.Qwen3NextForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+        target = load_model(str(DATA / source), FP32)
+    else:
+        hf, ckpt, target = hybrid[1], DATA / "hf", load_model(str(DATA / source), FP32)
     ids = _prompt(7, 30)
     ref = _reference_mtp_logits(hf, ids, ckpt)
-    target = ours if source == "qwen3_next" else load_model(str(DATA / source), FP32)
     head = MTPDrafter.load(None, target).model
     assert head.cfg.output_gate and head.cfg.rotary_dim == 8
     eng = _engine(target)

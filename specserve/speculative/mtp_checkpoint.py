@@ -29,7 +29,10 @@ _GGUF_LAYER = {
     **{k: f"layer.{v}" for k, v in GGUF_LAYER.items() if v in _LAYER_PARAMS},
     "nextn.eh_proj": "eh_proj", "nextn.enorm": "enorm", "nextn.hnorm": "hnorm", "nextn.shared_head_norm": "norm",
 }
-_UNSUPPORTED = re.compile(r"(q_a_proj|kv_a_proj|kv_b_proj|_exps\b|ffn_gate_inp|attn_kv_a)")
+_UNSUPPORTED = re.compile(r"(q_a_proj|kv_a_proj|kv_b_proj|attn_kv_a)")
+_GGUF_MOE = {"ffn_gate_inp": "router", "ffn_gate_inp_shexp": "shared_gate", "ffn_gate_shexp": "shared.gate",
+             "ffn_up_shexp": "shared.up", "ffn_down_shexp": "shared.down", "ffn_gate_exps": "gate",
+             "ffn_up_exps": "up", "ffn_down_exps": "down"}
 _HF_MOE = ((re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj"), r"layer.moe.experts.\1.\2"),
            (re.compile(r"mlp\.gate"), "layer.moe.router"),
            (re.compile(r"mlp\.shared_expert\.(gate|up|down)_proj"), r"layer.moe.shared.\1"),
@@ -99,10 +102,18 @@ def _read_gguf_mtp(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         m = re.fullmatch(rf"blk\.{n}\.(.+)\.(weight|bias)", t.name)
         if not m:
             continue
-        if _UNSUPPORTED.search(t.name):
-            raise SpecserveError(f"MTP tensor {t.name}: MLA / mixture-of-experts MTP layers are not supported "
-                                 "from GGUF (the safetensors checkpoint's are)")
         part = m.group(1)
+        if part in _GGUF_MOE:  # a mixture-of-experts layer (Qwen3-Next): the experts merged in 3-D tensors
+            shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+            w = mweights.RawTensor(t.name, shape, t.tensor_type.name, t.data).dequantize()
+            if part.endswith("_exps"):
+                for e in range(shape[0]):
+                    state[f"layer.moe.experts.{e}.{_GGUF_MOE[part]}.weight"] = w[e]
+            else:
+                state[f"layer.moe.{_GGUF_MOE[part]}.weight"] = w
+            continue
+        if _UNSUPPORTED.search(t.name):
+            raise SpecserveError(f"MTP tensor {t.name}: MLA MTP layers are not supported")
         own = families().get(arch).gguf_layer_name(part) if arch in families() else None  # the family's names
         name = f"layer.{own}" if own in _LAYER_PARAMS else _GGUF_LAYER.get(part)
         if name is None:

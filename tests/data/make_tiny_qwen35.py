@@ -3,7 +3,7 @@
     python tests/data/make_tiny_qwen35.py
 
 1. the tiny random Qwen3.5 checkpoint of tests/tiny_models.py (its mtp.* tensors included) is
-   saved under tests/data/tiny_qwen35/hf (and a tiny Qwen3-Next, converted, its GGUF kept);
+   saved under tests/data/tiny_qwen35/hf (and a tiny Qwen3-Next under next_hf);
 2. llama.cpp's own ``convert_hf_to_gguf.py`` (from the llama-cpp-python sdist, the source the
    native benchmark builds) converts it to F32 and Q8_0 GGUF, MTP head included; its tokenizer
    pre-tokenizer check does not know the tests' byte-level vocabulary, so the conversion declares
@@ -84,8 +84,6 @@ def llama_cpp_tokens(server: Path, gguf: Path) -> list[list[int]]:
 
 
 def main() -> None:
-    import tempfile
-
     from native_llamacpp import build_native, native_dir
     from tiny_models import make_tiny_hybrid, make_tiny_qwen3_next
 
@@ -96,11 +94,10 @@ def main() -> None:
     for outtype in ("f32", "q8_0"):
         gguf = convert(src, outtype)
         record["files"][gguf.name] = llama_cpp_tokens(bindir / "llama-server", gguf)
-    # Qwen3-Next: every MLP sparse (llama.cpp's converter rejects dense layers), no MTP head; the
-    # GGUF alone is kept (experts merged into 3-D tensors, ssm_ba interleaved per key head)
-    with tempfile.TemporaryDirectory() as tmp:
-        make_tiny_qwen3_next(Path(tmp), mlp_only_layers=[])
-        gguf = convert(src, "f32", Path(tmp), OUT / "tiny-qwen3next-f32.gguf", "--no-mtp")
+    # Qwen3-Next: every MLP sparse (llama.cpp's converter rejects dense layers), its MTP head a
+    # mixture-of-experts layer too (GGUF: experts merged into 3-D tensors, ssm_ba interleaved per key head)
+    make_tiny_qwen3_next(OUT / "next_hf", mtp=True, mlp_only_layers=[])
+    gguf = convert(src, "f32", OUT / "next_hf", OUT / "tiny-qwen3next-f32.gguf")
     record["files"][gguf.name] = llama_cpp_tokens(bindir / "llama-server", gguf)
     (OUT / "llama_cpp_tokens.json").write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record["files"], indent=1))
