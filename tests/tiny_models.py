@@ -79,6 +79,27 @@ def tiny_hybrid_config(kind: str = "qwen3_5", **over):
     return transformers.Qwen3_5TextConfig(**kw)
 
 
+def randomize_hybrid(hf, seed: int) -> None:
+    """Random weights large enough that every input matters: zero-centred norms around 0 (they
+    are 1 + w), the gated output norm around 1, decays exp(-A) with A in 0.5..8.5."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.3 * r)
+            elif "norm" in name:
+                p.copy_(0.3 * r)
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand(p.shape, generator=g) * 8 + 0.5))
+            elif name.endswith("dt_bias") or "embed_tokens" in name or name.endswith("mlp.gate.weight"):
+                p.copy_(r)  # (mlp.gate: a mixture of experts' router)
+            elif "conv1d" in name:
+                p.copy_(0.5 * r)
+            else:
+                p.copy_(r * (1.2 / p.shape[-1] ** 0.5))
+
+
 def make_tiny_hybrid(directory: Path, seed: int = 0, options: LoadOptions = FP32, **over):
     """A tiny random Qwen3_5ForCausalLM saved with save_pretrained and loaded by our loader; the
     transformers model is returned too (the oracle)."""
@@ -86,22 +107,7 @@ def make_tiny_hybrid(directory: Path, seed: int = 0, options: LoadOptions = FP32
 
     torch.manual_seed(seed)
     hf = transformers.Qwen3_5ForCausalLM(tiny_hybrid_config(**over)).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if name.endswith("linear_attn.norm.weight"):
-                p.copy_(1.0 + 0.3 * r)
-            elif "norm" in name:
-                p.copy_(0.3 * r)  # zero-centred: (1 + w)
-            elif name.endswith("A_log"):
-                p.copy_(torch.log(torch.rand(p.shape, generator=g) * 8 + 0.5))
-            elif name.endswith("dt_bias"):
-                p.copy_(r)
-            elif "embed_tokens" in name or "conv1d" in name:
-                p.copy_(r * (0.5 if "conv1d" in name else 1.0))
-            else:
-                p.copy_(r * (1.2 / p.shape[-1] ** 0.5))
+    randomize_hybrid(hf, seed + 1)
     directory.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(directory, safe_serialization=True)
     add_mtp_tensors(directory, hf, seed + 2)
@@ -165,22 +171,7 @@ def make_tiny_qwen3_next(directory: Path, seed: int = 0, options: LoadOptions = 
         setattr(cfg, k, v)
     torch.manual_seed(seed)
     hf = transformers.Qwen3NextForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if name.endswith("linear_attn.norm.weight"):
-                p.copy_(1.0 + 0.3 * r)
-            elif "norm" in name:
-                p.copy_(0.3 * r)
-            elif name.endswith("A_log"):
-                p.copy_(torch.log(torch.rand(p.shape, generator=g) * 8 + 0.5))
-            elif name.endswith("dt_bias") or "embed_tokens" in name or name.endswith("mlp.gate.weight"):
-                p.copy_(r)
-            elif "conv1d" in name:
-                p.copy_(0.5 * r)
-            else:
-                p.copy_(r * (1.2 / p.shape[-1] ** 0.5))
+    randomize_hybrid(hf, seed + 1)
     directory.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(directory, safe_serialization=True)
     if mtp:

@@ -233,6 +233,9 @@ class HybridTransformer(Transformer):
         return need
 
     def build_layers(self, cfg, tensors, quant, device, dtype) -> list[HybridLayer]:
+        if device.type != "cpu":
+            raise ModelLoadError(f"{cfg.arch}: hybrid (linear-attention) models run on the CPU only so far; "
+                                 "use --device cpu")
         for i in cfg.linear_layers:
             for names in (("ssm_a", "ssm_a_log"), ("ssm_dt", "ssm_dt_bias")):
                 if not any(f"layers.{i}.{n}" in tensors for n in names):
