@@ -146,17 +146,19 @@ def state_plan(cfg: ModelConfig, ecfg: EngineConfig, lookahead: int) -> tuple[in
     checkpoints, in float32."""
     if not cfg.hybrid:
         return 0, 0, 0, 0
-    slots, planes, ckpts = ecfg.max_num_seqs + 1, 1 + lookahead, state_checkpoints(ecfg)
-    return slots, planes, ckpts, (slots * planes + ckpts) * len(cfg.linear_layers) * cfg.deltanet.state_floats * 4
+    slots, planes, (ckpts, _) = ecfg.max_num_seqs + 1, 1 + lookahead, state_checkpoints(ecfg)
+    return slots, planes, ckpts, (slots * planes + ckpts) * cfg.state_bytes
 
 
 STATE_CHECKPOINT_EVERY = 512  # tokens between a hybrid model's prefix-cache state checkpoints in a prefill
 
 
-def state_checkpoints(ecfg: EngineConfig) -> int:
-    """Prefix-cache checkpoints of a hybrid model's states (0 without prefix caching): the state
-    every STATE_CHECKPOINT_EVERY tokens of a prompt and at its last full block, kept LRU."""
-    return max(8, 2 * ecfg.max_num_seqs) if ecfg.enable_prefix_caching else 0
+def state_checkpoints(ecfg: EngineConfig) -> tuple[int, int]:
+    """(count, tokens between them) of a hybrid model's prefix-cache state checkpoints (count 0
+    without prefix caching): the state every STATE_CHECKPOINT_EVERY tokens of a prompt (a whole
+    number of blocks) and at its last full block, kept LRU."""
+    every = max(STATE_CHECKPOINT_EVERY // ecfg.block_size, 1) * ecfg.block_size
+    return (max(8, 2 * ecfg.max_num_seqs) if ecfg.enable_prefix_caching else 0), every
 
 
 def available_memory(device: torch.device) -> int:

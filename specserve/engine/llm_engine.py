@@ -20,7 +20,7 @@ from specserve.engine import sampler
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.cache import CacheCoordinator, layer_cache_specs
 from specserve.engine.constraint import Constraint, cut_proposal
-from specserve.engine.config import STATE_CHECKPOINT_EVERY, EngineConfig, MemoryPlan, engine_plan, kv_bytes_per_token
+from specserve.engine.config import EngineConfig, MemoryPlan, engine_plan, kv_bytes_per_token, state_checkpoints
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.scheduler import ScheduledRow, Scheduler
@@ -53,10 +53,9 @@ class LLMEngine:
         self.kv = KVCache.allocate(mcfg, plan.num_blocks, ecfg.block_size, plan.kv_dtype, self.device,
                                    window_blocks=plan.window_blocks or None)
         k_max = spec.num_speculative_tokens if spec else 0
-        every = max(STATE_CHECKPOINT_EVERY // ecfg.block_size, 1) * ecfg.block_size
         specs = layer_cache_specs(mcfg, ecfg.block_size, kv_bytes_per_token(mcfg, plan.kv_dtype, num_layers=1),
                                   window_paged=bool(plan.sliding_window), lookahead=k_max + 1,
-                                  checkpoints=(plan.state_checkpoints, every))
+                                  checkpoints=state_checkpoints(ecfg))
         if mcfg.hybrid:
             self.kv.states = RecurrentStates.allocate(mcfg, plan.state_slots, plan.state_planes, self.device,
                                                       plan.state_checkpoints)

@@ -96,6 +96,11 @@ class ModelConfig:
     def hybrid(self) -> bool:
         return bool(self.linear_layers)
 
+    @property
+    def state_bytes(self) -> int:
+        """One sequence's recurrent state over all linear-attention layers (float32)."""
+        return len(self.linear_layers) * self.deltanet.state_floats * 4 if self.hybrid else 0
+
     def layer_rope_theta(self, layer: int) -> float:
         return self.rope_theta_local if self.sliding(layer) and self.rope_theta_local else self.rope_theta
 

@@ -21,7 +21,7 @@ import torch
 from specserve.errors import ModelLoadError
 from specserve.kernels import ops
 from specserve.models.config import ModelConfig
-from specserve.models.layers import Linear, act_mul, paged_attention, rms_norm
+from specserve.models.layers import Linear, act_mul, rms_norm
 from specserve.models.transformer import MLP, ForwardBatch, KVCache, LayerWeights, Transformer
 from specserve.models.weights import RawTensor
 
@@ -59,6 +59,33 @@ class RecurrentStates:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@dataclass
+class SeqState:
+    """One sequence's rows and state planes in a forward (read once from the batch, used by every
+    linear-attention layer)."""
+
+    rows: tuple[int, int]  # its rows r0..r1 of the batch
+    slot: int
+    read: int  # the plane its rows start from (-1: the zero state)
+    ckpt_read: int  # or this prefix-cache checkpoint (-1: none)
+    writes: list[int]  # per row: the plane receiving the state after it (-1: none)
+    ckpt_writes: list[int]  # per row: the checkpoint receiving it (-1: none)
+
+    @staticmethod
+    def of(batch: ForwardBatch) -> list["SeqState"]:
+        if batch.state_slots is None:
+            raise RuntimeError("a hybrid model's forward needs recurrent-state slots (ForwardBatch.state_*)")
+        sid, writes, ckw = batch.seq_ids.tolist(), batch.state_write.tolist(), batch.state_ckpt_write.tolist()
+        slots, reads, ckr = batch.state_slots.tolist(), batch.state_read.tolist(), batch.state_ckpt_read.tolist()
+        out, r0 = [], 0
+        for r in range(1, len(sid) + 1):  # a sequence's rows are contiguous
+            if r == len(sid) or sid[r] != sid[r0]:
+                s = sid[r0]
+                out.append(SeqState((r0, r), slots[s], reads[s], ckr[s], writes[r0:r], ckw[r0:r]))
+                r0 = r
+        return out
+
+
 class GatedAttention:
     """Full attention with a sigmoid gate on its output (q projection twice as wide, each head's
     query then gate), per-head q/k norms and partial rotary."""
@@ -73,19 +100,16 @@ class GatedAttention:
     def linears(self) -> list[Linear]:
         return [self.q, self.k, self.v, self.o]
 
-    def __call__(self, model: "HybridTransformer", i: int, h: torch.Tensor, batch: ForwardBatch,
-                 kv: KVCache) -> torch.Tensor:
+    def __call__(self, model: "HybridTransformer", i: int, h: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+                 seqs: list["SeqState"]) -> torch.Tensor:
         cfg, t_len, d = model.cfg, h.shape[0], model.cfg.head_dim
         qg = self.q(h).view(t_len, cfg.num_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(t_len, cfg.q_size)
         q = rms_norm(q.reshape(-1, d).contiguous(), self.q_norm, cfg.rms_eps).view(t_len, cfg.num_heads, d)
         k = rms_norm(self.k(h).reshape(-1, d), self.k_norm, cfg.rms_eps).view(t_len, cfg.num_kv_heads, d)
         v = self.v(h).view(t_len, cfg.num_kv_heads, d)
-        q, k = model.rotate(q, batch.positions), model.rotate(k, batch.positions)
-        kv.write(i, batch.slot_mapping, k, v)
-        k_pool, v_pool, kv_extra = kv.attention_args(i)
-        attn = paged_attention(q, k_pool, v_pool, batch.block_tables, batch.seq_ids, batch.positions,
-                               cfg.scale, 0, 0.0, **kv_extra)  # [T, Hq, D]
+        rope = model.rope_global  # partial rotary: its table covers cfg.rotary_dim dims
+        attn = model.attend(i, rope(q, batch.positions), rope(k, batch.positions), v, batch, kv)  # [T, Hq, D]
         return self.o(ops.sigmoid_mul(gate, attn.reshape(t_len, cfg.q_size)))
 
 
@@ -118,15 +142,14 @@ class GatedDeltaNet:
         return ins + [self.out]
 
     @staticmethod
-    def state_io(i: int, st: RecurrentStates, batch: ForwardBatch, s: int, r0: int, r1: int):
-        """Sequence s's (rows r0..r1) state in layer i: ((conv, ssm) to start from or Nones for
-        the zero state), (conv, ssm) outputs per row, and (checkpoint, plane) copies after the call."""
-        slot, read, ck = int(batch.state_slots[s]), int(batch.state_read[s]), int(batch.state_ckpt_read[s])
-        start = ((st.conv_ckpt[i][ck], st.ssm_ckpt[i][ck]) if ck >= 0 else
-                 (st.conv[i][slot, read], st.ssm[i][slot, read]) if read >= 0 else (None, None))
+    def state_io(i: int, st: RecurrentStates, q: "SeqState"):
+        """A sequence's state in layer i: ((conv, ssm) to start from, or Nones for the zero state),
+        (conv, ssm) outputs per row, and (checkpoint, plane) copies after the call."""
+        start = ((st.conv_ckpt[i][q.ckpt_read], st.ssm_ckpt[i][q.ckpt_read]) if q.ckpt_read >= 0 else
+                 (st.conv[i][q.slot, q.read], st.ssm[i][q.slot, q.read]) if q.read >= 0 else (None, None))
         conv_out, ssm_out, copies = [], [], []
-        for p, c in zip(batch.state_write[r0:r1].tolist(), batch.state_ckpt_write[r0:r1].tolist()):
-            plane = (st.conv[i][slot, p], st.ssm[i][slot, p]) if p >= 0 else None
+        for p, c in zip(q.writes, q.ckpt_writes):
+            plane = (st.conv[i][q.slot, p], st.ssm[i][q.slot, p]) if p >= 0 else None
             ckpt = (st.conv_ckpt[i][c], st.ssm_ckpt[i][c]) if c >= 0 else None
             dst = plane or ckpt or (None, None)
             conv_out.append(dst[0])
@@ -140,17 +163,15 @@ class GatedDeltaNet:
             return self.in_proj(h).split(self.split, dim=-1)
         return self.qkv(h), self.z(h), self.b(h), self.a(h)
 
-    def __call__(self, model: "HybridTransformer", i: int, h: torch.Tensor, batch: ForwardBatch,
-                 kv: KVCache) -> torch.Tensor:
+    def __call__(self, model: "HybridTransformer", i: int, h: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+                 seqs: list["SeqState"]) -> torch.Tensor:
         dn, t_len = self.dn, h.shape[0]
-        if kv.states is None or batch.state_slots is None:
-            raise RuntimeError("a hybrid model's forward needs recurrent-state slots (KVCache.states and "
-                               "ForwardBatch.state_*)")
         qkv, z, b, a = self.project(h)
         core = torch.empty(t_len, dn.num_v_heads, dn.v_head_dim)
         heads = (dn.num_k_heads, dn.num_v_heads, dn.k_head_dim, dn.v_head_dim)
-        for s, r0, r1 in model.runs(batch):
-            (conv_in, ssm_in), outs, copies = self.state_io(i, kv.states, batch, s, r0, r1)
+        for q in seqs:
+            (conv_in, ssm_in), outs, copies = self.state_io(i, kv.states, q)
+            r0, r1 = q.rows
             core[r0:r1] = ops.gated_delta(qkv[r0:r1], a[r0:r1], b[r0:r1], self.conv_wt, self.A, self.dt_bias, heads,
                                           conv_in, ssm_in, outs[0], outs[1], v_tiled=dn.v_tiled)
             for dst, src in copies:  # a row whose state goes to a plane and to a checkpoint
@@ -158,20 +179,6 @@ class GatedDeltaNet:
         normed = rms_norm(core.view(-1, dn.v_head_dim), self.norm, model.cfg.rms_eps)  # [T * Hv, dv]
         gated = act_mul(z.reshape(-1, dn.v_head_dim).contiguous(), normed, "silu")  # silu(z) * norm(o) w
         return self.out(gated.view(t_len, dn.value_dim))
-
-
-class _Prefixed(LayerWeights):
-    """A layer's weights under a name prefix (one expert's gate / up / down)."""
-
-    def __init__(self, lw: LayerWeights, prefix: str):
-        super().__init__(lw.i, lw.w, lw.quant, lw.device, lw.dtype)
-        self.prefix = prefix
-
-    def lin(self, name: str) -> Linear:
-        return super().lin(self.prefix + name)
-
-    def fuse(self, *names: str) -> Linear | None:
-        return super().fuse(*(self.prefix + n for n in names))
 
 
 class SparseMoE:
@@ -182,8 +189,8 @@ class SparseMoE:
 
     def __init__(self, cfg: ModelConfig, lw: LayerWeights):
         self.moe, self.router = cfg.moe, lw.lin("router")
-        self.experts = [MLP(_Prefixed(lw, f"expert{e}."), cfg.activation) for e in range(cfg.moe.num_experts)]
-        self.shared = MLP(_Prefixed(lw, "shexp."), cfg.activation) if cfg.moe.shared_intermediate_size else None
+        self.experts = [MLP(lw.part(f"expert{e}."), cfg.activation) for e in range(cfg.moe.num_experts)]
+        self.shared = MLP(lw.part("shexp."), cfg.activation) if cfg.moe.shared_intermediate_size else None
         self.shared_gate = lw.lin("shexp_gate") if self.shared else None
 
     def linears(self) -> list[Linear]:
@@ -246,28 +253,13 @@ class HybridTransformer(Transformer):
     def fused_stack(self, batch, kv):
         return None  # the fused C stack runs dense layers only
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Partial rotary: the first rotary_dim dims of each head [T, heads, D]."""
-        rd = self.cfg.rotary_dim or self.cfg.head_dim
-        if rd == x.shape[-1]:
-            return self.rope_global(x, positions)
-        return torch.cat([self.rope_global(x[..., :rd].contiguous(), positions), x[..., rd:]], dim=-1)
-
-    @staticmethod
-    def runs(batch: ForwardBatch) -> list[tuple[int, int, int]]:
-        """(sequence, first row, end row) of each sequence's rows (they are contiguous)."""
-        sid = batch.seq_ids.tolist()
-        out, r0 = [], 0
-        for r in range(1, len(sid) + 1):
-            if r == len(sid) or sid[r] != sid[r0]:
-                out.append((sid[r0], r0, r))
-                r0 = r
-        return out
-
     def run_layers(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, dict]:
         eps, hidden = self.cfg.rms_eps, {}
+        if kv.states is None:
+            raise RuntimeError("a hybrid model's forward needs recurrent-state storage (KVCache.states)")
+        seqs = SeqState.of(batch)
         for i, layer in enumerate(self.layers):
-            x = x + layer.mixer(self, i, rms_norm(x, layer.attn_norm, eps), batch, kv)
+            x = x + layer.mixer(self, i, rms_norm(x, layer.attn_norm, eps), batch, kv, seqs)
             x = x + layer.mlp(rms_norm(x, layer.ffn_norm, eps))
             if i in batch.hidden_layers:
                 hidden[i] = x

@@ -133,9 +133,13 @@ class Rope:
         self.sin = freqs.sin().to(device)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D]; positions: [T] -> rotated x (new tensor).
+        """x: [T, heads, D]; positions: [T] -> rotated x (new tensor). A table narrower than D is
+        partial rotary (Qwen3.5): the first dims of each head rotate, the rest pass.
 
         CPU: ops.rope (the C kernel the fused decoder path uses too, same bits as below)."""
+        rd = 2 * self.cos.shape[1]
+        if x.shape[-1] > rd:
+            return torch.cat([self(x[..., :rd].contiguous(), positions), x[..., rd:]], dim=-1)
         if x.device.type == "cpu" and x.dtype == torch.float32:
             return ops.rope(x, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]

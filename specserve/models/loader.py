@@ -115,9 +115,7 @@ def _read_gguf(path: Path, identity: str):
     mweights.check_tensor_types(reader)
     vocab = _gguf_vocab_size(reader, meta)
     cfg = mconfig.from_gguf_metadata(meta, vocab)
-    tensors = mweights.read_gguf_tensors(reader, arch, cfg.num_heads, cfg.num_kv_heads)
-    if family(arch).gguf_rewrite is not None:
-        tensors = family(arch).gguf_rewrite(tensors, cfg)
+    tensors = _rewrite(cfg, mweights.read_gguf_tensors(reader, arch, cfg.num_heads, cfg.num_kv_heads))
     _check_shapes(cfg, tensors, path)
     tok = _gguf_tokenizer(path, identity)
     return cfg, tensors, tok, 0.0  # llama.cpp's converter already folded Gemma's +1 into the norms
@@ -135,12 +133,15 @@ def _gguf_vocab_size(reader, meta: dict) -> int:
 def _read_hf(directory: Path):
     raw_cfg = mweights.read_hf_config(directory)
     cfg = mconfig.from_hf_config(raw_cfg)
-    tensors = mweights.read_safetensors(directory, cfg.arch)
-    if family(cfg.arch).hf_rewrite is not None:
-        tensors = family(cfg.arch).hf_rewrite(tensors, cfg)
+    tensors = _rewrite(cfg, mweights.read_safetensors(directory, cfg.arch))
     _check_shapes(cfg, tensors, directory)
     tok = mtok.from_hf_dir(directory)
     return cfg, tensors, tok, family(cfg.arch).hf_norm_offset
+
+
+def _rewrite(cfg: mconfig.ModelConfig, tensors: dict) -> dict:
+    rewrite = family(cfg.arch).rewrite
+    return tensors if rewrite is None else rewrite(tensors, cfg)
 
 
 def _check_shapes(cfg: mconfig.ModelConfig, tensors: dict, where: Path) -> None:

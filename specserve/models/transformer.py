@@ -55,22 +55,26 @@ class ForwardOutput:
 class LayerWeights:
     """Layer i's tensors turned into run-time linears and float32 norms."""
 
-    def __init__(self, i: int, w: dict[str, RawTensor], quant: str, device, dtype):
+    def __init__(self, i: int, w: dict[str, RawTensor], quant: str, device, dtype, prefix: str = ""):
         self.i, self.w, self.quant, self.device, self.dtype = i, w, quant, device, dtype
+        self.prefix = f"layers.{i}.{prefix}"  # prefix: a part of the layer (an expert: "expert3.")
+
+    def part(self, prefix: str) -> "LayerWeights":
+        return LayerWeights(self.i, self.w, self.quant, self.device, self.dtype, prefix)
 
     def lin(self, name: str) -> Linear:
-        bias = self.w.get(f"layers.{self.i}.{name}_bias")
-        return Linear(self.w[f"layers.{self.i}.{name}"], None if bias is None else bias.dequantize(), self.quant,
+        bias = self.w.get(f"{self.prefix}{name}_bias")
+        return Linear(self.w[self.prefix + name], None if bias is None else bias.dequantize(), self.quant,
                       self.device, self.dtype)
 
     def vec(self, name: str) -> torch.Tensor:
         """A norm weight or another per-channel vector, float32 on the device."""
-        return self.w[f"layers.{self.i}.{name}"].dequantize().to(device=self.device, dtype=torch.float32).contiguous()
+        return self.w[self.prefix + name].dequantize().to(device=self.device, dtype=torch.float32).contiguous()
 
     def fuse(self, *names: str) -> Linear | None:
         """One linear over several weights with the same input (None: their formats differ)."""
-        biases = [self.w.get(f"layers.{self.i}.{n}_bias") for n in names]
-        return Linear.fused([self.w[f"layers.{self.i}.{n}"] for n in names],
+        biases = [self.w.get(f"{self.prefix}{n}_bias") for n in names]
+        return Linear.fused([self.w[self.prefix + n] for n in names],
                             [None if b is None else b.dequantize() for b in biases], self.quant, self.device,
                             self.dtype)
 
@@ -129,9 +133,6 @@ class _Layer:
         if self.qkv is not None:
             return self.qkv(h).split(self.split_qkv, dim=-1)
         return self.q(h), self.k(h), self.v(h)
-
-    def project_gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.mlp.project_gate_up(h)
 
 
 class Transformer:
@@ -225,6 +226,18 @@ class Transformer:
             self._stack = FusedStack(self, lib)
         return self._stack
 
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+               window: int = 0) -> torch.Tensor:
+        """Layer i's K/V rows k, v [T, Hkv, D] into the paged cache, then q [T, Hq, D] attending
+        over it -> [T, Hq, D]. A sliding-window layer uses its own pool's paging when it has one."""
+        own = window and batch.window_block_tables is not None
+        slots = batch.window_slot_mapping if own else batch.slot_mapping
+        tables = batch.window_block_tables if own else batch.block_tables
+        kv.write(i, slots, k, v)  # quantized on write for int8 / fp8 / int4 caches
+        k_pool, v_pool, kv_extra = kv.attention_args(i)
+        return paged_attention(q, k_pool, v_pool, tables, batch.seq_ids, batch.positions, self.cfg.scale, window,
+                               self.cfg.attn_softcap, **kv_extra)
+
     def _layer(self, i: int, layer: _Layer, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         cfg = self.cfg
         t_len = x.shape[0]
@@ -238,13 +251,7 @@ class Transformer:
             k = rms_norm(k.reshape(-1, cfg.head_dim), layer.k_norm, cfg.rms_eps).view_as(k)
         rope = self.rope_local if cfg.sliding(i) else self.rope_global
         q, k = rope(q, batch.positions), rope(k, batch.positions)
-        own = layer.window and batch.window_block_tables is not None
-        slots = batch.window_slot_mapping if own else batch.slot_mapping
-        tables = batch.window_block_tables if own else batch.block_tables
-        kv.write(i, slots, k, v)  # quantized on write for int8 / fp8 / int4 caches
-        k_pool, v_pool, kv_extra = kv.attention_args(i)
-        attn = paged_attention(q, k_pool, v_pool, tables, batch.seq_ids, batch.positions,
-                               cfg.scale, layer.window, cfg.attn_softcap, **kv_extra)  # [T, Hq, D]
+        attn = self.attend(i, q, k, v, batch, kv, layer.window)  # [T, Hq, D]
         o = layer.o(attn.reshape(t_len, cfg.q_size))
         if cfg.sandwich_norms:
             o = rms_norm(o, layer.post_attn_norm, cfg.rms_eps)

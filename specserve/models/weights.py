@@ -18,7 +18,7 @@ import torch
 
 from specserve.errors import ModelLoadError
 from specserve.models.families import ModelFamily, family
-from specserve.models.families.base import GGUF_LAYER, GGUF_TOP, HF_TOP
+from specserve.models.families.base import GGUF_TOP, HF_TOP
 
 # quant types the gguf package can dequantize and we accept
 SUPPORTED_GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
@@ -104,12 +104,12 @@ def open_gguf(path: Path):
         raise ModelLoadError(f"cannot read GGUF file {path}: corrupt or truncated ({type(exc).__name__}: {exc})") from exc
 
 
-def _gguf_name(name: str, fam: ModelFamily | None = None) -> str | None:
+def _gguf_name(name: str, fam: ModelFamily) -> str | None:
     base = name.removesuffix(".weight").removesuffix(".bias")
     suffix = "_bias" if name.endswith(".bias") else ""
     m = re.fullmatch(r"blk\.(\d+)\.([\w.]+)", base)
     if m:
-        local = fam.gguf_layer_name(m.group(2)) if fam is not None else GGUF_LAYER.get(m.group(2))
+        local = fam.gguf_layer_name(m.group(2))
         return None if local is None else f"layers.{m.group(1)}.{local}{suffix}"
     return GGUF_TOP.get(base)
 

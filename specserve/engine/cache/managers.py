@@ -137,12 +137,12 @@ class RecurrentStateManager:
         out = [-1] * num_rows
         if not self.prefix_caching:
             return out
-        bs, every = self.spec.block_size, self.spec.checkpoint_every
+        bs, every, start = self.spec.block_size, self.spec.checkpoint_every, table.num_tokens
         last_full = prompt_len // bs * bs
-        for j in range(num_rows):
-            n = table.num_tokens + j + 1
-            if n % bs or not (n % every == 0 or n == last_full) or n > prompt_len:
+        for n in range((start // bs + 1) * bs, min(start + num_rows, prompt_len) + 1, bs):  # block boundaries
+            if not (n % every == 0 or n == last_full):
                 continue
+            j = n - start - 1
             ck = self._take()
             if ck < 0:
                 break

@@ -78,6 +78,6 @@ def layer_cache_specs(cfg: ModelConfig, block_size: int, bytes_per_layer_token: 
                                        window=cfg.sliding_window))
     if cfg.linear_layers:
         linear = cfg.linear_layers
-        specs.append(RecurrentStateSpec(linear, len(linear) * cfg.deltanet.state_floats * 4, lookahead,
+        specs.append(RecurrentStateSpec(linear, cfg.state_bytes, lookahead,
                                         *checkpoints, block_size=block_size))
     return tuple(specs)

@@ -49,10 +49,9 @@ class ModelFamily:
     hf_norm_offset_skip: tuple[str, ...] = ()  # norms (name suffixes) that are plain w all the same
     hf_rope_kinds: tuple[str | None, ...] = (None, "default", "linear")  # () = any (the family reads its own)
     hf_default_rope_theta: float = 10000.0
-    # rewrites a safetensors checkpoint's tensors (our names) into the layout the model code reads
-    # (Qwen3-Next's interleaved qkvz / ba projections); None: as read
-    hf_rewrite: Callable[[dict, object], dict] | None = None
-    gguf_rewrite: Callable[[dict, object], dict] | None = None  # the same for a GGUF's tensors
+    # rewrites a checkpoint's tensors (our names, GGUF or safetensors) into the layout the model
+    # code reads (Qwen3-Next's interleaved projections, GGUF's merged experts); None: as read
+    rewrite: Callable[[dict, object], dict] | None = None
 
     def hf_layer_name(self, part: str) -> str | None:
         return self.hf_layer_names.get(part) or HF_LAYER.get(part)

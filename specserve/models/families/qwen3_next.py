@@ -80,4 +80,4 @@ def _gguf_fields(read, kw: dict) -> dict:
 QWEN3_NEXT = register(ModelFamily(
     "qwen3next", ("qwen3_next",), gguf_fields=_gguf_fields, hf_fields=_hf_fields, hf_layer_names=HF_NAMES,
     gguf_layer_names=GGUF_NAMES, hf_norm_offset=1.0, hf_norm_offset_skip=("ssm_norm",), hf_default_rope_theta=1e7,
-    hf_rewrite=_rewrite, gguf_rewrite=_rewrite))
+    rewrite=_rewrite))
