@@ -141,7 +141,7 @@ class FakeEngine:
         return held + take
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, images: list | None = None) -> AsyncIterator[RequestOutput]:
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc

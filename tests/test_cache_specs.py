@@ -17,6 +17,10 @@ class _Seq:  # what the coordinator reads of a sequence
     def __init__(self, tokens):
         self.token_ids, self.num_computed, self.cache = list(tokens), 0, SequenceCache()
 
+    @property
+    def cache_keys(self):  # (no images: the token ids)
+        return self.token_ids
+
 
 def _state_spec(snapshots: int = 4) -> RecurrentStateSpec:
     return RecurrentStateSpec(layers=(0, 2), state_bytes=1000, num_snapshots=snapshots)

@@ -321,6 +321,11 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", None),
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages[0].role", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content[0]", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}, 400,
+     "messages", "images_not_supported"),  # a text-only model
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400,
      "messages[0].content[0].type", None),
     ("/v1/chat/completions", {"messages": MSGS, "max_tokens": -1}, 400, "max_tokens", None),
     ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 10**9}, 400, "max_tokens",

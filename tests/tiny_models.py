@@ -138,7 +138,13 @@ def mtp_shapes(hf) -> dict[str, tuple[int, ...]]:
 
 def add_mtp_tensors(directory: Path, hf, seed: int) -> None:
     """Random mtp.* tensors added to a saved checkpoint (transformers' model has no MTP module;
-    the released checkpoints carry these tensors beside the model's)."""
+    the released checkpoints carry these tensors beside the model's). hf: a causal LM, or an
+    image-text model (its language model's layers; the count goes into text_config)."""
+    from types import SimpleNamespace
+
+    vl = hasattr(hf.model, "language_model")
+    if vl:
+        hf = SimpleNamespace(config=hf.config.text_config, model=hf.model.language_model)
     from safetensors.torch import load_file, save_file
 
     g = torch.Generator().manual_seed(seed)
@@ -149,6 +155,8 @@ def add_mtp_tensors(directory: Path, hf, seed: int) -> None:
         tensors[name] = 0.3 * r if "norm" in name else r * (1.2 / shape[-1] ** 0.5)
     save_file(tensors, str(f), metadata={"format": "pt"})
     cfg = json.loads((directory / "config.json").read_text())
+    if vl:
+        cfg["text_config"]["mtp_num_hidden_layers"] = 1
     (directory / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}, indent=2))
 
 
@@ -178,3 +186,51 @@ def make_tiny_qwen3_next(directory: Path, seed: int = 0, options: LoadOptions = 
         add_mtp_tensors(directory, hf, seed + 2)
     write_byte_tokenizer(directory, HYBRID_MERGES)
     return load_model(str(directory), options), hf
+
+
+# vision: specials after the chat ones (<|im_start|> 257, <|im_end|> 258)
+VL_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")  # 259 .. 262
+VL_IDS = dict(vision_start_token_id=259, vision_end_token_id=260, image_token_id=261, video_token_id=262)
+VL_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 8, "temporal_patch_size": 2,
+                   "merge_size": 2, "do_resize": True, "do_rescale": True, "do_normalize": True,
+                   "rescale_factor": 1 / 255, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                   "size": {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}}
+
+
+def tiny_vl_config(**text_over):
+    """A tiny Qwen3.5 image-text config: the tiny hybrid text model and a 2-block vision tower
+    with 8-pixel patches and a 6 x 6 learned position grid."""
+    import transformers
+
+    vision = dict(depth=2, hidden_size=32, hidden_act="gelu_pytorch_tanh", intermediate_size=48, num_heads=2,
+                  in_channels=3, patch_size=8, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
+                  num_position_embeddings=36)
+    return transformers.Qwen3_5Config(text_config=tiny_hybrid_config(**text_over).to_dict(),
+                                      vision_config=vision, tie_word_embeddings=False, **VL_IDS)
+
+
+def write_vl_tokenizer(directory: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer
+
+    write_byte_tokenizer(directory, HYBRID_MERGES)
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(s, special=True) for s in VL_SPECIALS])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "preprocessor_config.json").write_text(json.dumps(VL_PREPROCESSOR, indent=1))
+
+
+def make_tiny_vl(directory: Path, seed: int = 0, mtp: bool = True, **text_over):
+    """A tiny random Qwen3_5ForConditionalGeneration (model.visual.* + model.language_model.*),
+    saved with save_pretrained beside a byte tokenizer with the vision specials and a
+    preprocessor_config.json; returns the transformers model (the oracle)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    hf = transformers.Qwen3_5ForConditionalGeneration(tiny_vl_config(**text_over)).eval()
+    randomize_hybrid(hf, seed + 1)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(directory, safe_serialization=True)
+    if mtp:
+        add_mtp_tensors(directory, hf, seed + 2)
+    write_vl_tokenizer(directory)
+    return hf

@@ -71,6 +71,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                    help="run-time weight format (auto: the fastest exact-kernel format for the device; "
                         "q4_0: every linear in 4 bits, re-quantizing other types, for draft models)")
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="llama.cpp mmproj GGUF: the vision tower of a GGUF model (a safetensors checkpoint "
+                        "carries its own)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -86,6 +89,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "long, from measured costs (0: fixed --max-num-batched-tokens chunks)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV pool size in bytes (e.g. 2GiB, 512MiB)")
+    p.add_argument("--encoder-cache-memory", type=parse_bytes, default=256 << 20,
+                   help="image embeddings kept by image content, so a repeated image is not encoded again "
+                        "(models with a vision tower; counted in the memory plan)")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of free memory for weights + KV when --kv-cache-memory is unset")
     p.add_argument("--kv-cache-dtype", default="auto",
@@ -122,6 +128,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-headers", default='["*"]', help="CORS: JSON list of allowed request headers")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and auth headers")
     p.add_argument("--disable-fastapi-docs", action="store_true", help="serve no /openapi.json and no /docs")
+    p.add_argument("--allowed-media-domains", default=None,
+                   help="JSON list (or comma-separated) of hosts image URLs may be fetched from; without it "
+                        "only data: URLs are read")
+    p.add_argument("--limit-mm-per-prompt", default=None,
+                   help='most images a prompt may carry, JSON \'{"image": 8}\' (default 8)')
+    p.add_argument("--media-fetch-timeout", type=float, default=10.0,
+                   help="seconds an image download may take")
+    p.add_argument("--max-image-bytes", type=parse_bytes, default=20 << 20,
+                   help="largest encoded image a request may send or the server may download")
+    p.add_argument("--max-image-pixels", type=int, default=64 << 20,
+                   help="largest decoded image (width x height) a request may send; larger is a 400 (the model's "
+                        "preprocessing then resizes what is accepted to its own pixel limits)")
     p.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="seconds a structured-outputs grammar (JSON schema, regex, ...) may take to compile; "
                         "longer is a 400")

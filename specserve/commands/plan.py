@@ -43,6 +43,7 @@ def format_plan(plan, title: str = "memory plan") -> str:
         + (f" + drafter KV {_mib(plan.drafter_kv_bytes)}" if plan.drafter_kv_bytes else "")
         + f" + KV pool {_mib(plan.pool_bytes)}"
         + (f" + recurrent states {_mib(plan.state_bytes)}" if plan.state_bytes else "")
+        + (f" + vision {_mib(plan.vision_bytes)}" if plan.vision_bytes else "")
         + f" = {_mib(plan.total_bytes)}",
         f"  KV cache: {plan.kv_dtype}, {plan.kv_bytes_per_token:,} bytes/token"
         + (" (global layers only)" if plan.sliding_window else "")
@@ -58,6 +59,10 @@ def format_plan(plan, title: str = "memory plan") -> str:
                      f"per row a step verifies)"
                      + (f" + {plan.state_checkpoints} prefix-cache checkpoints" if plan.state_checkpoints else "")
                      + f" = {_mib(plan.state_bytes)}, fixed")
+    if plan.vision_bytes:
+        lines.append(f"  vision tower: weights {_mib(plan.vision_weight_bytes)} + activations of the largest image "
+                     f"{_mib(plan.vision_activation_bytes)} + encoder-output cache {_mib(plan.encoder_cache_bytes)}, "
+                     "counted before the first image arrives")
     lines += [
         f"  max context for one sequence: {plan.max_context:,} tokens; at --max-model-len {plan.max_model_len:,}: "
         f"{conc:,} sequence{'s fit' if conc != 1 else ' fits'}"

@@ -78,15 +78,17 @@ class AsyncEngine:
             loop.call_soon_threadsafe(q.put_nowait, exc)
         self._inbox.put(("fail", exc))
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       images: list | None = None) -> AsyncIterator[RequestOutput]:
         self.engine.validate(prompt_ids, params)  # raises RequestError before anything is queued
+        if images:
+            self.engine.place_images(prompt_ids, images)  # the same, for the image placeholders
         if self._closed is not None:
             raise self._closed
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, q)
-        self._inbox.put(("add", (request_id, list(prompt_ids), params)))
+        self._inbox.put(("add", (request_id, list(prompt_ids), params, images)))
         finished = False
         try:
             while True:
@@ -137,12 +139,12 @@ class AsyncEngine:
 
     def _handle(self, kind: str, payload) -> None:
         if kind == "add":
-            rid, ids, params = payload
+            rid, ids, params, images = payload
             if self._closed is not None:  # queued after fail_all: never started
                 self._send(rid, self._closed)
                 return
             try:
-                self.engine.add_request(rid, ids, params)
+                self.engine.add_request(rid, ids, params, images)
             except Exception as exc:  # noqa: BLE001
                 self._send(rid, exc)
         elif kind == "abort":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,7 +44,7 @@ def build_parts(args: argparse.Namespace) -> EngineParts:
     spec = parse_speculative_config(getattr(args, "speculative_config", None))
     options = LoadOptions(args.device, args.dtype, args.quantization)
     ecfg = EngineConfig.from_args(args)
-    target = load_model(args.model, options)
+    target = load_model(args.model, replace(options, mmproj=getattr(args, "mmproj", None)))
     max_len = ecfg.context_len(target.config.max_position)
     if ecfg.max_model_len and ecfg.max_model_len > max_len:
         logger.warning("--max-model-len %d is more than %s was trained for; using %d", ecfg.max_model_len,

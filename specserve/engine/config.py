@@ -28,6 +28,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     max_step_ms: float = DEFAULT_MAX_STEP_MS  # prefill chunks sized to this forward time; 0: fixed chunks
+    encoder_cache_bytes: int = 256 << 20  # vision-encoder outputs kept by image content
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -35,6 +36,8 @@ class EngineConfig:
                 raise SpecserveError(f"--{name.replace('_', '-')} must be >= 1")
         if not 0 <= self.max_step_ms < float("inf"):
             raise SpecserveError(f"--max-step-ms must be a number >= 0, got {self.max_step_ms}")
+        if self.encoder_cache_bytes < 0:
+            raise SpecserveError(f"--encoder-cache-memory must be >= 0, got {self.encoder_cache_bytes}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise SpecserveError("--max-model-len must be >= 2")
         if self.kv_cache_dtype not in ("auto", *KV_DTYPES):
@@ -51,7 +54,8 @@ class EngineConfig:
                    max_model_len=args.max_model_len, block_size=args.block_size,
                    kv_cache_memory=args.kv_cache_memory, memory_fraction=args.gpu_memory_utilization,
                    kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
-                   seed=args.seed, max_step_ms=getattr(args, "max_step_ms", DEFAULT_MAX_STEP_MS))
+                   seed=args.seed, max_step_ms=getattr(args, "max_step_ms", DEFAULT_MAX_STEP_MS),
+                   encoder_cache_bytes=getattr(args, "encoder_cache_memory", 256 << 20))
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,13 @@ class MemoryPlan:
     state_planes: int = 0  # planes per slot: the committed state and one snapshot per row of a step
     state_checkpoints: int = 0  # prefix caching: states kept at block boundaries
     state_bytes: int = 0  # all of them (fixed: they do not grow with the context)
+    vision_weight_bytes: int = 0  # an image-reading model's vision tower
+    vision_activation_bytes: int = 0  # one tower forward at the largest image the preprocessing allows
+    encoder_cache_bytes: int = 0  # image embeddings kept by content (engine/multimodal.py)
+
+    @property
+    def vision_bytes(self) -> int:
+        return self.vision_weight_bytes + self.vision_activation_bytes + self.encoder_cache_bytes
 
     @property
     def pool_bytes(self) -> int:
@@ -89,7 +100,8 @@ class MemoryPlan:
     @property
     def total_bytes(self) -> int:
         """Weights (target and drafter), the drafter's own KV pool, the KV pool and the states."""
-        return self.weight_bytes + self.drafter_bytes + self.drafter_kv_bytes + self.pool_bytes + self.state_bytes
+        return (self.weight_bytes + self.drafter_bytes + self.drafter_kv_bytes + self.pool_bytes + self.state_bytes
+                + self.vision_bytes)
 
     @property
     def max_context(self) -> int:
@@ -112,6 +124,8 @@ class MemoryPlan:
             "window_bytes": self.window_bytes, "drafter_kv_bytes": self.drafter_kv_bytes,
             "state_slots": self.state_slots, "state_planes": self.state_planes,
             "state_checkpoints": self.state_checkpoints, "state_bytes": self.state_bytes,
+            "vision_weight_bytes": self.vision_weight_bytes, "vision_activation_bytes": self.vision_activation_bytes,
+            "encoder_cache_bytes": self.encoder_cache_bytes,
         }
 
 
@@ -175,7 +189,8 @@ def available_memory(device: torch.device) -> int:
 def plan_memory(ecfg: EngineConfig, per_token: int, max_model_len: int, weight_bytes: int,
                 drafter_bytes: int, available: int, device_type: str, *, kv_dtype: str = "fp32",
                 total_memory: int | None = None, window: tuple[int, int, int] = (0, 0, 0),
-                drafter_kv_bytes: int = 0, states: tuple[int, int, int, int] = (0, 0, 0, 0)) -> MemoryPlan:
+                drafter_kv_bytes: int = 0, states: tuple[int, int, int, int] = (0, 0, 0, 0),
+                vision: tuple[int, int, int] = (0, 0, 0)) -> MemoryPlan:
     """Size the KV pool; refuse when even one sequence at max_model_len cannot fit.
 
     The pool is ``--kv-cache-memory`` when given; else, with ``total_memory`` (the planner's
@@ -187,7 +202,8 @@ def plan_memory(ecfg: EngineConfig, per_token: int, max_model_len: int, weight_b
     bs = ecfg.block_size
     blocks_one_seq = -(-max_model_len // bs)
     need = blocks_one_seq * bs * per_token
-    weights = weight_bytes + drafter_bytes + drafter_kv_bytes  # the drafter's own KV pool is fixed too
+    # the drafter's own KV pool is fixed too, and so are the vision tower, its activations and outputs
+    weights = weight_bytes + drafter_bytes + drafter_kv_bytes + sum(vision)
     fixed = window[2] + states[3]  # the sliding-window layers' pool, the recurrent states
     if ecfg.kv_cache_memory is not None:
         pool, source = ecfg.kv_cache_memory - fixed, "--kv-cache-memory"
@@ -220,13 +236,14 @@ def plan_memory(ecfg: EngineConfig, per_token: int, max_model_len: int, weight_b
                              f"({kv_total / 2**20:.0f} MiB) do not fit in the "
                              f"{available / 2**20:.0f} MiB of available memory: lower --kv-cache-memory")
     return MemoryPlan(weight_bytes, drafter_bytes, per_token, int(num_blocks), bs, max_model_len, available,
-                      kv_dtype, ecfg.max_num_seqs, source, *window, drafter_kv_bytes, *states)
+                      kv_dtype, ecfg.max_num_seqs, source, *window, drafter_kv_bytes, *states, *vision)
 
 
 def engine_plan(ecfg: EngineConfig, mcfg: ModelConfig, model_dtype: torch.dtype, device: torch.device,
                 weight_bytes: int, drafter_bytes: int, total_memory: int | None = None, lookahead: int = 1,
-                drafter_kv_bytes: int = 0) -> MemoryPlan:
+                drafter_kv_bytes: int = 0, vision: tuple[int, int, int] = (0, 0, 0)) -> MemoryPlan:
     """The engine's memory plan for a loaded model (what LLMEngine and ``specserve plan`` use).
+    vision: (tower weights, activations, encoder-output cache) bytes of an image-reading model.
     lookahead: tokens a decode step adds per sequence (1 + speculative tokens)."""
     kv_dtype = resolve_kv_dtype(ecfg.kv_cache_dtype, device.type, model_dtype)
     if device.type != "cpu" and kv_dtype in ("fp8_e4m3", "int8", "int4"):
@@ -241,4 +258,4 @@ def engine_plan(ecfg: EngineConfig, mcfg: ModelConfig, model_dtype: torch.dtype,
                   nb * ecfg.block_size * kv_bytes_per_token(mcfg, kv_dtype, len(mcfg.attention_layers) - growing))
     return plan_memory(ecfg, kv_bytes_per_token(mcfg, kv_dtype, growing), max_model_len, weight_bytes, drafter_bytes,
                        available, device.type, kv_dtype=kv_dtype, total_memory=total_memory, window=window,
-                       drafter_kv_bytes=drafter_kv_bytes, states=state_plan(mcfg, ecfg, lookahead))
+                       drafter_kv_bytes=drafter_kv_bytes, states=state_plan(mcfg, ecfg, lookahead), vision=vision)

@@ -23,6 +23,7 @@ from specserve.engine.constraint import Constraint, cut_proposal
 from specserve.engine.config import EngineConfig, MemoryPlan, engine_plan, kv_bytes_per_token, state_checkpoints
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.model_runner import ModelRunner
+from specserve.engine.multimodal import EncoderCache, ImageInput, MultiModalPrompt, vision_memory
 from specserve.engine.scheduler import ScheduledRow, Scheduler
 from specserve.engine.sequence import Sequence, Status
 from specserve.engine.types import AcceptanceStats, EngineStats, RequestOutput, SamplingParams
@@ -73,10 +74,19 @@ class LLMEngine:
                                    on_preempt=drafter.on_finished if drafter else lambda seq: None)
         self.runner = ModelRunner(self.model, self.kv, self.cache, ecfg.block_size,
                                   -(-self.max_model_len // ecfg.block_size) + 1, self.cost,
-                                  drafter.hidden_layers if drafter else ())
+                                  drafter.hidden_layers if drafter else (), self.encoder_cache(target, ecfg))
         self.by_id: dict[str, Sequence] = {}
         if self.policy.adaptive and drafter is not None:
             self._calibrate(k_max)
+
+    @staticmethod
+    def encoder_cache(target: LoadedModel, ecfg: EngineConfig) -> EncoderCache | None:
+        """Image embeddings by content key (None: the model reads no images)."""
+        vision = target.vision
+        if vision is None:
+            return None
+        return EncoderCache(lambda pixels, grid: vision(pixels, grid).to(torch.float32),
+                            ecfg.encoder_cache_bytes)
 
     @property
     def blocks(self) -> BlockManager:
@@ -141,20 +151,33 @@ class LLMEngine:
                                f"the KV pool holds ({self.plan.pool_tokens} tokens)", param="max_tokens",
                                code="context_length_exceeded")
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    images: list[ImageInput] | None = None) -> None:
+        """images: the prompt's images in order, one per run of image placeholder tokens."""
         self.validate(prompt_ids, params)
+        mm = self.place_images(prompt_ids, images) if images else None
         if request_id in self.by_id:
             raise RequestError(f"duplicate request id {request_id!r}")
         params = replace(params, eos_token_ids=tuple(sorted(self.tokenizer.eos_token_ids)))  # end_token_ids
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.min_tokens,
                                        params.include_stop_str_in_output, params.skip_special_tokens)
-        seq = Sequence(request_id, list(prompt_ids), params, detok)
+        seq = Sequence(request_id, list(prompt_ids), params, detok, mm=mm)
         if params.structured is not None:  # structured outputs: the sequence's grammar state
             seq.constraint = Constraint(params.structured)
         if not params.greedy:
             seq.generator = sampler.make_generator(params.seed, hash((self.ecfg.seed, request_id)) & 0xFFFFFFFF)
         self.waiting.append(seq)
         self.by_id[request_id] = seq
+
+    def place_images(self, prompt_ids: list[int], images: list[ImageInput]) -> MultiModalPrompt:
+        vision = self.target.vision
+        if vision is None or not self.target.config.mrope_section:
+            raise RequestError(f"model {self.target.name!r} does not read images (no vision tower; a GGUF "
+                               "model takes one with --mmproj FILE)", param="messages", code="images_not_supported")
+        try:
+            return MultiModalPrompt.build(prompt_ids, images, vision.config.image_token_id)
+        except ValueError as exc:
+            raise RequestError(f"image placeholders: {exc}", param="prompt") from exc
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.by_id.get(request_id)
@@ -305,9 +328,10 @@ class LLMEngine:
         return self._delta(seq, final=True)
 
     # ---- convenience -----------------------------------------------------------------------
-    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "req-0"):
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "req-0",
+                 images: list[ImageInput] | None = None):
         """Run one request to completion, yielding its deltas (for the CLI and tests)."""
-        self.add_request(request_id, prompt_ids, params)
+        self.add_request(request_id, prompt_ids, params, images)
         while True:
             for out in self.step():
                 if out.request_id == request_id:
@@ -323,4 +347,5 @@ def plan_for(target: LoadedModel, ecfg: EngineConfig, spec: SpeculativeConfig | 
     return engine_plan(ecfg, target.config, model.dtype, model.device, model.weight_bytes(),
                        drafter.weight_bytes() if drafter else 0, total_memory,
                        lookahead=(spec.num_speculative_tokens if spec else 0) + 1,
-                       drafter_kv_bytes=drafter.kv_bytes() if drafter else 0)
+                       drafter_kv_bytes=drafter.kv_bytes() if drafter else 0,
+                       vision=vision_memory(target, ecfg.encoder_cache_bytes))

@@ -7,11 +7,12 @@ model and the training-data capture all build their batches with it."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specserve.engine.cache import CacheCoordinator
+from specserve.engine.multimodal import EncoderCache, MultiModalPrompt
 from specserve.engine.scheduler import ScheduledRow
 from specserve.engine.step_budget import batch_keys
 from specserve.models.transformer import ForwardBatch, ForwardOutput, KVCache
@@ -27,6 +28,8 @@ class BatchEntry:
     tables: list[list[int]]  # block ids of each paged cache group (group 0: the growing pool)
     # recurrent state: (slot, plane read or -1, plane per row or -1, checkpoint read or -1, checkpoint per row or -1)
     state: tuple | None = None
+    rope: torch.Tensor | None = None  # [len(tokens), 3] int32 M-RoPE positions (None: start.. on every axis)
+    embeds: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (first row, [n, H]) image rows
 
 
 def build_forward_batch(entries: list[BatchEntry], block_size: int, max_blocks: int, logit_rows: list[int],
@@ -53,7 +56,9 @@ def build_forward_batch(entries: list[BatchEntry], block_size: int, max_blocks: 
         per_seq = [torch.tensor([e.state[f] for e in entries], dtype=torch.int64) for f in (0, 1, 3)]
         per_row = [torch.tensor([p for e in entries for p in e.state[f]], dtype=torch.int64) for f in (2, 4)]
         states = [per_seq[0], per_seq[1], per_row[0], per_seq[2], per_row[1]]
+    rope, mm_rows, mm_embeds = _multimodal(entries, device)
     return ForwardBatch(
+        rope_positions=rope, mm_rows=mm_rows, mm_embeds=mm_embeds,
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
         positions=torch.tensor(pos, dtype=torch.int32, device=device),
         seq_ids=torch.tensor(sids, dtype=torch.int32, device=device),
@@ -66,6 +71,24 @@ def build_forward_batch(entries: list[BatchEntry], block_size: int, max_blocks: 
         state_slots=states[0], state_read=states[1], state_write=states[2], state_ckpt_read=states[3],
         state_ckpt_write=states[4],
     )
+
+
+def _multimodal(entries: list[BatchEntry], device: torch.device):
+    """The batch's M-RoPE positions [T, 3] and image rows / embeddings (all None: text only)."""
+    if not any(e.rope is not None for e in entries):
+        return None, None, None
+    rope, rows, embeds, at = [], [], [], 0
+    for e in entries:
+        n = len(e.tokens)
+        rope.append(e.rope if e.rope is not None else
+                    torch.arange(e.start, e.start + n, dtype=torch.int32).unsqueeze(1).expand(n, 3))
+        for first, emb in e.embeds:
+            rows.append(torch.arange(at + first, at + first + emb.shape[0]))
+            embeds.append(emb)
+        at += n
+    if not rows:
+        return torch.cat(rope).to(device), None, None
+    return torch.cat(rope).to(device), torch.cat(rows).to(device), torch.cat(embeds).to(device)
 
 
 def logit_rows(rows: list[ScheduledRow]) -> list[int]:
@@ -82,8 +105,8 @@ class ModelRunner:
     """Runs the target over a step's scheduled rows and times each pass into ``cost``."""
 
     def __init__(self, model, kv: KVCache, cache: CacheCoordinator, block_size: int, max_blocks: int,
-                 cost: CostModel, hidden_layers: tuple[int, ...] = ()):
-        self.model, self.kv, self.cache = model, kv, cache
+                 cost: CostModel, hidden_layers: tuple[int, ...] = (), encoder: EncoderCache | None = None):
+        self.model, self.kv, self.cache, self.encoder = model, kv, cache, encoder
         self.block_size, self.max_blocks = block_size, max_blocks
         self.cost, self.hidden_layers = cost, hidden_layers
 
@@ -91,7 +114,19 @@ class ModelRunner:
         seq = r.seq
         toks = ([seq.token_ids[seq.num_computed]] + r.drafts if r.decode
                 else seq.token_ids[seq.num_computed:seq.num_computed + r.count])
-        return BatchEntry(toks, seq.num_computed, self.cache.block_tables(seq), self.cache.state_entry(seq, r))
+        entry = BatchEntry(toks, seq.num_computed, self.cache.block_tables(seq), self.cache.state_entry(seq, r))
+        if seq.mm is not None:
+            self.add_images(entry, seq.mm)
+        return entry
+
+    def add_images(self, entry: BatchEntry, mm: MultiModalPrompt) -> None:
+        """The entry's M-RoPE positions and the encoder rows of the images it covers (a chunk may
+        start or end inside an image: its slice of the image's cached encoder output)."""
+        entry.rope = mm.rope_rows(entry.start, len(entry.tokens))
+        for img, a, b in mm.overlapping(entry.start, len(entry.tokens)):
+            if self.encoder is None:
+                raise RuntimeError("a prompt with images reached a model runner without a vision encoder")
+            entry.embeds.append((a - entry.start, self.encoder.get(img)[a - img.offset:b - img.offset]))
 
     def batch(self, rows: list[ScheduledRow]) -> ForwardBatch:
         return build_forward_batch([self.entry(r) for r in rows], self.block_size, self.max_blocks,

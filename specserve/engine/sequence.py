@@ -15,6 +15,7 @@ from specserve.engine.types import SamplingParams, AcceptanceStats, TokenLogprob
 
 if TYPE_CHECKING:
     from specserve.engine.constraint import Constraint
+    from specserve.engine.multimodal import MultiModalPrompt
 
 
 class Status(enum.Enum):
@@ -45,10 +46,19 @@ class Sequence:
     finished_at: float | None = None
     accept_ema: float = 0.5  # running estimate of the per-token draft acceptance
     constraint: "Constraint | None" = None  # grammar state under structured outputs (engine/constraint.py)
+    mm: "MultiModalPrompt | None" = None  # the prompt's images (engine/multimodal.py)
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_keys(self) -> list[int]:
+        """What the prefix cache hashes: the token ids, each image's placeholders replaced by
+        its content key."""
+        if self.mm is None:
+            return self.token_ids
+        return self.mm.cache_keys(self.prompt_ids) + self.output_ids
 
     @property
     def block_hashes(self) -> list[int]:

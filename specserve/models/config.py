@@ -43,6 +43,8 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()  # per layer, one of LAYER_TYPES; empty: none is linear attention
     deltanet: DeltaNetConfig | None = None  # the linear-attention layers' shapes (hybrid models)
     rotary_dim: int = 0  # rotated dims of a head (partial rotary); 0 = head_dim
+    # M-RoPE (Qwen3.5 / Qwen3-VL): rotary frequencies per axis (t, h, w), interleaved t,h,w,t,h,w...
+    mrope_section: tuple[int, ...] = ()
     attn_output_gate: bool = False  # q projection twice as wide: a sigmoid gate on the attention output
     mtp_layers: int = 0  # multi-token-prediction layers shipped in the checkpoint (mtp.*, GGUF nextn)
     moe: MoEConfig | None = None  # sparse MLPs (Qwen3-Next); None: every MLP is dense

@@ -21,7 +21,7 @@ import torch
 from specserve.errors import ModelLoadError
 from specserve.kernels import ops
 from specserve.models.config import ModelConfig
-from specserve.models.layers import Linear, act_mul, rms_norm
+from specserve.models.layers import Linear, Rope, act_mul, rms_norm
 from specserve.models.transformer import MLP, ForwardBatch, KVCache, LayerWeights, Transformer
 from specserve.models.weights import RawTensor
 
@@ -108,8 +108,8 @@ class GatedAttention:
         q = rms_norm(q.reshape(-1, d).contiguous(), self.q_norm, cfg.rms_eps).view(t_len, cfg.num_heads, d)
         k = rms_norm(self.k(h).reshape(-1, d), self.k_norm, cfg.rms_eps).view(t_len, cfg.num_kv_heads, d)
         v = self.v(h).view(t_len, cfg.num_kv_heads, d)
-        rope = model.rope_global  # partial rotary: its table covers cfg.rotary_dim dims
-        attn = model.attend(i, rope(q, batch.positions), rope(k, batch.positions), v, batch, kv)  # [T, Hq, D]
+        rope, pos = model.rope_of(batch)  # partial rotary: its table covers cfg.rotary_dim dims
+        attn = model.attend(i, rope(q, pos), rope(k, pos), v, batch, kv)  # [T, Hq, D]
         return self.o(ops.sigmoid_mul(gate, attn.reshape(t_len, cfg.q_size)))
 
 
@@ -252,6 +252,15 @@ class HybridTransformer(Transformer):
 
     def fused_stack(self, batch, kv):
         return None  # the fused C stack runs dense layers only
+
+    def rope_of(self, batch: ForwardBatch) -> tuple[Rope, torch.Tensor]:
+        """The rotary table and positions of this forward: with images, a per-row M-RoPE table
+        (rows 0..T-1), built once per forward (``batch.rope_table``)."""
+        if batch.rope_positions is None:
+            return self.rope_global, batch.positions
+        if batch.rope_table is None:
+            batch.rope_table = self.rope_global.rows(batch.rope_positions, self.cfg.mrope_section)
+        return batch.rope_table, torch.arange(batch.rope_positions.shape[0], dtype=torch.int32)
 
     def run_layers(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, dict]:
         eps, hidden = self.cfg.rms_eps, {}

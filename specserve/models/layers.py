@@ -132,6 +132,22 @@ class Rope:
         self.cos = freqs.cos().to(device)
         self.sin = freqs.sin().to(device)
 
+    def rows(self, positions3: torch.Tensor, section: tuple[int, ...]) -> "Rope":
+        """M-RoPE (interleaved, Qwen3.5 / Qwen3-VL): a table with one row per token, frequency i
+        taken at the token's h position when i % 3 == 1 and i < 3 * section[1], at its w position
+        when i % 3 == 2 and i < 3 * section[2], else at its t position. positions3: [T, 3].
+        A text token (t = h = w) gets exactly the 1-D table's row."""
+        half = self.cos.shape[1]
+        i = torch.arange(half)
+        axis = torch.zeros(half, dtype=torch.int64)  # [D/2]: 0 t, 1 h, 2 w
+        axis[(i % 3 == 1) & (i < 3 * section[1])] = 1
+        axis[(i % 3 == 2) & (i < 3 * section[2])] = 2
+        pos = positions3.long().to(self.cos.device)[:, axis.to(self.cos.device)]  # [T, D/2]
+        col = i.to(self.cos.device).expand_as(pos)
+        out = Rope.__new__(Rope)
+        out.cos, out.sin = self.cos[pos, col].contiguous(), self.sin[pos, col].contiguous()  # [T, D/2]
+        return out
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D]; positions: [T] -> rotated x (new tensor). A table narrower than D is
         partial rotary (Qwen3.5): the first dims of each head rotate, the rest pass.

@@ -13,6 +13,8 @@ from specserve.errors import ModelLoadError
 from specserve.models import config as mconfig
 from specserve.models import tokenizer as mtok
 from specserve.models import weights as mweights
+from specserve.models.image_processor import ImageProcessor
+from specserve.models.vision import VisionTower
 from specserve.models.catalog import ResolvedModel, cache_root, resolve_model
 from specserve.models.families import family
 from specserve.models.hybrid import HybridTransformer
@@ -28,6 +30,7 @@ class LoadOptions:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str = "auto"  # one of specserve.models.quant.QUANTIZATIONS
+    mmproj: str | None = None  # a llama.cpp mmproj GGUF: the vision tower of a GGUF model
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -58,6 +61,8 @@ class LoadedModel:
     model: Transformer
     tokenizer: mtok.Tokenizer
     identity: str  # stable id of the weights (for prefix-cache keys and vocab checks)
+    vision: "VisionTower | None" = None  # the image encoder (models/vision.py); None: text only
+    image_processor: "ImageProcessor | None" = None  # images -> patches for ``vision``
 
 
 IDENTITY_SAMPLE = 1 << 20  # bytes hashed at each end of a weight file
@@ -105,7 +110,45 @@ def load_model(spec: str, options: LoadOptions = LoadOptions()) -> LoadedModel:
                         norm_offset_skip=family(cfg.arch).hf_norm_offset_skip if offset else ())
     log.info("loaded %s (%s, %d layers) on %s, weights %s, %.0f MB", resolved.name, cfg.arch, cfg.num_layers,
              device, quant, model.weight_bytes() / 1e6)
-    return LoadedModel(resolved.name, resolved, cfg, model, tok, identity)
+    vision, processor = _load_vision(resolved, cfg, options, device, tok)
+    return LoadedModel(resolved.name, resolved, cfg, model, tok, identity, vision, processor)
+
+
+def _load_vision(resolved: ResolvedModel, cfg: mconfig.ModelConfig, options: LoadOptions, device: torch.device,
+                 tok: mtok.Tokenizer):
+    """The image encoder and its preprocessing: from the checkpoint (model.visual.*) or --mmproj."""
+    from specserve.models.vision import load_mmproj, load_vision_tower
+
+    if options.mmproj:
+        if resolved.kind != "gguf":
+            raise ModelLoadError("--mmproj takes the vision tower of a GGUF model; this checkpoint carries its own")
+        vision = load_mmproj(options.mmproj, device, **vision_token_ids(tok))
+        processor = ImageProcessor.from_mmproj(options.mmproj)
+    elif resolved.kind != "gguf":
+        vision = load_vision_tower(resolved.path, device)
+        processor = ImageProcessor(resolved.path) if vision is not None else None
+    else:
+        return None, None
+    if vision is not None and not cfg.mrope_section:
+        raise ModelLoadError(f"{resolved.name}: a vision tower needs M-RoPE positions (rope mrope_section), "
+                             "the text model has none")
+    if vision is not None and vision.config.out_hidden_size != cfg.hidden_size:
+        raise ModelLoadError(f"the vision tower's output ({vision.config.out_hidden_size}) does not match the model's "
+                             f"hidden size ({cfg.hidden_size})")
+    return vision, processor
+
+
+VISION_TOKENS = {"image_token_id": "<|image_pad|>", "vision_start_token_id": "<|vision_start|>",
+                 "vision_end_token_id": "<|vision_end|>"}
+
+
+def vision_token_ids(tok: mtok.Tokenizer) -> dict[str, int]:
+    """The image placeholder tokens of a GGUF model's vocabulary (an mmproj file does not name them)."""
+    ids = {k: tok.backend.token_to_id(v) for k, v in VISION_TOKENS.items()}
+    missing = [VISION_TOKENS[k] for k, v in ids.items() if v is None]
+    if missing:
+        raise ModelLoadError(f"--mmproj: the model's vocabulary has no {', '.join(missing)} token")
+    return ids
 
 
 def _read_gguf(path: Path, identity: str):

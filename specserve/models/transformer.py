@@ -43,6 +43,11 @@ class ForwardBatch:
     state_write: torch.Tensor | None = None  # [T] int64, the plane receiving the state after a row (-1: none)
     state_ckpt_read: torch.Tensor | None = None  # [S] int64, a prefix-cache checkpoint to start from (-1: none)
     state_ckpt_write: torch.Tensor | None = None  # [T] int64, a checkpoint receiving the state after a row
+    # images (engine/multimodal.py; None: text only): M-RoPE positions and encoder outputs
+    rope_positions: torch.Tensor | None = None  # [T, 3] int32, (t, h, w) rotary positions of every row
+    mm_rows: torch.Tensor | None = None  # [N] int64, rows whose input is an image embedding
+    mm_embeds: torch.Tensor | None = None  # [N, H] float32, those embeddings
+    rope_table: object = field(default=None, repr=False, compare=False)  # the forward's M-RoPE rows, built once
 
 
 @dataclass
@@ -176,6 +181,13 @@ class Transformer:
         x = self.token_embedding(ids)
         return x * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else x
 
+    def embed_batch(self, batch: ForwardBatch) -> torch.Tensor:  # -> [T, H]
+        """The rows' token embeddings, image rows replaced by their encoder outputs."""
+        x = self.embed(batch.input_ids)
+        if batch.mm_rows is not None and batch.mm_rows.numel():
+            x[batch.mm_rows] = batch.mm_embeds.to(x.dtype)
+        return x
+
     def logits(self, h: torch.Tensor, head: Linear | None = None) -> torch.Tensor:
         """[L, H] normed -> [L, V] float32 (with ``head``: that head's rows, e.g. a draft vocabulary)."""
         out = (head or self.lm_head)(h).float()
@@ -195,7 +207,7 @@ class Transformer:
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> ForwardOutput:
-        x = self.embed(batch.input_ids)  # [T, H]
+        x = self.embed_batch(batch)  # [T, H]
         x, hidden = self.run_layers(x, batch, kv)
         h = rms_norm(x, self.final_norm, self.cfg.rms_eps)  # [T, H]
         logits = self.logits(h[batch.logits_indices])

@@ -24,6 +24,7 @@ from specserve.server.chat import ChatRenderer
 from specserve.server.config import ServerConfig
 from specserve.server.fingerprint import describe, system_fingerprint
 from specserve.server.drain import Drain, DrainMiddleware, unavailable_response
+from specserve.server.media import MediaLoader
 from specserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from specserve.server.middleware import GuardMiddleware
 from specserve.server.openapi import install_openapi
@@ -50,9 +51,13 @@ def create_app(engine, cfg: ServerConfig, drain: Drain | None = None) -> FastAPI
                             cfg.default_chat_template_kwargs, served)
     metrics = ServerMetrics(served, engine.stats, spec_enabled=bool(getattr(engine, "spec_enabled", False)))
     source = renderer.template.source if renderer.template is not None else None
+    target = getattr(getattr(engine, "engine", None), "target", None)
+    vision = getattr(target, "vision", None)
     ctx = ServingContext(engine=engine, cfg=cfg, metrics=metrics, renderer=renderer, served_model_name=served,
                          tool_parser=resolve_parser(cfg.tool_call_parser, source),
-                         system_fingerprint=system_fingerprint(describe(engine, source)))
+                         system_fingerprint=system_fingerprint(describe(engine, source)),
+                         media=MediaLoader(cfg.media, target.image_processor, vision.config.spatial_merge_size)
+                         if vision is not None else None, vision_cfg=vision.config if vision is not None else None)
     logger.info("tool-call parser: %s; system_fingerprint %s", ctx.tool_parser, ctx.system_fingerprint)
 
     @asynccontextmanager
@@ -185,14 +190,17 @@ async def tokenize(ctx: ServingContext, request: Request) -> dict:
     ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise RequestError("send exactly one of 'prompt' or 'messages'", param="prompt")
+    images = []
     if req.messages is not None:
         tools = plan_tools(req.tools, None, None, ctx.tool_parser).template_tools
-        text = ctx.renderer.render(req.messages, req.chat_template_kwargs, req.add_generation_prompt, tools,
-                                   req.continue_final_message)
-        ids = ctx.engine.tokenizer.encode(text, add_special_tokens=False)
+        _, ids, images = await ctx.chat_prompt(req.messages, req.chat_template_kwargs, req.add_generation_prompt,
+                                               tools, req.continue_final_message)
     else:
         ids = ctx.encode_prompt(req.prompt, add_bos=req.add_special_tokens)
-    return {"tokens": ids, "count": len(ids), "max_model_len": ctx.engine.max_model_len}
+    out = {"tokens": ids, "count": len(ids), "max_model_len": ctx.engine.max_model_len}
+    if images:  # the placeholder tokens each image takes (they are in count)
+        out["image_tokens"] = [img.num_tokens for img in images]
+    return out
 
 
 async def detokenize(ctx: ServingContext, request: Request) -> dict:

@@ -9,6 +9,7 @@ from jinja2 import TemplateError
 
 from specserve.errors import RequestError, SpecserveError
 from specserve.models.chat_template import ChatTemplate
+from specserve.server.media import IMAGE_MARK, IMAGE_PART_TYPES, image_url_of
 from specserve.server.protocol import ChatMessage
 from specserve.server.tools import history_tool_calls
 
@@ -161,17 +162,32 @@ def _content_text(i: int, msg: ChatMessage) -> str | None:
             return ""  # e.g. a turn that only made tool calls; templates concatenate content
         raise RequestError(f"messages[{i}] ({msg.role}) has no content", param=f"messages[{i}].content")
     if isinstance(content, str):
-        return content
-    texts = []
+        return content.replace(IMAGE_MARK, "")
+    out, prev_text = "", False
     for j, part in enumerate(content):
+        if part.type in IMAGE_PART_TYPES:  # the image's place: its tokens replace the mark (server/media.py)
+            out, prev_text = out + IMAGE_MARK, False
+            continue
         if part.type not in TEXT_PART_TYPES:
-            raise RequestError(f"content part type {part.type!r} is not supported (text only)",
+            raise RequestError(f"content part type {part.type!r} is not supported (text, image_url)",
                                param=f"messages[{i}].content[{j}].type")
         if part.text is None:
             raise RequestError(f"messages[{i}].content[{j}] ({part.type}) has no 'text'",
                                param=f"messages[{i}].content[{j}].text")
-        texts.append(part.text)
-    return "\n".join(texts)
+        out, prev_text = out + ("\n" if prev_text else "") + part.text.replace(IMAGE_MARK, ""), True
+    return out
+
+
+def image_urls(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    """(url, where) of every image part, in prompt order."""
+    out = []
+    for i, msg in enumerate(messages):
+        if isinstance(msg.content, list):
+            for j, part in enumerate(msg.content):
+                if part.type in IMAGE_PART_TYPES:
+                    where = f"messages[{i}].content[{j}]"
+                    out.append((image_url_of(part, where), where))
+    return out
 
 
 def prompt_opens_think(prompt: str) -> bool:

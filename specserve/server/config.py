@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from specserve.errors import SpecserveError
+from specserve.server.media import MediaConfig, parse_limit_mm
 from specserve.server.tools import TOOL_PARSERS
 
 REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")
@@ -33,6 +34,7 @@ class ServerConfig:
     enable_docs: bool = True  # /openapi.json and /docs (off: --disable-fastapi-docs)
     max_stored_responses: int = 1000  # /v1/responses kept for previous_response_id (least recently used go)
     grammar_compile_timeout: float = 10.0  # seconds a structured-outputs grammar may take to compile
+    media: MediaConfig = field(default_factory=MediaConfig)  # what images a request may bring
 
     def __post_init__(self) -> None:
         if self.reasoning_parser not in REASONING_PARSERS:
@@ -73,7 +75,19 @@ class ServerConfig:
             enable_docs=not args.disable_fastapi_docs,
             max_stored_responses=args.max_stored_responses,
             grammar_compile_timeout=getattr(args, "grammar_compile_timeout", 10.0),
+            media=media_config(args),
         )
+
+
+def media_config(args: argparse.Namespace) -> MediaConfig:
+    domains = getattr(args, "allowed_media_domains", None)
+    if domains and not domains.strip().startswith("["):
+        domains = json.dumps([d for d in domains.split(",") if d.strip()])
+    return MediaConfig(allowed_domains=string_list(domains or "[]", "--allowed-media-domains"),
+                       max_images=parse_limit_mm(getattr(args, "limit_mm_per_prompt", None)),
+                       max_image_bytes=getattr(args, "max_image_bytes", MediaConfig.max_image_bytes),
+                       fetch_timeout=getattr(args, "media_fetch_timeout", MediaConfig.fetch_timeout),
+                       max_image_pixels=getattr(args, "max_image_pixels", MediaConfig.max_image_pixels))
 
 
 def read_chat_template(path: str | None) -> str | None:

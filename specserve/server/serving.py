@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from specserve.engine.types import INT64_MIN, INT64_MAX, SamplingParams, AcceptanceStats
 from specserve.errors import RequestError
-from specserve.server.chat import ChatRenderer
+from specserve.server.chat import ChatRenderer, image_urls
+from specserve.server.media import MediaLoader, expand_images
 from specserve.server.config import ServerConfig
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import ApiError, SamplingFields
@@ -34,6 +35,8 @@ class ServingContext:
     served_model_name: str
     tool_parser: str = "none"  # resolved: "hermes" or "none"
     system_fingerprint: str | None = None  # specserve.server.fingerprint: model + engine configuration
+    media: MediaLoader | None = None  # images in requests (None: the model reads none)
+    vision_cfg: object = None  # the vision tower's config (its placeholder token ids)
 
     @functools.cached_property
     def structured(self) -> StructuredOutputs:
@@ -61,6 +64,18 @@ class ServingContext:
             return None
         ids = tok.encode(tok.bos_token, add_special_tokens=False)
         return ids[0] if len(ids) == 1 else None
+
+    async def chat_prompt(self, messages, kwargs, add_generation_prompt: bool, tools, continue_final: bool):
+        """Rendered chat prompt -> (text, token ids, images): each image part read, preprocessed
+        and written as its placeholder run."""
+        urls = image_urls(messages)
+        if urls:
+            (self.media or MediaLoader(self.cfg.media, None, 1)).check_count(len(urls))
+        prompt = self.renderer.render(messages, kwargs, add_generation_prompt, tools, continue_final)
+        if not urls:
+            return prompt, self.engine.tokenizer.encode(prompt, add_special_tokens=False), []
+        images = await self.media.load(urls)
+        return prompt, expand_images(self.engine.tokenizer, prompt, images, self.vision_cfg), images
 
     def encode_prompt(self, text: str, add_bos: bool) -> list[int]:
         """Raw prompt text -> ids, with BOS in front when the tokenizer wants one."""
@@ -218,7 +233,7 @@ def logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
 
 
 def make_choices(prompts: list[list[int]], req: SamplingFields, max_tokens: list[int], logprobs: int | None,
-                 request_id: str) -> list[Choice]:
+                 request_id: str, images: list | None = None) -> list[Choice]:
     """n choices per prompt; choice index = prompt_index * n + i (as vLLM)."""
     choices = []
     for p, ids in enumerate(prompts):
@@ -226,7 +241,7 @@ def make_choices(prompts: list[list[int]], req: SamplingFields, max_tokens: list
             index = p * req.n + i
             choices.append(Choice(index=index, prompt_index=p, prompt_ids=ids,
                                   params=sampling_params(req, max_tokens[p], logprobs, i),
-                                  request_id=f"{request_id}-{index}"))
+                                  request_id=f"{request_id}-{index}", images=list(images or ())))
     return choices
 
 

@@ -45,9 +45,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
         raise RequestError("continue_final_message and add_generation_prompt cannot both be true (continue the "
                            "last assistant message, or start a new one)", param="continue_final_message")
-    prompt = ctx.renderer.render(req.messages, req.chat_template_kwargs, req.add_generation_prompt,
-                                 plan.template_tools, req.continue_final_message)
-    ids = ctx.engine.tokenizer.encode(prompt, add_special_tokens=False)
+    prompt, ids, images = await ctx.chat_prompt(req.messages, req.chat_template_kwargs, req.add_generation_prompt,
+                                                plan.template_tools, req.continue_final_message)
     if not ids:
         raise RequestError("the rendered prompt is empty", param="messages")
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -56,7 +55,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     request_id = new_id("chatcmpl")
     opened = prompt_opens_think(prompt)
     structured = await ctx.structured.spec_for(req, plan, start_for(ctx.cfg.reasoning_parser, opened))
-    choices = constrain(make_choices([ids], req, [max_tokens], top, request_id), structured)
+    choices = constrain(make_choices([ids], req, [max_tokens], top, request_id, images), structured)
     split = Splitter(ctx.cfg.reasoning_parser, opened, plan)
     fan = Fanout(ctx.engine, ctx.metrics, choices)
     await start_fanout(request.receive, fan, drain=not req.stream)

@@ -47,6 +47,7 @@ class Choice:
     acceptance: AcceptanceStats | None = None
     prefill_time: float = 0.0
     decode_time: float = 0.0
+    images: list = field(default_factory=list)  # ImageInput of the prompt's placeholder runs (engine/multimodal.py)
 
     def absorb(self, out: RequestOutput) -> None:
         self.text += out.new_text
@@ -129,7 +130,8 @@ class Fanout:
 
     async def _pump(self, choice: Choice) -> None:
         tracker = self.metrics.tracker()
-        gen = self.engine.generate(choice.prompt_ids, choice.params, choice.request_id)
+        gen = self.engine.generate(choice.prompt_ids, choice.params, choice.request_id,
+                                   **({"images": choice.images} if choice.images else {}))
         try:
             async for out in gen:
                 choice.absorb(out)

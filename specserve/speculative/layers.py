@@ -21,9 +21,17 @@ def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
 
 
-def rope_tables(head_dim: int, theta: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(head_dim: int, theta: float, positions: torch.Tensor,
+                mrope_section: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [...] -> cos, sin [..., D/2]; with mrope_section, positions [..., 3] (t, h, w)
+    and each frequency at its axis's position (interleaved M-RoPE, as the target's Rope.rows)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    freqs = positions.float()[..., None] * inv.to(positions.device)  # [..., D/2]
+    freqs = positions.float()[..., None] * inv.to(positions.device)  # [..., D/2] or [..., 3, D/2]
+    if mrope_section:
+        i = torch.arange(inv.numel(), device=positions.device)
+        axis = torch.where((i % 3 == 1) & (i < 3 * mrope_section[1]), 1,
+                           torch.where((i % 3 == 2) & (i < 3 * mrope_section[2]), 2, 0))  # [D/2]
+        freqs = freqs.gather(-2, axis.expand(*freqs.shape[:-2], 1, -1)).squeeze(-2)
     return freqs.cos(), freqs.sin()
 
 
@@ -80,8 +88,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
                  theta: float, qk_norm: bool = False, qkv_bias: bool = False, output_gate: bool = False,
-                 rotary_dim: int = 0, moe: tuple | None = None):
+                 rotary_dim: int = 0, moe: tuple | None = None, mrope_section: tuple[int, ...] = ()):
         super().__init__()
+        self.mrope_section = tuple(mrope_section)  # M-RoPE: positions come as [..., T, 3]
         self.heads, self.kv_heads, self.head_dim, self.eps, self.theta = heads, kv_heads, head_dim, eps, theta
         self.output_gate, self.rotary_dim = output_gate, rotary_dim or head_dim
         self.attn_norm = nn.Parameter(torch.ones(hidden))
@@ -110,7 +119,10 @@ class DecoderLayer(nn.Module):
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         rd = self.rotary_dim
-        cos, sin = rope_tables(rd, self.theta, positions)
+        mrope = self.mrope_section if positions.dim() == x.dim() - 1 else ()  # [..., T, 3]: M-RoPE
+        if positions.dim() == x.dim() - 1 and not mrope:
+            positions = positions[..., 0]  # (a layer without M-RoPE: the t axis)
+        cos, sin = rope_tables(rd, self.theta, positions, mrope)
         if rd == self.head_dim:
             return apply_rope(x, cos, sin)
         return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)

@@ -76,6 +76,7 @@ class MTPConfig:
     output_gate: bool = False  # gated attention (Qwen3.5's heads)
     rotary_dim: int = 0  # partial rotary (0 = the whole head)
     moe: list | None = None  # [experts, top k, inter, shared inter, norm top k]: Qwen3-Next's MoE layer
+    mrope_section: list | None = None  # the target's M-RoPE: image prompts give (t, h, w) positions
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -103,7 +104,8 @@ class MTPModel(nn.Module):
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.layer = DecoderLayer(H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                                   cfg.rms_eps, cfg.rope_theta, cfg.qk_norm, cfg.qkv_bias, cfg.output_gate,
-                                  cfg.rotary_dim, tuple(cfg.moe) if cfg.moe else None)
+                                  cfg.rotary_dim, tuple(cfg.moe) if cfg.moe else None,
+                                  tuple(cfg.mrope_section or ()))
         self.norm = nn.Parameter(torch.ones(H))
 
     def init_weights(self, final_norm: torch.Tensor | None, seed: int) -> None:
@@ -201,6 +203,14 @@ def load_mtp_model(directory: Path, target: LoadedModel) -> MTPModel:
     cfg = MTPConfig.from_json(raw)
     check_target(cfg.target, target, str(directory))
     return mtp_model(cfg, state, target, str(directory))
+
+
+def rope_positions(seq: Sequence, start: int, n: int, device) -> torch.Tensor:
+    """Rotary positions of tokens start .. start + n - 1: [n], or [n, 3] (t, h, w) for a prompt
+    with images (the target's M-RoPE positions, engine/multimodal.py)."""
+    if seq.mm is None:
+        return torch.arange(start, start + n, device=device)
+    return seq.mm.rope_rows(start, n).long().to(device)
 
 
 class MTPDrafter(Drafter):
@@ -327,8 +337,8 @@ class MTPDrafter(Drafter):
         ids = torch.tensor(seq.token_ids[lo:p + 1], device=dev)
         emb = self.head.embed(ids)[None]
         prev = st.hidden[lo - 1 - st.h_start:p - st.h_start].float()[None]
-        pos = torch.arange(lo, p + 1, device=dev)[None]
         n = p + 1 - lo
+        pos = rope_positions(seq, lo, n, dev)[None]
         causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
         if st.k is not None and st.k.shape[0]:
             ctx = torch.ones(n, st.k.shape[0], dtype=torch.bool, device=dev)
@@ -369,7 +379,7 @@ class MTPDrafter(Drafter):
             if s == k - 1:
                 break
             emb = self.head.embed(torch.tensor([drafts[-1]], device=dev))[None]
-            pos = torch.tensor([[p + 1 + s]], device=dev)
+            pos = rope_positions(seq, p + 1 + s, 1, dev)[None]
             ck = torch.cat([st.k] + ks)[None]
             cv = torch.cat([st.v] + vs)[None]
             g2, (nk, nv) = self.model(emb, g[None, None], pos, ck, cv, None)

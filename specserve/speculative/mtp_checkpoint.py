@@ -171,6 +171,6 @@ def config_from_state(state: dict[str, torch.Tensor], target: LoadedModel, sourc
                      state["layer.k.weight"].shape[0] // head_dim, head_dim,
                      0 if moe else state["layer.gate.weight"].shape[0], c.rms_eps, c.rope_theta,
                      "layer.q_norm" in state, "layer.q.bias" in state, target=target_identity(target), source=source,
-                     output_gate=gated, rotary_dim=c.rotary_dim,
+                     output_gate=gated, rotary_dim=c.rotary_dim, mrope_section=list(c.mrope_section) or None,
                      moe=[m.num_experts, m.num_experts_per_tok, m.intermediate_size, m.shared_intermediate_size,
                           m.norm_topk_prob] if moe else None)

@@ -73,7 +73,7 @@ class CacheCoordinator:
         if not self.prefix_caching:
             return 0
         main = next(iter(self._pairs(seq)))[1]
-        n = self.main.match_prefix(main, seq.token_ids)
+        n = self.main.match_prefix(main, seq.cache_keys)
         for g in self.groups(RecurrentStateManager):  # only as far as a state checkpoint reaches
             n_state = self.managers[g].match_prefix(seq.cache.tables[g], main.hashes[:n // self.main.spec.block_size])
             if n_state < n:
@@ -102,7 +102,7 @@ class CacheCoordinator:
 
     def commit(self, seq) -> None:
         for m, t in self._pairs(seq):
-            m.commit(t, seq.token_ids, seq.num_computed)
+            m.commit(t, seq.cache_keys, seq.num_computed)
         for g in self.groups(RecurrentStateManager):  # checkpoints under the blocks just hashed
             self.managers[g].register(seq.cache.tables[g], seq.cache.tables[0].hashes)
 

@@ -35,7 +35,10 @@ def _hf_fields(read, kw: dict) -> dict:
         raise ModelLoadError(f"config.json of a hybrid model lacks {', '.join(missing)}")
     deltanet = DeltaNetConfig(*(int(read(k)) for k in need), conv_kernel=int(read("linear_conv_kernel_dim") or 4))
     tie = read("tie_word_embeddings")
-    return dict(layer_types=hybrid_layer_types(kw["num_layers"], read("layer_types"), read("full_attention_interval")),
+    # M-RoPE positions matter for images only; the interleaved layout is the one implemented
+    mrope = tuple(int(x) for x in rope.get("mrope_section") or ()) if rope.get("mrope_interleaved", True) else ()
+    return dict(mrope_section=mrope,
+                layer_types=hybrid_layer_types(kw["num_layers"], read("layer_types"), read("full_attention_interval")),
                 deltanet=deltanet, rotary_dim=int(kw["head_dim"] * float(partial)), attn_output_gate=True,
                 qk_norm=True, tie_embeddings=bool(tie), mtp_layers=int(read("mtp_num_hidden_layers") or 0))
 
@@ -64,7 +67,9 @@ def hybrid_gguf_fields(read, kw: dict, tiled: bool) -> dict:
     recurrent = read("attention.recurrent_layers")
     types = (tuple("linear_attention" if r else "full_attention" for r in list(recurrent)[:n]) if recurrent
              else hybrid_layer_types(n, None, read("full_attention_interval")))
-    return dict(num_layers=n, layer_types=types, qk_norm=True, attn_output_gate=True,
+    sections = tuple(int(x) for x in list(read("rope.dimension_sections") or ())[:3])
+    return dict(mrope_section=sections if any(sections) else (), num_layers=n, layer_types=types, qk_norm=True,
+                attn_output_gate=True,
                 deltanet=DeltaNetConfig(hk, hv, dk, inner // hv, kernel, v_tiled=tiled and hk != hv),
                 rotary_dim=int(read("rope.dimension_count") or kw["head_dim"] // 4), mtp_layers=nextn)
 

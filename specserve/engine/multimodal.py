@@ -1,0 +1,165 @@
+"""Images inside a prompt: where their placeholder tokens sit, their M-RoPE positions, the
+keys the prefix cache hashes for them, and a per-image cache of encoder outputs.
+
+A prompt with images is its token ids (each image a run of ``<|image_pad|>`` tokens between
+``<|vision_start|>`` and ``<|vision_end|>``) plus one :class:`ImageInput` per run. Positions
+follow transformers' ``get_rope_index`` for Qwen3.5 / Qwen3-VL: a text token's (t, h, w) are
+all ``text position``; an image's tokens get (start, start + row, start + column) on the merged
+grid, and the text after it continues at ``start + max(rows, columns)``. A token past the
+prompt (generated, or a draft) sits at ``index + delta`` on all three axes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt, preprocessed."""
+
+    key: int  # content hash of the preprocessed pixels and grid (63 bits)
+    pixels: torch.Tensor = field(repr=False)  # [N, C * T * P * P] float32 patches
+    grid: tuple[int, int, int]  # (t, h, w) patches
+    merge: int  # spatial merge: each placeholder token stands for merge x merge patches
+    offset: int = -1  # index of its first placeholder token in the prompt
+
+    @property
+    def num_tokens(self) -> int:
+        t, h, w = self.grid
+        return t * h * w // (self.merge * self.merge)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+    def placed(self, offset: int) -> "ImageInput":
+        return ImageInput(self.key, self.pixels, self.grid, self.merge, offset)
+
+
+def image_key(pixels: torch.Tensor, grid: tuple[int, int, int]) -> int:
+    """A stable 63-bit content key (the same picture twice is the same key, any process)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(repr(tuple(grid)).encode())
+    h.update(pixels.contiguous().numpy().tobytes())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+@dataclass
+class MultiModalPrompt:
+    """The images of one prompt, placed, and the M-RoPE positions of the whole prompt."""
+
+    images: list[ImageInput]
+    positions: torch.Tensor  # [L, 3] int32, (t, h, w) of each prompt token
+    delta: int  # rotary position minus token index for every token after the prompt
+
+    @staticmethod
+    def build(prompt_ids: list[int], images: list[ImageInput], image_token_id: int) -> "MultiModalPrompt":
+        """Place ``images`` at the runs of ``image_token_id`` in prompt order; each run must be
+        exactly as long as its image's token count (ValueError otherwise)."""
+        runs = _runs(prompt_ids, image_token_id)
+        if len(runs) != len(images):
+            raise ValueError(f"the prompt has {len(runs)} image placeholder runs for {len(images)} images")
+        placed, pos, at, cur = [], [], 0, 0
+        for (start, length), img in zip(runs, images):
+            if length != img.num_tokens:
+                raise ValueError(f"an image of {img.num_tokens} tokens has a placeholder run of {length}")
+            pos.append(_text_positions(cur, start - at))
+            cur += start - at
+            t, h, w = img.grid[0], img.grid[1] // img.merge, img.grid[2] // img.merge
+            tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+            pos.append(torch.stack([tt, hh, ww], dim=-1).reshape(-1, 3) + cur)  # [t*h*w, 3]
+            cur += max(h, w)
+            at = start + length
+            placed.append(img.placed(start))
+        pos.append(_text_positions(cur, len(prompt_ids) - at))
+        cur += len(prompt_ids) - at
+        return MultiModalPrompt(placed, torch.cat(pos).to(torch.int32), cur - len(prompt_ids))
+
+    def rope_rows(self, start: int, count: int) -> torch.Tensor:
+        """[count, 3] int32 positions of tokens start .. start + count - 1."""
+        n = self.positions.shape[0]
+        head = self.positions[start:min(start + count, n)]
+        tail_from = max(start, n)
+        tail = _text_positions(tail_from + self.delta, max(start + count - tail_from, 0))
+        return torch.cat([head, tail.to(torch.int32)])
+
+    def cache_keys(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt as the prefix cache hashes it: an image's placeholder tokens replaced by a
+        negative key of its content, so the same image is a hit and another image is not."""
+        keys = list(prompt_ids)
+        for img in self.images:
+            keys[img.offset:img.end] = [-1 - img.key] * img.num_tokens
+        return keys
+
+    def overlapping(self, start: int, count: int) -> list[tuple[ImageInput, int, int]]:
+        """(image, first, last + 1) token indices of each image inside start .. start + count - 1."""
+        out = []
+        for img in self.images:
+            a, b = max(start, img.offset), min(start + count, img.end)
+            if a < b:
+                out.append((img, a, b))
+        return out
+
+
+def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+    runs, i = [], 0
+    while i < len(ids):
+        if ids[i] == token:
+            j = i
+            while j < len(ids) and ids[j] == token:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def _text_positions(first: int, count: int) -> torch.Tensor:  # -> [count, 3]
+    return torch.arange(first, first + count, dtype=torch.int64).unsqueeze(1).expand(count, 3)
+
+
+def vision_memory(target, encoder_cache_bytes: int) -> tuple[int, int, int]:
+    """(tower weights, one forward's activations at the largest image the preprocessing lets
+    through, the encoder-output cache) in bytes; zeros for a text-only model. Counted up front:
+    the activations appear only with the first image."""
+    vision, processor = getattr(target, "vision", None), getattr(target, "image_processor", None)
+    if vision is None or processor is None:
+        return 0, 0, 0
+    max_patches = max(processor.max_pixels // vision.config.patch_size ** 2, 1)
+    return vision.nbytes, vision.activation_bytes(max_patches), encoder_cache_bytes
+
+
+class EncoderCache:
+    """Vision-encoder outputs by image key, least recently used dropped past ``max_bytes``.
+
+    An image's embeddings are computed once (chunked prefill of a long image, a second request
+    with the same picture and every drafter read the same tensor), so they are the same bits in
+    every step that uses them."""
+
+    def __init__(self, encode, max_bytes: int = 512 << 20):
+        self.encode, self.max_bytes = encode, max_bytes
+        self.entries: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.bytes, self.hits, self.misses = 0, 0, 0
+
+    def get(self, img: ImageInput) -> torch.Tensor:  # -> [num_tokens, H]
+        out = self.entries.get(img.key)
+        if out is not None:
+            self.entries.move_to_end(img.key)
+            self.hits += 1
+            return out
+        self.misses += 1
+        out = self.encode(img.pixels, img.grid)
+        if out.shape[0] != img.num_tokens:
+            raise RuntimeError(f"the vision encoder gave {out.shape[0]} rows for an image of {img.num_tokens} tokens")
+        self.entries[img.key] = out
+        self.bytes += out.numel() * out.element_size()
+        while self.bytes > self.max_bytes and len(self.entries) > 1:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()
+        return out
