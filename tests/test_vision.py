@@ -284,3 +284,21 @@ def test_drafter_rope_tables_give_the_target_m_rope(vl):
     torch.testing.assert_close(sin, rope.sin, rtol=1e-6, atol=1e-6)
     text = torch.arange(5).unsqueeze(1).expand(5, 3)
     assert torch.equal(rope_tables(8, 1e4, text, section)[0], rope_tables(8, 1e4, torch.arange(5))[0])
+
+
+def test_memory_plan_counts_the_vision_tower_up_front(vl):
+    from specserve.commands.plan import format_plan
+    from specserve.engine.llm_engine import plan_for
+
+    _, ours, _ = vl
+    ecfg = EngineConfig(max_model_len=512, encoder_cache_bytes=8 << 20)
+    plan = plan_for(ours, ecfg, None, None)
+    tower = ours.vision
+    biggest = ours.image_processor.max_pixels // tower.config.patch_size ** 2
+    assert plan.vision_weight_bytes == tower.nbytes > 0
+    assert plan.vision_activation_bytes == tower.activation_bytes(biggest) > 0
+    assert plan.encoder_cache_bytes == 8 << 20
+    text_only = plan_for(load_model(str(DATA / "tiny-qwen35-vl-f32.gguf"), FP32), ecfg, None, None)
+    assert text_only.vision_bytes == 0
+    assert plan.total_bytes == plan.weight_bytes + plan.pool_bytes + plan.state_bytes + plan.vision_bytes
+    assert "vision tower" in format_plan(plan) and "vision" not in format_plan(text_only)

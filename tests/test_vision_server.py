@@ -10,6 +10,7 @@ import functools
 import http.server
 import io
 import json
+import random
 import threading
 
 import httpx
@@ -32,6 +33,13 @@ def png(img) -> bytes:
     return buf.getvalue()
 
 
+def noise_png() -> bytes:
+    """100 x 100 random pixels: a PNG of ~30 KB, over the test server's --max-image-bytes."""
+    from PIL import Image
+
+    return png(Image.frombytes("RGB", (100, 100), random.Random(3).randbytes(30000)))
+
+
 def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
@@ -40,7 +48,7 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
 def files(tmp_path_factory):
     """A directory of images served over loopback HTTP: (base url, {name: bytes})."""
     d = tmp_path_factory.mktemp("images")
-    blobs = {"a.png": png(picture(7, (40, 30))), "b.png": png(picture(8, (30, 50)))}
+    blobs = {"a.png": png(picture(7, (40, 30))), "b.png": png(picture(8, (30, 50))), "noise.png": noise_png()}
     for name, data in blobs.items():
         (d / name).write_bytes(data)
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(d))
@@ -57,7 +65,8 @@ def server(tmp_path_factory):
     make_tiny_vl(d)
     port = free_port()
     argv = serve_argv(f"--model {d} --max-model-len 512 --quantization none --speculative-config '{SPEC}' "
-                      "--limit-mm-per-prompt '{\"image\": 3}' --allowed-media-domains 127.0.0.1 --max-image-pixels 20000",
+                      "--limit-mm-per-prompt '{\"image\": 3}' --allowed-media-domains 127.0.0.1 --max-image-pixels 20000 "
+                      "--max-image-bytes 20000",
                       port)
     with ManagedServer(argv, port, "tiny-vl", startup_timeout=300) as srv:
         with httpx.Client(base_url=srv.url, timeout=120) as http_:
@@ -126,6 +135,8 @@ BAD = {
     "no_url": (lambda base: [{"type": "image_url", "image_url": {}}], None),
     "too_many": (lambda base: [image_part(f"{base}/a.png")] * 4, "too_many_images"),
     "too_many_pixels": (lambda base: [image_part(data_url(png(picture(10, (200, 101)))))], "image_too_large"),
+    "big_data_url": (lambda base: [image_part(data_url(noise_png()))], "image_too_large"),
+    "big_download": (lambda base: [image_part(f"{base}/noise.png")], "image_too_large"),
     "extreme_aspect": (lambda base: [image_part(data_url(png(picture(11, (4000, 4)))))], "invalid_image"),
 }
 
