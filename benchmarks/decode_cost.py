@@ -38,25 +38,22 @@ import torch  # noqa: E402
 
 from specserve.engine.builder import set_threads  # noqa: E402
 from specserve.models.loader import LoadOptions, load_model  # noqa: E402
+from specserve.engine.model_runner import BatchEntry, build_forward_batch  # noqa: E402
 from specserve.models.transformer import ForwardBatch, KVCache  # noqa: E402
 
 BLOCK = 16
 
 
 def make_batch(m: int, context: int, layout: str, blocks_per_seq: int, vocab: int) -> ForwardBatch:
+    """verify: one sequence's m rows after ``context`` tokens; decode: m sequences' one row each."""
     g = torch.Generator().manual_seed(m)
-    ids = torch.randint(0, vocab, (m,), generator=g, dtype=torch.int64)
+    ids = torch.randint(0, vocab, (m,), generator=g, dtype=torch.int64).tolist()
+    blocks = lambda s: [list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))]  # noqa: E731
     if layout == "verify":
-        pos = torch.arange(context, context + m, dtype=torch.int32)
-        sids = torch.zeros(m, dtype=torch.int32)
-        tables = torch.arange(blocks_per_seq, dtype=torch.int32).unsqueeze(0)
+        entries = [BatchEntry(ids, context, blocks(0))]
     else:
-        pos = torch.full((m,), context, dtype=torch.int32)
-        sids = torch.arange(m, dtype=torch.int32)
-        tables = torch.arange(m * blocks_per_seq, dtype=torch.int32).view(m, blocks_per_seq)
-    slots = tables[sids.long(), (pos // BLOCK).long()].long() * BLOCK + (pos % BLOCK).long()
-    return ForwardBatch(input_ids=ids, positions=pos, seq_ids=sids, block_tables=tables, slot_mapping=slots,
-                        logits_indices=torch.arange(m, dtype=torch.int64))
+        entries = [BatchEntry([t], context, blocks(s)) for s, t in enumerate(ids)]
+    return build_forward_batch(entries, BLOCK, blocks_per_seq, list(range(m)), torch.device("cpu"))
 
 
 def filled_cache(cfg, num_blocks: int, kv_dtype: str) -> KVCache:

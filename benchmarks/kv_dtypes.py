@@ -35,7 +35,7 @@ from specserve.engine.config import kv_bytes_per_token  # noqa: E402
 from specserve.models.chat_template import ChatTemplate  # noqa: E402
 from specserve.models.kv_cache import KV_DTYPES, KVCache  # noqa: E402
 from specserve.models.loader import LoadOptions, load_model  # noqa: E402
-from specserve.models.transformer import ForwardBatch  # noqa: E402
+from specserve.engine.model_runner import BatchEntry, build_forward_batch  # noqa: E402
 
 BLOCK = 16
 GiB = 1 << 30
@@ -62,16 +62,8 @@ class Runner:
 
     def forward(self, rows: list[tuple[int, list[int], int]], logits_rows: list[int]) -> torch.Tensor:
         """rows: (seq, tokens, first position)."""
-        ids, pos, sids = [], [], []
-        for s, toks, p0 in rows:
-            ids += toks
-            pos += range(p0, p0 + len(toks))
-            sids += [s] * len(toks)
-        pos_t = torch.tensor(pos, dtype=torch.int32)
-        sid_t = torch.tensor(sids, dtype=torch.int32)
-        slots = self.tables[sid_t.long(), (pos_t // BLOCK).long()].long() * BLOCK + (pos_t % BLOCK).long()
-        batch = ForwardBatch(torch.tensor(ids, dtype=torch.int64), pos_t, sid_t, self.tables, slots,
-                             torch.tensor(logits_rows, dtype=torch.int64))
+        entries = [BatchEntry(toks, p0, [self.tables[s].tolist()]) for s, toks, p0 in rows]
+        batch = build_forward_batch(entries, BLOCK, self.bps, logits_rows, torch.device("cpu"))
         return self.lm.model.forward(batch, self.kv).logits
 
     def generate(self) -> list[list[int]]:

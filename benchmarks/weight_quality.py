@@ -30,7 +30,8 @@ import torch  # noqa: E402
 
 from specserve.engine.builder import set_threads  # noqa: E402
 from specserve.models.loader import LoadOptions, load_model  # noqa: E402
-from specserve.models.transformer import ForwardBatch, KVCache  # noqa: E402
+from specserve.engine.model_runner import BatchEntry, build_forward_batch  # noqa: E402
+from specserve.models.transformer import KVCache  # noqa: E402
 
 BLOCK, CHUNK = 16, 256
 
@@ -45,13 +46,11 @@ def teacher_forced_logits(model, cfg, ids: list[int]) -> torch.Tensor:
     n = len(ids)
     blocks = -(-n // BLOCK)
     kv = KVCache.allocate(cfg, blocks, BLOCK, torch.float32, model.device)
-    table = torch.arange(blocks, dtype=torch.int32).unsqueeze(0)
     out = []
     for s in range(0, n, CHUNK):
-        pos = torch.arange(s, min(s + CHUNK, n), dtype=torch.int32)
-        m = pos.numel()
-        batch = ForwardBatch(torch.tensor(ids[s:s + m]), pos, torch.zeros(m, dtype=torch.int32), table,
-                             pos.long(), torch.arange(m))
+        chunk = ids[s:s + CHUNK]
+        batch = build_forward_batch([BatchEntry(chunk, s, [list(range(blocks))])], BLOCK, blocks,
+                                    list(range(len(chunk))), model.device)
         out.append(model.forward(batch, kv).logits)
     return torch.cat(out)
 

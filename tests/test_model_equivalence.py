@@ -33,6 +33,7 @@ pytest.importorskip("gguf")
 from specserve.engine.block_manager import HOLE  # noqa: E402
 from specserve.engine.config import EngineConfig, kv_bytes_per_token  # noqa: E402
 from specserve.engine.llm_engine import LLMEngine  # noqa: E402
+from specserve.engine.model_runner import BatchEntry, build_forward_batch  # noqa: E402
 from specserve.engine.types import SamplingParams  # noqa: E402
 from specserve.errors import ModelLoadError  # noqa: E402
 from specserve.speculative.config import parse_speculative_config  # noqa: E402
@@ -88,19 +89,12 @@ class PagedSeq:
 
 def paged_batch(parts: list[tuple[PagedSeq, list[int]]], hidden_layers: tuple[int, ...] = ()) -> ForwardBatch:
     """One pass over several sequences' new tokens, logits for every row (advances each length)."""
-    width = max(len(s.blocks) for s, _ in parts)
-    tables = torch.full((len(parts), width), -1, dtype=torch.int32)
-    ids, pos, sid, slots = [], [], [], []
-    for row, (seq, toks) in enumerate(parts):
-        tables[row, :len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
-        ids += toks
-        pos += range(seq.length, seq.length + len(toks))
-        sid += [row] * len(toks)
-        slots += seq.slots(len(toks))
+    entries = [BatchEntry(toks, seq.length, [seq.blocks]) for seq, toks in parts]
+    for seq, toks in parts:
         seq.length += len(toks)
-    return ForwardBatch(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int32),
-                        torch.tensor(sid, dtype=torch.int32), tables, torch.tensor(slots, dtype=torch.int64),
-                        torch.arange(len(ids), dtype=torch.int64), hidden_layers=hidden_layers)
+    rows = sum(len(toks) for _, toks in parts)
+    return build_forward_batch(entries, parts[0][0].block_size, max(len(s.blocks) for s, _ in parts),
+                               list(range(rows)), torch.device("cpu"), hidden_layers)
 
 
 def forward_chunks(lm: LoadedModel, kv: KVCache, parts: list[tuple[PagedSeq, list[int]]]) -> list[torch.Tensor]:
@@ -286,9 +280,8 @@ def test_real_gemma3_sliding_window_matches_transformers(gemma3):
     kv = _new_cache(lm, nblocks, 16)
     seq = PagedSeq(list(range(nblocks)), 16)
     n = len(prompt)
-    tables = torch.tensor([seq.blocks], dtype=torch.int32)
-    batch = ForwardBatch(torch.tensor(prompt), torch.arange(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
-                         tables, torch.tensor(seq.slots(n)), torch.arange(n - keep, n))
+    batch = build_forward_batch([BatchEntry(prompt, 0, [seq.blocks])], 16, nblocks, list(range(n - keep, n)),
+                                torch.device("cpu"))
     rows = [lm.model.forward(batch, kv).logits]
     seq.length = n
     tokens = [int(rows[-1][-1].argmax())]

@@ -56,6 +56,7 @@ class MultiModalPrompt:
     images: list[ImageInput]
     positions: torch.Tensor  # [L, 3] int32, (t, h, w) of each prompt token
     delta: int  # rotary position minus token index for every token after the prompt
+    _keys: list[int] | None = field(default=None, repr=False)  # cache_keys, built once
 
     @staticmethod
     def build(prompt_ids: list[int], images: list[ImageInput], image_token_id: int) -> "MultiModalPrompt":
@@ -91,10 +92,12 @@ class MultiModalPrompt:
     def cache_keys(self, prompt_ids: list[int]) -> list[int]:
         """The prompt as the prefix cache hashes it: an image's placeholder tokens replaced by a
         negative key of its content, so the same image is a hit and another image is not."""
-        keys = list(prompt_ids)
-        for img in self.images:
-            keys[img.offset:img.end] = [-1 - img.key] * img.num_tokens
-        return keys
+        if self._keys is None or len(self._keys) != len(prompt_ids):
+            keys = list(prompt_ids)
+            for img in self.images:
+                keys[img.offset:img.end] = [-1 - img.key] * img.num_tokens
+            self._keys = keys
+        return self._keys
 
     def overlapping(self, start: int, count: int) -> list[tuple[ImageInput, int, int]]:
         """(image, first, last + 1) token indices of each image inside start .. start + count - 1."""
