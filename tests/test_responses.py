@@ -244,6 +244,8 @@ def test_reasoning_item_and_tokens():
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", None),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", None),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+     "input", "images_not_supported"),  # a text-only model
+    ({"input": [{"role": "user", "content": [{"type": "input_audio", "data": "x"}]}]},
      "input[0].content[0].type", None),
     ({"input": [{"role": "user", "content": None}]}, "input[0].content", None),
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[0].call_id", None),

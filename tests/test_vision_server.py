@@ -154,3 +154,21 @@ def test_bad_images_get_a_400_and_the_server_keeps_serving(server, files, case):
     assert err["param"].startswith("messages")  # names the part (the count: the messages)
     assert chat(http_, "still there?").status_code == 200
     assert http_.get("/health").status_code == 200
+
+
+def test_responses_api_reads_input_images_as_chat_does(server, files):
+    _, http_ = server
+    _, blobs = files
+    url = data_url(blobs["b.png"])
+    chat_r = http_.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+        image_part(url), {"type": "text", "text": "what?"}]}], "max_tokens": 12, "temperature": 0})
+    resp = http_.post("/v1/responses", json={"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": url}, {"type": "input_text", "text": "what?"}]}],
+        "max_output_tokens": 12, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    text = "".join(p["text"] for item in resp.json()["output"] if item["type"] == "message" for p in item["content"])
+    assert text == chat_r.json()["choices"][0]["message"]["content"]
+    assert resp.json()["usage"]["input_tokens"] == chat_r.json()["usage"]["prompt_tokens"]
+    bad = http_.post("/v1/responses", json={"input": [{"role": "user", "content": [
+        {"type": "input_image", "file_id": "file-1"}]}]})
+    assert bad.status_code == 400 and "file_id" in bad.json()["error"]["message"]

@@ -169,7 +169,11 @@ class _Conversation:
         if role not in INPUT_ROLES:
             raise RequestError(f"{where}: role {role!r} is not one of {', '.join(INPUT_ROLES)}",
                                param=f"{where}.role")
-        msg: dict[str, Any] = {"role": role, "content": text_content(where, item.get("content"))}
+        content = item.get("content")
+        images = role == "user" and isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") == "input_image" for p in content)
+        msg: dict[str, Any] = {"role": role, "content": image_content(where, content) if images
+                               else text_content(where, content)}
         if role == "assistant":
             self._take_reasoning(msg)
         self.messages.append(msg)
@@ -209,6 +213,24 @@ class _Conversation:
         if self.reasoning:
             msg["reasoning_content"] = self.reasoning
         self.reasoning = None
+
+
+def image_content(where: str, content: list) -> list[dict]:
+    """A user message's text and input_image parts, as chat content parts (the image parts read by
+    server/media.py: ``image_url`` a data: or allowed http(s) URL; ``file_id`` is not supported)."""
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise RequestError(f"{where}.content[{j}]: input_image needs an image_url (file_id is not supported)",
+                                   param=f"{where}.content[{j}].image_url")
+            parts.append({"type": "input_image", "image_url": part["image_url"]})
+        elif isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str):
+            parts.append({"type": "input_text", "text": part["text"]})
+        else:
+            raise RequestError(f"{where}.content[{j}]: a part must be input_text with a string 'text' or "
+                               "input_image", param=f"{where}.content[{j}]")
+    return parts
 
 
 def text_content(where: str, content: Any, field: str = "content") -> str:

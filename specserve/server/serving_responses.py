@@ -101,8 +101,7 @@ class ResponsesAPI:
         conversation = history + input_messages(req.input, known)
         plan = _plan(ctx, req)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        prompt = _render(ctx, system + conversation, req, plan)
-        ids = ctx.engine.tokenizer.encode(prompt, add_special_tokens=False)
+        prompt, ids, images = await _prompt(ctx, system + conversation, req, plan)
         if not ids:
             raise RequestError("the rendered prompt is empty", param="input")
         max_tokens = resolve_max_tokens(ctx, req.max_output_tokens, None, len(ids), "input", "max_output_tokens")
@@ -111,7 +110,8 @@ class ResponsesAPI:
         turn = Turn(req, item_id("resp"), conversation, split)
         structured = await ctx.structured.spec_for(None, plan, start_for(ctx.cfg.reasoning_parser, opened),
                                                    text_format_source((req.text or {}).get("format")))
-        choices = constrain(make_choices([ids], sampling_fields(req), [max_tokens], None, turn.id), structured)
+        choices = constrain(make_choices([ids], sampling_fields(req), [max_tokens], None, turn.id, images),
+                            structured)
         fan = Fanout(ctx.engine, ctx.metrics, choices)
         await start_fanout(request.receive, fan, drain=not req.stream)
         if req.stream:
@@ -196,12 +196,13 @@ def _plan(ctx: ServingContext, req: ResponsesRequest) -> ToolPlan:
         raise RequestError(str(exc), param=responses_param(exc.param), code=exc.code) from exc
 
 
-def _render(ctx: ServingContext, messages: list[dict], req: ResponsesRequest, plan: ToolPlan) -> str:
+async def _prompt(ctx: ServingContext, messages: list[dict], req: ResponsesRequest, plan: ToolPlan):
+    """(prompt text, token ids, images) of the conversation, as chat builds them."""
     effort = (req.reasoning or {}).get("effort")
     kwargs = {"reasoning_effort": effort} if effort else None  # for templates that read it
     try:
-        return ctx.renderer.render([ChatMessage.model_validate(m) for m in messages], kwargs, True,
-                                   plan.template_tools)
+        return await ctx.chat_prompt([ChatMessage.model_validate(m) for m in messages], kwargs, True,
+                                     plan.template_tools, False)
     except RequestError as exc:
         raise RequestError(str(exc), param=responses_param(exc.param), code=exc.code) from exc
 
