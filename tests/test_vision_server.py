@@ -172,3 +172,26 @@ def test_responses_api_reads_input_images_as_chat_does(server, files):
     bad = http_.post("/v1/responses", json={"input": [{"role": "user", "content": [
         {"type": "input_image", "file_id": "file-1"}]}]})
     assert bad.status_code == 400 and "file_id" in bad.json()["error"]["message"]
+
+
+def test_generate_cli_takes_images(server, tmp_path):
+    """``specserve generate --image FILE`` puts the image before the prompt in the user message."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    d, _ = server
+    f = tmp_path / "p.png"
+    picture(5, (60, 40)).save(f)
+    out = subprocess.run([sys.executable, "-m", "specserve", "generate", "--model", str(d), "--quantization", "none",
+                          "--image", str(f), "--max-tokens", "8", "--ignore-eos", "--json", "what is this?"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])["token_ids"]
+    model = load_model(str(d), FP32)
+    ids, images = build(model, ["<|im_start|>user\n", Image.open(f), "what is this?<|im_end|>\n<|im_start|>assistant\n"])
+    eng = LLMEngine(model, EngineConfig(max_model_len=512))
+    want = [t for o in eng.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True), "g", images)
+            for t in o.new_token_ids]
+    assert got == want

@@ -26,10 +26,36 @@ def add_parser(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--raw", action="store_true", help="no chat template: complete the text as given")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image (PNG, JPEG, WebP) before the prompt in the user message (repeatable; a model "
+                        "with a vision tower, or a GGUF with --mmproj)")
     p.set_defaults(func=run)
 
 
-def _prompt_ids(engine, args) -> list[int]:
+def _images(engine, args) -> list:
+    """The --image files, preprocessed for the model (SpecserveError naming what is wrong)."""
+    from pathlib import Path
+
+    from specserve.errors import RequestError, SpecserveError
+    from specserve.server.media import MediaConfig, MediaLoader
+
+    if not args.image:
+        return []
+    target = engine.target
+    if target.vision is None or args.raw:
+        raise SpecserveError("--image needs a model with a vision tower (a GGUF takes one with --mmproj) and a chat "
+                             "prompt (not --raw)")
+    loader = MediaLoader(MediaConfig(max_images=len(args.image)), target.image_processor,
+                         target.vision.config.spatial_merge_size)
+    try:
+        return loader.preprocess([(Path(f).read_bytes(), f"--image {f}") for f in args.image])
+    except OSError as exc:
+        raise SpecserveError(f"cannot read --image {exc.filename}: {exc.strerror}") from exc
+    except RequestError as exc:
+        raise SpecserveError(str(exc)) from exc
+
+
+def _prompt_ids(engine, args, images: list) -> list[int]:
     tok = engine.tokenizer
     if not args.raw and not tok.chat_template:
         print(f"warning: {args.model} has no chat template; completing the raw text (pass --raw to silence this)",
@@ -39,9 +65,13 @@ def _prompt_ids(engine, args) -> list[int]:
         return tok.encode(args.prompt, add_special_tokens=True)
     from specserve.models.chat_template import ChatTemplate
 
+    from specserve.server.media import IMAGE_MARK, expand_images
+
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-        [{"role": "user", "content": args.prompt}]
+        [{"role": "user", "content": IMAGE_MARK * len(images) + args.prompt.replace(IMAGE_MARK, "")}]
     text = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token).render(messages)
+    if images:
+        return expand_images(tok, text, images, engine.target.vision.config)
     return tok.encode(text, add_special_tokens=False)
 
 
@@ -50,13 +80,14 @@ def run(args: argparse.Namespace) -> int:
     from specserve.engine.types import SamplingParams
 
     engine = build_engine(args)
-    ids = _prompt_ids(engine, args)
+    images = _images(engine, args)
+    ids = _prompt_ids(engine, args, images)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                             seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     t0 = time.perf_counter()
     text, token_ids, last = [], [], None
-    for out in engine.generate(ids, params):
+    for out in engine.generate(ids, params, images=images or None):
         text.append(out.new_text)
         token_ids += out.new_token_ids
         last = out

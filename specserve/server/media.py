@@ -96,7 +96,7 @@ class MediaLoader:
         if not urls:
             return []
         datas = await asyncio.gather(*(self.read(url, where) for url, where in urls))
-        return await asyncio.to_thread(self._preprocess, [(d, where) for d, (_, where) in zip(datas, urls)])
+        return await asyncio.to_thread(self.preprocess, [(d, where) for d, (_, where) in zip(datas, urls)])
 
     async def read(self, url: str, where: str) -> bytes:
         if url.startswith("data:"):
@@ -145,7 +145,8 @@ class MediaLoader:
             raise RequestError(f"{where}: fetching the image failed ({type(exc).__name__})", param=where,
                                code="image_fetch_failed") from exc
 
-    def _preprocess(self, datas: list[tuple[bytes, str]]) -> list[ImageInput]:
+    def preprocess(self, datas: list[tuple[bytes, str]]) -> list[ImageInput]:
+        """(encoded image, where it came from) -> preprocessed images (RequestError naming a bad one)."""
         out = []
         for data, where in datas:
             try:
