@@ -49,7 +49,7 @@ def random_checkpoint(out: Path) -> Path:
     import torch
     import transformers
     from safetensors.torch import save_file
-    from tiny_models import mtp_shapes, write_byte_tokenizer
+    from tiny_models import write_byte_tokenizer
 
     if (out / "model.safetensors").exists():
         return out
@@ -57,29 +57,40 @@ def random_checkpoint(out: Path) -> Path:
     cfg = transformers.Qwen3_5TextConfig(**SHAPES)
     with torch.device("meta"):
         hf = transformers.Qwen3_5ForCausalLM(cfg)
-    g = torch.Generator().manual_seed(0)
-    tensors = {}
-    for name, p in hf.named_parameters():
-        if name == "lm_head.weight":
-            continue  # tied
-        r = torch.randn(tuple(p.shape), generator=g)
-        if name.endswith("linear_attn.norm.weight"):
-            r = 1.0 + 0.1 * r
-        elif "norm" in name:
-            r = 0.1 * r
-        elif name.endswith("A_log"):
-            r = torch.log(torch.rand(tuple(p.shape), generator=g) * 15 + 1)
-        elif p.dim() >= 2:
-            r = r * p.shape[-1] ** -0.5
-        tensors[name] = r.to(torch.bfloat16).contiguous()
-    for name, shape in mtp_shapes(hf).items():  # the checkpoint's MTP layer, as the released one has
-        r = torch.randn(shape, generator=g)
-        tensors[name] = (0.1 * r if "norm" in name else r * shape[-1] ** -0.5).to(torch.bfloat16)
+    tensors = random_tensors(hf, hf, torch.Generator().manual_seed(0))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg.architectures, cfg.mtp_num_hidden_layers = ["Qwen3_5ForCausalLM"], 1
     cfg.save_pretrained(out)
     write_byte_tokenizer(out, (("Ġ", "t"),))
     return out
+
+
+def random_tensors(hf, text, g) -> dict:
+    """Random bf16 tensors for every parameter of hf (a meta-device model) and the MTP layer of its
+    text model ``text`` (an object with .config and .model.layers): norms near their neutral value,
+    decays in a realistic range, matrices scaled by their fan-in."""
+    import torch
+    from tiny_models import mtp_shapes
+
+    tensors = {}
+    for name, p in hf.named_parameters():
+        if name == "lm_head.weight":
+            continue  # tied
+        r = torch.randn(tuple(p.shape), generator=g)
+        if name.endswith("linear_attn.norm.weight") or ("visual" in name and name.endswith("norm1.weight")) or \
+                ("visual" in name and name.endswith("norm2.weight")) or name.endswith("merger.norm.weight"):
+            r = 1.0 + 0.1 * r  # weights around 1 (the vision tower's LayerNorms, the DeltaNet's gated norm)
+        elif "norm" in name:
+            r = 0.1 * r  # zero-centred (1 + w) norms, and LayerNorm biases
+        elif name.endswith("A_log"):
+            r = torch.log(torch.rand(tuple(p.shape), generator=g) * 15 + 1)
+        elif p.dim() >= 2:
+            r = r * p[0].numel() ** -0.5
+        tensors[name] = r.to(torch.bfloat16).contiguous()
+    for name, shape in mtp_shapes(text).items():  # the checkpoint's MTP layer, as the released one has
+        r = torch.randn(shape, generator=g)
+        tensors[name] = (0.1 * r if "norm" in name else r * shape[-1] ** -0.5).to(torch.bfloat16)
+    return tensors
 
 
 def gguf_files(ckpt: Path, types: list[str], top: Path) -> dict[str, Path]:

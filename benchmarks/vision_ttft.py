@@ -49,8 +49,8 @@ def random_vl_checkpoint(out: Path) -> Path:
     import transformers
     from safetensors.torch import save_file
 
-    from hybrid_speed import SHAPES
-    from tiny_models import VL_IDS, mtp_shapes, write_vl_tokenizer
+    from hybrid_speed import SHAPES, random_tensors
+    from tiny_models import VL_IDS, write_vl_tokenizer
 
     if (out / "model.safetensors").exists():
         return out
@@ -58,25 +58,8 @@ def random_vl_checkpoint(out: Path) -> Path:
     cfg = transformers.Qwen3_5Config(text_config=SHAPES, vision_config=VISION, tie_word_embeddings=True, **VL_IDS)
     with torch.device("meta"):
         hf = transformers.Qwen3_5ForConditionalGeneration(cfg)
-    g = torch.Generator().manual_seed(0)
-    tensors = {}
-    for name, p in hf.named_parameters():
-        if name == "lm_head.weight":
-            continue  # tied
-        r = torch.randn(tuple(p.shape), generator=g)
-        if name.endswith("linear_attn.norm.weight") or ("visual" in name and "norm" in name and "weight" in name):
-            r = 1.0 + 0.1 * r
-        elif "norm" in name:
-            r = 0.1 * r
-        elif name.endswith("A_log"):
-            r = torch.log(torch.rand(tuple(p.shape), generator=g) * 15 + 1)
-        elif p.dim() >= 2:
-            r = r * (p[0].numel()) ** -0.5
-        tensors[name] = r.to(torch.bfloat16).contiguous()
     text = SimpleNamespace(config=cfg.text_config, model=hf.model.language_model)
-    for name, shape in mtp_shapes(text).items():
-        r = torch.randn(shape, generator=g)
-        tensors[name] = (0.1 * r if "norm" in name else r * shape[-1] ** -0.5).to(torch.bfloat16)
+    tensors = random_tensors(hf, text, torch.Generator().manual_seed(0))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
     cfg.text_config.mtp_num_hidden_layers = 1

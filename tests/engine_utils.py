@@ -62,3 +62,52 @@ def run_one(engine: LLMEngine, ids: list[int], params: SamplingParams):
         toks += out.new_token_ids
         last = out
     return toks, last
+
+
+def logits_of_every_position(eng: LLMEngine, request_id: str):
+    """Run an added request alone to its end, its prompt in one forward: the logits of every prompt
+    position and of each decode step, [len(prompt) + steps - 1, V], and its sequence."""
+    import torch
+
+    seq = eng.by_id[request_id]
+    eng.scheduler.admit()
+    rows = eng.scheduler.schedule(drafting=False)
+    assert rows[0].count == len(seq.prompt_ids)
+    batch = eng.runner.batch(rows)
+    batch.logits_indices = torch.arange(len(seq.prompt_ids))
+    got = [eng.model.forward(batch, eng.kv).logits]
+    eng._process(rows, got[0][-1:], {})
+    while eng.has_work():
+        rows = eng.scheduler.schedule(drafting=False)
+        out = eng.runner.run(rows)
+        got.append(out.logits)
+        eng._process(rows, out.logits, {})
+    return torch.cat(got), seq
+
+
+def drafter_makers(checkpoint: Path, target, draft, max_len: int) -> dict:
+    """method -> a function making (SpeculativeConfig, drafter) for target (loaded from checkpoint,
+    which carries mtp.* tensors); draft: a draft model sharing the vocabulary; dflash: a random one."""
+    from specserve.models.loader import LoadOptions, load_model
+    from specserve.speculative.config import SpeculativeConfig
+    from specserve.speculative.dflash import DFlashConfig, DFlashDrafter, DFlashModel
+    from specserve.speculative.draft_model import DraftModelDrafter
+    from specserve.speculative.mtp import MTPDrafter
+    from specserve.speculative.ngram import NgramDrafter
+    from specserve.speculative.suffix import SuffixDrafter
+
+    def dflash():
+        m = DFlashModel(DFlashConfig.for_target(target, num_layers=1, block_size=4))
+        m.init_weights(1.0, target.model.final_norm, 0)
+        return SpeculativeConfig("dflash", num_speculative_tokens=3, adaptive=False, model="x"), DFlashDrafter(m, target)
+
+    fp32 = LoadOptions(device="cpu", quantization="none")
+    return {
+        "ngram": lambda: (SpeculativeConfig("ngram", num_speculative_tokens=4), NgramDrafter(1, 3)),
+        "suffix": lambda: (SpeculativeConfig("suffix", num_speculative_tokens=3), SuffixDrafter(16, 3)),
+        "draft_model": lambda: (SpeculativeConfig("draft_model", num_speculative_tokens=4, model="x"),
+                                DraftModelDrafter(draft, 200, 8, max_len)),
+        "mtp": lambda: (SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False),
+                        MTPDrafter.load(None, load_model(str(checkpoint), fp32))),
+        "dflash": dflash,
+    }

@@ -32,11 +32,10 @@ from specserve.errors import ModelLoadError  # noqa: E402
 from specserve.kernels import ops  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
 from specserve.speculative.config import SpeculativeConfig  # noqa: E402
-from specserve.speculative.draft_model import DraftModelDrafter  # noqa: E402
 from specserve.speculative.drafter import Drafter, Proposal  # noqa: E402
 from specserve.speculative.mtp import MTPDrafter  # noqa: E402
 from specserve.speculative.ngram import NgramDrafter  # noqa: E402
-from specserve.speculative.suffix import SuffixDrafter  # noqa: E402
+from engine_utils import drafter_makers, logits_of_every_position  # noqa: E402
 from tiny_models import FP32, make_tiny_qwen3_next, make_tiny_target  # noqa: E402
 
 RTOL = 1e-4
@@ -96,25 +95,11 @@ def test_logits_match_transformers_prefill_and_64_decode_steps(hybrid):
     ids = _prompt(0, 48)
     eng = _engine(ours)
     eng.add_request("a", ids, SamplingParams(max_tokens=65, ignore_eos=True))
-    seq = eng.by_id["a"]
-    # the prompt in one forward with logits at every position
-    eng.scheduler.admit()
-    rows = eng.scheduler.schedule(drafting=False)
-    assert rows[0].count == len(ids)
-    batch = eng.runner.batch(rows)
-    batch.logits_indices = torch.arange(len(ids))
-    ours_logits = [ours.model.forward(batch, eng.kv).logits]
-    eng._process(rows, ours_logits[0][-1:], {})
-    while eng.has_work():
-        rows = eng.scheduler.schedule(drafting=False)
-        out = eng.runner.run(rows)
-        ours_logits.append(out.logits)
-        eng._process(rows, out.logits, {})
+    got, seq = logits_of_every_position(eng, "a")  # the prompt in one forward, logits at every position
     tokens = ids + seq.output_ids
     assert len(seq.output_ids) == 65
     with torch.no_grad():
         ref = hf(torch.tensor([tokens[:-1]])).logits[0]  # [len - 1, V]
-    got = torch.cat(ours_logits)
     assert got.shape == ref.shape
     scale = ref.abs().max()
     assert (got - ref).abs().max() <= RTOL * scale, float((got - ref).abs().max() / scale)
@@ -258,24 +243,13 @@ class OracleDrafter(Drafter):
         return out
 
 
-def _drafters(draft):
-    return {
-        "ngram": lambda: (SpeculativeConfig("ngram", num_speculative_tokens=4), NgramDrafter(1, 3)),
-        "suffix": lambda: (SpeculativeConfig("suffix", num_speculative_tokens=3), SuffixDrafter(16, 3)),
-        "draft_model": lambda: (SpeculativeConfig("draft_model", num_speculative_tokens=5, model="x"),
-                                DraftModelDrafter(draft, 200, 8, 256)),
-        "mtp": lambda: (SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False),
-                        MTPDrafter.load(None, load_model(str(DATA / "hf"), FP32))),
-    }
-
-
 def _repetitive(seed: int) -> list[int]:
     rnd = random.Random(seed)
     unit = [rnd.randrange(256) for _ in range(rnd.randrange(3, 7))]
     return (unit * 12)[:rnd.randrange(20, 60)]
 
 
-@pytest.mark.parametrize("method", ["oracle", "ngram", "suffix", "draft_model", "mtp"])
+@pytest.mark.parametrize("method", ["oracle", "ngram", "suffix", "draft_model", "mtp", "dflash"])
 def test_speculation_is_lossless_alone_and_in_a_batch_of_8(hybrid, draft, method):
     ours, _ = hybrid
     prompts = [_repetitive(s) if s % 2 else _prompt(s, 30 + s) for s in range(8)]
@@ -285,7 +259,7 @@ def test_speculation_is_lossless_alone_and_in_a_batch_of_8(hybrid, draft, method
     def make():
         if method == "oracle":
             return SpeculativeConfig("ngram", num_speculative_tokens=5), OracleDrafter(truth)
-        return _drafters(draft)[method]()
+        return drafter_makers(DATA / "hf", ours, draft, 256)[method]()
 
     eng = _engine(ours, *make(), max_num_seqs=8)
     assert _greedy(eng, prompts, 40) == plain
@@ -334,7 +308,7 @@ def test_random_traffic_keeps_outputs_and_frees_state_slots(hybrid, draft):
     for trial in range(3):
         rnd = random.Random(trial)
         method = ("ngram", "draft_model", "suffix")[trial]
-        spec, drafter = _drafters(draft)[method]()
+        spec, drafter = drafter_makers(DATA / "hf", ours, draft, 256)[method]()
         seqs = rnd.choice([2, 3])
         probe = plan_for(ours, EngineConfig(max_model_len=96, block_size=8, max_num_seqs=seqs), spec, drafter)
         memory = probe.kv_bytes_per_token * 8 * 14 + probe.state_bytes  # a tight pool: preemptions happen

@@ -19,12 +19,7 @@ from specserve.engine.multimodal import ImageInput, MultiModalPrompt, image_key
 from specserve.engine.types import SamplingParams
 from specserve.errors import ModelLoadError, RequestError
 from specserve.models.loader import load_model
-from specserve.speculative.config import SpeculativeConfig
-from specserve.speculative.dflash import DFlashConfig, DFlashDrafter, DFlashModel
-from specserve.speculative.draft_model import DraftModelDrafter
-from specserve.speculative.mtp import MTPDrafter
-from specserve.speculative.ngram import NgramDrafter
-from specserve.speculative.suffix import SuffixDrafter
+from engine_utils import drafter_makers, logits_of_every_position
 from tiny_models import FP32, VL_IDS, make_tiny_target, make_tiny_vl
 
 RTOL = 1e-4
@@ -137,23 +132,10 @@ def test_logits_match_transformers_with_two_images(vl):
     ids, images = build(ours, ["look: ", picture(3, (64, 40)), " and ", picture(4, (24, 72)), " so"])
     eng = engine(ours)
     eng.add_request("a", ids, SamplingParams(max_tokens=17, ignore_eos=True), images)
-    seq = eng.by_id["a"]
-    eng.scheduler.admit()
-    rows = eng.scheduler.schedule(drafting=False)
-    assert rows[0].count == len(ids)
-    batch = eng.runner.batch(rows)
-    batch.logits_indices = torch.arange(len(ids))
-    got = [ours.model.forward(batch, eng.kv).logits]
-    eng._process(rows, got[0][-1:], {})
-    while eng.has_work():
-        rows = eng.scheduler.schedule(drafting=False)
-        out = eng.runner.run(rows)
-        got.append(out.logits)
-        eng._process(rows, out.logits, {})
+    got, seq = logits_of_every_position(eng, "a")
     tokens = ids + seq.output_ids
     with torch.no_grad():
         ref = hf(**hf_inputs(hf, tokens[:-1], images)).logits[0]
-    got = torch.cat(got)
     assert got.shape == ref.shape
     scale = ref.abs().max()
     assert (got - ref).abs().max() <= RTOL * scale, float((got - ref).abs().max() / scale)
@@ -213,31 +195,12 @@ def test_a_text_model_refuses_images(vl, draft):
         engine(ours).add_request("b", ids[:cut] + ids[cut + 1:], SamplingParams(max_tokens=4), images)
 
 
-def _dflash(target):
-    cfg = DFlashConfig.for_target(target, num_layers=1, block_size=4)
-    m = DFlashModel(cfg)
-    m.init_weights(1.0, target.model.final_norm, 0)
-    return DFlashDrafter(m, target)
-
-
-def _drafters(d, ours, draft):
-    return {
-        "ngram": lambda: (SpeculativeConfig("ngram", num_speculative_tokens=4), NgramDrafter(1, 3)),
-        "suffix": lambda: (SpeculativeConfig("suffix", num_speculative_tokens=3), SuffixDrafter(16, 3)),
-        "draft_model": lambda: (SpeculativeConfig("draft_model", num_speculative_tokens=4, model="x"),
-                                DraftModelDrafter(draft, 200, 8, 512)),
-        "mtp": lambda: (SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False),
-                        MTPDrafter.load(None, load_model(str(d), FP32))),
-        "dflash": lambda: (SpeculativeConfig("dflash", num_speculative_tokens=3, adaptive=False, model="x"), _dflash(ours)),
-    }
-
-
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "mtp", "dflash"])
 def test_every_drafter_is_lossless_and_deterministic_on_images(vl, draft, method):
     d, ours, _ = vl
     prompts = image_prompts(ours)
     plain = greedy(engine(ours), prompts)
-    make = _drafters(d, ours, draft)[method]
+    make = drafter_makers(d, ours, draft, 512)[method]
     eng = engine(ours, *make())
     assert greedy(eng, prompts) == plain
     assert eng.totals.draft_tokens > 0 and eng.cache.idle()
