@@ -71,6 +71,8 @@ def logits_of_every_position(eng: LLMEngine, request_id: str):
 
     seq = eng.by_id[request_id]
     eng.scheduler.admit()
+    if eng.runner.encoder is not None:
+        eng.encode_ahead()  # (what a step does first: the prompt's images)
     rows = eng.scheduler.schedule(drafting=False)
     assert rows[0].count == len(seq.prompt_ids)
     batch = eng.runner.batch(rows)

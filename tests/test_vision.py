@@ -265,3 +265,30 @@ def test_memory_plan_counts_the_vision_tower_up_front(vl):
     assert text_only.vision_bytes == 0
     assert plan.total_bytes == plan.weight_bytes + plan.pool_bytes + plan.state_bytes + plan.vision_bytes
     assert "vision tower" in format_plan(plan) and "vision" not in format_plan(text_only)
+
+
+def test_images_are_encoded_ahead_a_block_per_step_while_streams_decode(vl):
+    """While a stream decodes, an image prompt's images go through the tower a slice per step (a
+    tiny --max-step-ms: one block each), its chunks stop before an image not encoded yet, and
+    every output is still plain greedy's; with no stream decoding an image is encoded whole."""
+    _, ours, _ = vl
+    prompts = image_prompts(ours)[8:10]  # two images each
+    stream = (ours.tokenizer.encode("a stream that decodes all along: a b a b"), [])
+    want = [greedy(engine(ours), [p], 24)[0] for p in [stream] + prompts]
+    eng = engine(ours, max_step_ms=1e-6)
+    eng.add_request("s", stream[0], SamplingParams(max_tokens=24, ignore_eos=True))
+    got = {"s": [], "r0": [], "r1": []}
+    while not got["s"]:  # the stream decodes
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    for i, (ids, images) in enumerate(prompts):
+        eng.add_request(f"r{i}", ids, SamplingParams(max_tokens=24, ignore_eos=True), images)
+    while eng.has_work():
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    assert [got["s"], got["r0"], got["r1"]] == want
+    enc = eng.runner.encoder
+    assert enc.most_blocks_per_call == 1 and enc.misses == 4 and not enc.pending
+    whole = engine(ours)
+    greedy(whole, prompts[:1])
+    assert whole.runner.encoder.most_blocks_per_call == 2 * ours.vision.config.depth  # both images at once

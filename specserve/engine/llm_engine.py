@@ -71,7 +71,8 @@ class LLMEngine:
         self.policy = DraftPolicy(k_max, bool(spec and spec.adaptive), self.cost,
                                   drafter.draft_cost if drafter else lambda k: 0.0)
         self.scheduler = Scheduler(ecfg, self.cache, self.policy, self.max_model_len,
-                                   on_preempt=drafter.on_finished if drafter else lambda seq: None)
+                                   on_preempt=drafter.on_finished if drafter else lambda seq: None,
+                                   computable=self._computable)
         self.runner = ModelRunner(self.model, self.kv, self.cache, ecfg.block_size,
                                   -(-self.max_model_len // ecfg.block_size) + 1, self.cost,
                                   drafter.hidden_layers if drafter else (), self.encoder_cache(target, ecfg))
@@ -85,8 +86,7 @@ class LLMEngine:
         vision = target.vision
         if vision is None:
             return None
-        return EncoderCache(lambda pixels, grid: vision(pixels, grid).to(torch.float32),
-                            ecfg.encoder_cache_bytes)
+        return EncoderCache(vision, ecfg.encoder_cache_bytes)
 
     @property
     def blocks(self) -> BlockManager:
@@ -199,6 +199,8 @@ class LLMEngine:
         self.scheduler.admit()
         if not self.running:
             return []
+        if self.runner.encoder is not None:
+            self.encode_ahead()
         rows = self.scheduler.schedule(drafting=self.drafter is not None)
         if not rows:
             return []
@@ -206,6 +208,28 @@ class LLMEngine:
         Scheduler.place(rows)
         out = self.runner.run(rows)
         return self._process(rows, out.logits, out.hidden)
+
+    def _images_to_encode(self) -> list[ImageInput]:
+        return [img for s in self.running if s.mm is not None and s.prefilling
+                for img in s.mm.images if img.end > s.num_computed and not self.runner.encoder.ready(img.key)]
+
+    def encode_ahead(self) -> None:
+        """Encode the running prompts' images before the steps that need them: all at once when no
+        stream decodes, else block by block within the step budget (--max-step-ms), so a stream waits
+        for a slice of an image, not a whole one. A prompt's chunks stop before its first image
+        not encoded yet (``_computable``)."""
+        images = self._images_to_encode()
+        if not images:
+            return
+        decoding = any(not s.prefilling for s in self.running)
+        budget = self.ecfg.max_step_ms / 1000.0
+        self.runner.encoder.work(images, time.perf_counter() + budget if decoding and budget > 0 else None)
+
+    def _computable(self, seq: Sequence) -> int:
+        enc = self.runner.encoder
+        waiting = [img.offset for img in seq.mm.images
+                   if img.end > seq.num_computed and enc is not None and not enc.ready(img.key)]
+        return min(waiting, default=seq.num_tokens)
 
     def _propose(self, rows: list[ScheduledRow]) -> None:
         """Fill each decode row's drafts (at most the length the scheduler reserved room for)."""

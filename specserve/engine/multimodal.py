@@ -12,6 +12,7 @@ prompt (generated, or a draft) sits at ``index + delta`` on all three axes.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -143,12 +144,19 @@ class EncoderCache:
 
     An image's embeddings are computed once (chunked prefill of a long image, a second request
     with the same picture and every drafter read the same tensor), so they are the same bits in
-    every step that uses them."""
+    every step that uses them. ``tower`` (models/vision.VisionTower) runs an image whole, or a few
+    blocks at a time (``work``): the engine spreads an image over several steps while streams
+    decode, so none of them waits for a whole image."""
 
-    def __init__(self, encode, max_bytes: int = 512 << 20):
-        self.encode, self.max_bytes = encode, max_bytes
+    def __init__(self, tower, max_bytes: int = 512 << 20):
+        self.tower, self.max_bytes = tower, max_bytes
         self.entries: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.pending: dict[int, object] = {}  # key -> an encoding part-way through the tower
         self.bytes, self.hits, self.misses = 0, 0, 0
+        self.most_blocks_per_call = 0  # (for tests: the largest slice one ``work`` call ran)
+
+    def ready(self, key: int) -> bool:
+        return key in self.entries
 
     def get(self, img: ImageInput) -> torch.Tensor:  # -> [num_tokens, H]
         out = self.entries.get(img.key)
@@ -157,7 +165,30 @@ class EncoderCache:
             self.hits += 1
             return out
         self.misses += 1
-        out = self.encode(img.pixels, img.grid)
+        state = self.pending.pop(img.key, None) or self.tower.begin(img.pixels, img.grid)
+        return self._store(img, self.tower.finish(state))
+
+    def work(self, images: list[ImageInput], deadline: float | None) -> None:
+        """Encode ``images`` ahead of the steps that need them: all of them (deadline None), or
+        block by block until ``deadline`` (time.perf_counter), at least one block per call."""
+        blocks = 0
+        for img in images:
+            while not self.ready(img.key):
+                state = self.pending.get(img.key)
+                if state is None:
+                    state = self.pending[img.key] = self.tower.begin(img.pixels, img.grid)
+                done = self.tower.advance(state, 1)
+                blocks += 1
+                if done:
+                    self.misses += 1
+                    self._store(img, self.tower.finish(self.pending.pop(img.key)))
+                if deadline is not None and time.perf_counter() >= deadline:
+                    self.most_blocks_per_call = max(self.most_blocks_per_call, blocks)
+                    return
+        self.most_blocks_per_call = max(self.most_blocks_per_call, blocks)
+
+    def _store(self, img: ImageInput, out: torch.Tensor) -> torch.Tensor:
+        out = out.to(torch.float32)
         if out.shape[0] != img.num_tokens:
             raise RuntimeError(f"the vision encoder gave {out.shape[0]} rows for an image of {img.num_tokens} tokens")
         self.entries[img.key] = out

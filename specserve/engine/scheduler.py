@@ -47,10 +47,13 @@ class ScheduledRow:
 
 class Scheduler:
     def __init__(self, ecfg: EngineConfig, cache: CacheCoordinator, policy: DraftPolicy, max_model_len: int,
-                 on_preempt: Callable[[Sequence], None] = lambda seq: None):
+                 on_preempt: Callable[[Sequence], None] = lambda seq: None,
+                 computable: Callable[[Sequence], int] | None = None):
         self.ecfg, self.cache, self.policy = ecfg, cache, policy
         self.max_model_len = max_model_len
         self.on_preempt = on_preempt  # before a preempted sequence's cache is freed (drafter state)
+        # how far a sequence's prompt can be computed now (its first image not encoded yet stops it)
+        self.computable = computable or (lambda seq: seq.num_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -94,6 +97,10 @@ class Scheduler:
                                 [(r.count, r.seq.num_computed) for r in rows], [s.num_computed for s in prefill], budget)
         for seq in prefill:
             chunk = min(max(budget, 0), self.prefill_end(seq) - seq.num_computed)
+            if chunk > 0 and seq.mm is not None:  # stop before an image still being encoded
+                chunk = min(chunk, self.computable(seq) - seq.num_computed)
+                if chunk <= 0:
+                    continue
             if chunk <= 0 or not self._reserve(seq, seq.num_computed + chunk + 1):
                 break
             done = seq.num_computed + chunk == self.prefill_end(seq)

@@ -271,17 +271,45 @@ class VisionTower(torch.nn.Module):
     @torch.no_grad()
     def forward(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """One image (or clip): pixels [t*h*w, C*T*P*P] as the processor lays them out -> [t*h*w / m^2, out_hidden]."""
+        state = self.begin(pixels, grid)
+        self.advance(state, self.config.depth)
+        return self.finish(state)
+
+    # the same forward in pieces, so an engine can spread one image's blocks over several steps
+    @torch.no_grad()
+    def begin(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> "Encoding":
+        """The patch embedding and positions of one image: an encoding at block 0."""
         grid = tuple(int(g) for g in grid)
         self._check_input(pixels, grid)
         weight = self._w("patch_embed.proj.weight")  # [D, C, T, P, P]
         x = F.linear(pixels.to(weight.device, torch.float32), weight.view(weight.shape[0], -1),
                      self._w("patch_embed.proj.bias"))  # [N, D]
-        x = x + self._positions(grid)
         cos, sin = self._rope(grid)
-        frame = grid[1] * grid[2]
-        for b in range(self.config.depth):
-            x = self._block(b, x, cos, sin, frame)
-        return self._merge(x)
+        return Encoding(x + self._positions(grid), cos, sin, grid[1] * grid[2])
+
+    @torch.no_grad()
+    def advance(self, state: "Encoding", blocks: int) -> bool:
+        """Run up to ``blocks`` more blocks; True when every block has run."""
+        for _ in range(min(blocks, self.config.depth - state.block)):
+            state.x = self._block(state.block, state.x, state.cos, state.sin, state.frame)
+            state.block += 1
+        return state.block == self.config.depth
+
+    @torch.no_grad()
+    def finish(self, state: "Encoding") -> torch.Tensor:  # -> [N / m^2, out_hidden]
+        self.advance(state, self.config.depth)
+        return self._merge(state.x)
+
+
+@dataclass
+class Encoding:
+    """An image part-way through the tower."""
+
+    x: torch.Tensor  # [N, D] the residual stream after ``block`` blocks
+    cos: torch.Tensor  # [N, head_dim]
+    sin: torch.Tensor
+    frame: int  # patches per frame (attention stays within a frame)
+    block: int = 0
 
 
 # ---- transformers checkpoints ----
