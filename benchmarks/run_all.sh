@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The benchmarks behind the README's tables, one after another (about 40 minutes on 2 cores; the 32K needle is 15 of them).
+# The benchmarks behind the README's tables, one after another (roughly two hours on 2 cores: the hybrid
+# table about 30 minutes, the 32K needle and the soak 15 each).
 # Run on a quiet machine: `uptime` should show a load average below 1. Sizes are kept small so
 # the whole set fits in one sitting; raise --runs / --prompts-per-suite for tighter numbers.
 set -euo pipefail
@@ -65,3 +66,9 @@ python benchmarks/needle_table.py "$out"/needle_smollm2-135m_{fp32,bf16,fp16,fp8
   $(ls "$out/needle_qwen2.5-coder-0.5b_fp32.json" 2>/dev/null) > "$out/needle.md"
 # why serve steps the engine in the main thread
 python benchmarks/engine_thread.py --model smollm2-135m > "$out/engine_thread.md"
+# running streams' inter-token latency while 4K and 8K prompts arrive: fixed chunks vs the step budget
+python benchmarks/prefill_stall.py --out "$out/prefill_stall.json" --markdown "$out/prefill_stall.md"
+# images: time to first token, one and five 448x448 images, plain and MTP (tiny and Qwen3.5-0.8B shapes)
+python benchmarks/vision_ttft.py --out "$out/vision_ttft.json" --markdown "$out/vision_ttft.md"
+# the 15-minute soak (not a table: it passes or fails)
+python benchmarks/soak.py --minutes 15 --out "$out/soak.json"
