@@ -480,10 +480,10 @@ def test_an_always_unsure_drafter_is_left_idle_by_the_adaptive_policy(tiny, tmp_
     asked, steps = [], [0]  # per step: whether the drafter was asked for a draft
     propose, schedule = drafter.propose, eng.scheduler.schedule
 
-    def scheduled(drafting):
+    def scheduled(drafting, **kw):
         steps[0] += 1
         asked.append(0)
-        return schedule(drafting)
+        return schedule(drafting, **kw)
 
     def proposing(seqs, ks):
         asked[-1] = sum(k > 0 for k in ks)

@@ -162,8 +162,8 @@ def _streams_then_long_prompt(engine, shorts, long_prompt, params):
     """Streams decode; once each has tokens the long prompt arrives. Returns tokens and prefill chunks."""
     chunks, schedule = [], engine.scheduler.schedule
 
-    def recording(drafting):
-        rows = schedule(drafting)
+    def recording(drafting, **kw):
+        rows = schedule(drafting, **kw)
         chunks.extend(r.count for r in rows if r.seq.request_id == "long" and not r.decode and r.count > 1)
         return rows
 

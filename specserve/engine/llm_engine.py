@@ -199,9 +199,8 @@ class LLMEngine:
         self.scheduler.admit()
         if not self.running:
             return []
-        if self.runner.encoder is not None:
-            self.encode_ahead()
-        rows = self.scheduler.schedule(drafting=self.drafter is not None)
+        spent_ms = self.encode_ahead() if self.runner.encoder is not None else 0.0
+        rows = self.scheduler.schedule(drafting=self.drafter is not None, spent_ms=spent_ms)
         if not rows:
             return []
         self._propose([r for r in rows if r.decode])
@@ -213,17 +212,19 @@ class LLMEngine:
         return [img for s in self.running if s.mm is not None and s.prefilling
                 for img in s.mm.images if img.end > s.num_computed and not self.runner.encoder.ready(img.key)]
 
-    def encode_ahead(self) -> None:
+    def encode_ahead(self) -> float:
         """Encode the running prompts' images before the steps that need them: all at once when no
         stream decodes, else block by block within the step budget (--max-step-ms), so a stream waits
         for a slice of an image, not a whole one. A prompt's chunks stop before its first image
-        not encoded yet (``_computable``)."""
+        not encoded yet (``_computable``). Returns the milliseconds spent (the step's prefill chunks
+        get what is left of the budget)."""
         images = self._images_to_encode()
         if not images:
-            return
+            return 0.0
         decoding = any(not s.prefilling for s in self.running)
-        budget = self.ecfg.max_step_ms / 1000.0
-        self.runner.encoder.work(images, time.perf_counter() + budget if decoding and budget > 0 else None)
+        budget, t0 = self.ecfg.max_step_ms / 1000.0, time.perf_counter()
+        self.runner.encoder.work(images, t0 + budget if decoding and budget > 0 else None)
+        return (time.perf_counter() - t0) * 1000.0 if decoding else 0.0
 
     def _computable(self, seq: Sequence) -> int:
         enc = self.runner.encoder

@@ -80,7 +80,8 @@ class Scheduler:
         return len(seq.prompt_ids) if not seq.output_ids else seq.num_tokens - 1
 
     # ---- the step --------------------------------------------------------------------------
-    def schedule(self, drafting: bool) -> list[ScheduledRow]:
+    def schedule(self, drafting: bool, spent_ms: float = 0.0) -> list[ScheduledRow]:
+        """spent_ms: what the step already spent of --max-step-ms (encoding images ahead)."""
         budget = self.ecfg.max_num_batched_tokens
         decode = [s for s in self.running if s.num_computed >= self.prefill_end(s)]
         prefill = [s for s in self.running if s.num_computed < self.prefill_end(s)]
@@ -93,7 +94,10 @@ class Scheduler:
                 continue
             rows.append(ScheduledRow(seq, 0, 1 + k, True, num_drafts=k, drafts=[]))
             budget -= rows[-1].count
-        budget = prefill_budget(self.policy.cost.passes, self.ecfg.max_step_ms,  # --max-step-ms
+        step_ms = self.ecfg.max_step_ms
+        if step_ms > 0 and spent_ms > 0:  # (a budget spent already still gives the minimum chunk)
+            step_ms = max(step_ms - spent_ms, 1e-9)
+        budget = prefill_budget(self.policy.cost.passes, step_ms,  # --max-step-ms
                                 [(r.count, r.seq.num_computed) for r in rows], [s.num_computed for s in prefill], budget)
         for seq in prefill:
             chunk = min(max(budget, 0), self.prefill_end(seq) - seq.num_computed)
