@@ -70,5 +70,6 @@ python benchmarks/engine_thread.py --model smollm2-135m > "$out/engine_thread.md
 python benchmarks/prefill_stall.py --out "$out/prefill_stall.json" --markdown "$out/prefill_stall.md"
 # images: time to first token, one and five 448x448 images, plain and MTP (tiny and Qwen3.5-0.8B shapes)
 python benchmarks/vision_ttft.py --out "$out/vision_ttft.json" --markdown "$out/vision_ttft.md"
+python benchmarks/vision_stall.py --out "$out/vision_stall.json" --markdown "$out/vision_stall.md"
 # the 15-minute soak (not a table: it passes or fails)
 python benchmarks/soak.py --minutes 15 --out "$out/soak.json"
