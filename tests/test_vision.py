@@ -292,3 +292,37 @@ def test_images_are_encoded_ahead_a_block_per_step_while_streams_decode(vl):
     whole = engine(ours)
     greedy(whole, prompts[:1])
     assert whole.runner.encoder.most_blocks_per_call == 2 * ours.vision.config.depth  # both images at once
+
+
+def test_encoder_cache_drops_the_least_recently_used_image_past_its_bytes(vl):
+    from specserve.engine.multimodal import EncoderCache
+
+    _, ours, _ = vl
+    imgs = [image_input(ours, picture(60 + i, (64, 64))) for i in range(3)]
+    one = imgs[0].num_tokens * ours.config.hidden_size * 4  # bytes of one image's embeddings
+    cache = EncoderCache(ours.vision, max_bytes=2 * one)
+    first = cache.get(imgs[0]).clone()
+    cache.get(imgs[1])
+    cache.get(imgs[0])  # used again: imgs[1] is now the least recent
+    cache.get(imgs[2])
+    assert cache.ready(imgs[0].key) and not cache.ready(imgs[1].key) and cache.ready(imgs[2].key)
+    assert cache.bytes == 2 * one and cache.misses == 3 and cache.hits == 1
+    assert torch.equal(cache.get(imgs[0]), first)
+
+
+def test_decode_steps_after_an_image_keep_the_1d_rotary_table(vl):
+    """A batch with image tokens gets (t, h, w) positions; one of text rows only (decode after an
+    image: index + delta on every axis) gets 1-D positions, so it runs the plain rope."""
+    _, ours, _ = vl
+    ids, images = build(ours, ["x ", picture(70, (64, 64)), " y"])
+    eng = engine(ours)
+    eng.add_request("a", ids, SamplingParams(max_tokens=4, ignore_eos=True), images)
+    eng.scheduler.admit()
+    eng.encode_ahead()
+    rows = eng.scheduler.schedule(drafting=False)
+    assert eng.runner.batch(rows).rope_positions.shape == (len(ids), 3)
+    eng._process(rows, eng.runner.run(rows).logits, {})
+    seq = eng.by_id["a"]
+    rows = eng.scheduler.schedule(drafting=False)
+    pos = eng.runner.batch(rows).rope_positions
+    assert pos.shape == (1,) and int(pos[0]) == seq.num_computed + seq.mm.delta < seq.num_computed

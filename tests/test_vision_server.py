@@ -12,6 +12,7 @@ import io
 import json
 import random
 import threading
+import time
 
 import httpx
 import pytest
@@ -44,6 +45,24 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
+class Files(http.server.SimpleHTTPRequestHandler):
+    """The directory's files, plus /slow.png (answers after 3 s) and /moved.png (a redirect to a.png)."""
+
+    def do_GET(self):  # noqa: N802 (the stdlib's name)
+        if self.path == "/slow.png":
+            time.sleep(3)
+            self.path = "/a.png"
+        elif self.path == "/moved.png":
+            self.send_response(302)
+            self.send_header("Location", "/a.png")
+            self.end_headers()
+            return
+        super().do_GET()
+
+    def log_message(self, *args):
+        pass
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """A directory of images served over loopback HTTP: (base url, {name: bytes})."""
@@ -51,9 +70,7 @@ def files(tmp_path_factory):
     blobs = {"a.png": png(picture(7, (40, 30))), "b.png": png(picture(8, (30, 50))), "noise.png": noise_png()}
     for name, data in blobs.items():
         (d / name).write_bytes(data)
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(d))
-    handler.log_message = lambda *a: None
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Files, directory=str(d)))
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}", blobs
     srv.shutdown()
@@ -66,7 +83,7 @@ def server(tmp_path_factory):
     port = free_port()
     argv = serve_argv(f"--model {d} --max-model-len 512 --quantization none --speculative-config '{SPEC}' "
                       "--limit-mm-per-prompt '{\"image\": 3}' --allowed-media-domains 127.0.0.1 --max-image-pixels 20000 "
-                      "--max-image-bytes 20000",
+                      "--max-image-bytes 20000 --media-fetch-timeout 1",
                       port)
     with ManagedServer(argv, port, "tiny-vl", startup_timeout=300) as srv:
         with httpx.Client(base_url=srv.url, timeout=120) as http_:
@@ -132,6 +149,8 @@ BAD = {
     "other_domain": (lambda base: [image_part("https://example.com/cat.png")], "image_domain_not_allowed"),
     "file_url": (lambda base: [image_part("file:///etc/passwd")], "invalid_image_url"),
     "missing_file": (lambda base: [image_part(f"{base}/nope.png")], "image_fetch_failed"),
+    "slow_download": (lambda base: [image_part(f"{base}/slow.png")], "image_fetch_failed"),  # past the timeout
+    "redirect": (lambda base: [image_part(f"{base}/moved.png")], "image_fetch_failed"),  # not followed
     "no_url": (lambda base: [{"type": "image_url", "image_url": {}}], None),
     "too_many": (lambda base: [image_part(f"{base}/a.png")] * 4, "too_many_images"),
     "too_many_pixels": (lambda base: [image_part(data_url(png(picture(10, (200, 101)))))], "image_too_large"),
@@ -152,6 +171,8 @@ def test_bad_images_get_a_400_and_the_server_keeps_serving(server, files, case):
     if code:
         assert err["code"] == code
     assert err["param"].startswith("messages")  # names the part (the count: the messages)
+    if case == "slow_download":
+        assert "TimeoutError" in err["message"] or "Timeout" in err["message"]
     assert chat(http_, "still there?").status_code == 200
     assert http_.get("/health").status_code == 200
 

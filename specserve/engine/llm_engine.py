@@ -208,9 +208,9 @@ class LLMEngine:
         out = self.runner.run(rows)
         return self._process(rows, out.logits, out.hidden)
 
-    def _images_to_encode(self) -> list[ImageInput]:
-        return [img for s in self.running if s.mm is not None and s.prefilling
-                for img in s.mm.images if img.end > s.num_computed and not self.runner.encoder.ready(img.key)]
+    def _unencoded(self, seq: Sequence) -> list[ImageInput]:
+        """seq's images still to prefill whose encoder output is not ready."""
+        return [img for img in seq.mm.images if img.end > seq.num_computed and not self.runner.encoder.ready(img.key)]
 
     def encode_ahead(self) -> float:
         """Encode the running prompts' images before the steps that need them: all at once when no
@@ -218,7 +218,7 @@ class LLMEngine:
         for a slice of an image, not a whole one. A prompt's chunks stop before its first image
         not encoded yet (``_computable``). Returns the milliseconds spent (the step's prefill chunks
         get what is left of the budget)."""
-        images = self._images_to_encode()
+        images = [img for s in self.running if s.mm is not None and s.prefilling for img in self._unencoded(s)]
         if not images:
             return 0.0
         decoding = any(not s.prefilling for s in self.running)
@@ -227,10 +227,10 @@ class LLMEngine:
         return (time.perf_counter() - t0) * 1000.0 if decoding else 0.0
 
     def _computable(self, seq: Sequence) -> int:
-        enc = self.runner.encoder
-        waiting = [img.offset for img in seq.mm.images
-                   if img.end > seq.num_computed and enc is not None and not enc.ready(img.key)]
-        return min(waiting, default=seq.num_tokens)
+        """How far seq's prompt can be computed: up to its first image not encoded yet."""
+        if self.runner.encoder is None:
+            return seq.num_tokens
+        return min((img.offset for img in self._unencoded(seq)), default=seq.num_tokens)
 
     def _propose(self, rows: list[ScheduledRow]) -> None:
         """Fill each decode row's drafts (at most the length the scheduler reserved room for)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.engine.cache import CacheCoordinator
-from specserve.engine.multimodal import EncoderCache, MultiModalPrompt
+from specserve.engine.multimodal import EncoderCache, MultiModalPrompt, text_positions
 from specserve.engine.scheduler import ScheduledRow
 from specserve.engine.step_budget import batch_keys
 from specserve.models.transformer import ForwardBatch, ForwardOutput, KVCache
@@ -74,21 +74,23 @@ def build_forward_batch(entries: list[BatchEntry], block_size: int, max_blocks: 
 
 
 def _multimodal(entries: list[BatchEntry], device: torch.device):
-    """The batch's M-RoPE positions [T, 3] and image rows / embeddings (all None: text only)."""
+    """The batch's rotary positions and image rows / embeddings (all None: text only). The
+    positions are [T, 3] (t, h, w) when a row is an image token, else [T]: after an image every
+    axis moves together (``index + delta``), so decode steps keep the 1-D rotary table."""
     if not any(e.rope is not None for e in entries):
         return None, None, None
     rope, rows, embeds, at = [], [], [], 0
     for e in entries:
-        n = len(e.tokens)
-        rope.append(e.rope if e.rope is not None else
-                    torch.arange(e.start, e.start + n, dtype=torch.int32).unsqueeze(1).expand(n, 3))
+        rope.append(e.rope if e.rope is not None else text_positions(e.start, len(e.tokens)))
         for first, emb in e.embeds:
             rows.append(torch.arange(at + first, at + first + emb.shape[0]))
             embeds.append(emb)
-        at += n
-    if not rows:
-        return torch.cat(rope).to(device), None, None
-    return torch.cat(rope).to(device), torch.cat(rows).to(device), torch.cat(embeds).to(device)
+        at += len(e.tokens)
+    rope = torch.cat(rope)  # [T, 3]
+    if not rows and bool((rope == rope[:, :1]).all()):
+        return rope[:, 0].to(torch.int32).contiguous().to(device), None, None
+    rope = rope.to(torch.int32).to(device)
+    return (rope, None, None) if not rows else (rope, torch.cat(rows).to(device), torch.cat(embeds).to(device))
 
 
 def logit_rows(rows: list[ScheduledRow]) -> list[int]:

@@ -70,7 +70,7 @@ class MultiModalPrompt:
         for (start, length), img in zip(runs, images):
             if length != img.num_tokens:
                 raise ValueError(f"an image of {img.num_tokens} tokens has a placeholder run of {length}")
-            pos.append(_text_positions(cur, start - at))
+            pos.append(text_positions(cur, start - at))
             cur += start - at
             t, h, w = img.grid[0], img.grid[1] // img.merge, img.grid[2] // img.merge
             tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
@@ -78,7 +78,7 @@ class MultiModalPrompt:
             cur += max(h, w)
             at = start + length
             placed.append(img.placed(start))
-        pos.append(_text_positions(cur, len(prompt_ids) - at))
+        pos.append(text_positions(cur, len(prompt_ids) - at))
         cur += len(prompt_ids) - at
         return MultiModalPrompt(placed, torch.cat(pos).to(torch.int32), cur - len(prompt_ids))
 
@@ -87,7 +87,7 @@ class MultiModalPrompt:
         n = self.positions.shape[0]
         head = self.positions[start:min(start + count, n)]
         tail_from = max(start, n)
-        tail = _text_positions(tail_from + self.delta, max(start + count - tail_from, 0))
+        tail = text_positions(tail_from + self.delta, max(start + count - tail_from, 0))
         return torch.cat([head, tail.to(torch.int32)])
 
     def cache_keys(self, prompt_ids: list[int]) -> list[int]:
@@ -124,7 +124,8 @@ def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
     return runs
 
 
-def _text_positions(first: int, count: int) -> torch.Tensor:  # -> [count, 3]
+def text_positions(first: int, count: int) -> torch.Tensor:  # -> [count, 3]
+    """Text tokens first .. first + count - 1: the same position on the three axes."""
     return torch.arange(first, first + count, dtype=torch.int64).unsqueeze(1).expand(count, 3)
 
 
@@ -132,7 +133,7 @@ def vision_memory(target, encoder_cache_bytes: int) -> tuple[int, int, int]:
     """(tower weights, one forward's activations at the largest image the preprocessing lets
     through, the encoder-output cache) in bytes; zeros for a text-only model. Counted up front:
     the activations appear only with the first image."""
-    vision, processor = getattr(target, "vision", None), getattr(target, "image_processor", None)
+    vision, processor = target.vision, target.image_processor
     if vision is None or processor is None:
         return 0, 0, 0
     max_patches = max(processor.max_pixels // vision.config.patch_size ** 2, 1)

@@ -38,9 +38,9 @@ if TYPE_CHECKING:
     from specserve.speculative.adaptive import PassFit
 
 DEFAULT_MAX_STEP_MS = 150.0  # p99 stream ITL under ~250 ms while an 8K prompt arrives (README "Long prompts")
-# tokens a prefill gets per step whatever the budget (it always advances); 8, not 32: at 8K tokens
-# of context 32 rows of smollm2-135m's attention alone take ~300 ms here (p99 ITL 421 ms, above the
-# 250 ms the default budget is for; results_final/prefill_stall*.md)
+# tokens a prefill gets per step whatever the budget (it always advances); 8, not 32: with 32, late
+# in an 8K-token prompt the minimum chunk alone outlasted the budget (p99 ITL 421 ms against 218 ms
+# with 8, smollm2-135m; results_final/prefill_stall*.md)
 MIN_CHUNK = 8
 STALL_FACTOR = 2.0  # a step may take this many times the decode rows' own time, if that exceeds the budget
 EXPLORE = 64  # passes up to this wide (and this many keys squared) need no measurement to be tried

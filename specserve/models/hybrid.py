@@ -21,7 +21,7 @@ import torch
 from specserve.errors import ModelLoadError
 from specserve.kernels import ops
 from specserve.models.config import ModelConfig
-from specserve.models.layers import Linear, Rope, act_mul, rms_norm
+from specserve.models.layers import Linear, Rope, act_mul, rms_norm, route_top_k
 from specserve.models.transformer import MLP, ForwardBatch, KVCache, LayerWeights, Transformer
 from specserve.models.weights import RawTensor
 
@@ -198,14 +198,10 @@ class SparseMoE:
         return [self.router] + [lin for e in self.experts for lin in e.linears()] + shared
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        probs = torch.softmax(self.router(h), dim=-1)  # [T, E], row by row
-        weight, chosen = torch.topk(probs, self.moe.num_experts_per_tok, dim=-1)  # [T, k]
-        if self.moe.norm_topk_prob:
-            weight = weight / weight.sum(-1, keepdim=True)
+        weight, groups = route_top_k(self.router(h), self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
         out = torch.zeros_like(h)
-        for e in torch.unique(chosen).tolist():
-            rows, slot = (chosen == e).nonzero(as_tuple=True)
-            out[rows] += self.experts[e](h[rows].contiguous()) * weight[rows, slot, None]
+        for e, rows, slot in groups:  # experts in ascending order: each row adds its experts in that order
+            out[rows] += self.experts[e](h[rows]) * weight[rows, slot, None]
         if self.shared is not None:
             shared = self.shared(h)
             out += ops.sigmoid_mul(self.shared_gate(h).expand_as(shared).contiguous(), shared)
@@ -258,6 +254,8 @@ class HybridTransformer(Transformer):
         (rows 0..T-1), built once per forward (``batch.rope_table``)."""
         if batch.rope_positions is None:
             return self.rope_global, batch.positions
+        if batch.rope_positions.dim() == 1:  # text rows only (past an image: index + delta)
+            return self.rope_global, batch.rope_positions
         if batch.rope_table is None:
             batch.rope_table = self.rope_global.rows(batch.rope_positions, self.cfg.mrope_section)
         return batch.rope_table, torch.arange(batch.rope_positions.shape[0], dtype=torch.int32)

@@ -44,7 +44,7 @@ class ForwardBatch:
     state_ckpt_read: torch.Tensor | None = None  # [S] int64, a prefix-cache checkpoint to start from (-1: none)
     state_ckpt_write: torch.Tensor | None = None  # [T] int64, a checkpoint receiving the state after a row
     # images (engine/multimodal.py; None: text only): M-RoPE positions and encoder outputs
-    rope_positions: torch.Tensor | None = None  # [T, 3] int32, (t, h, w) rotary positions of every row
+    rope_positions: torch.Tensor | None = None  # [T, 3] int32 (t, h, w), or [T] when every axis agrees
     mm_rows: torch.Tensor | None = None  # [N] int64, rows whose input is an image embedding
     mm_embeds: torch.Tensor | None = None  # [N, H] float32, those embeddings
     rope_table: object = field(default=None, repr=False, compare=False)  # the forward's M-RoPE rows, built once

@@ -67,9 +67,7 @@ def parse_limit_mm(value: str | None) -> int:
 
 def image_url_of(part, where: str) -> str:
     """The URL of an image content part (OpenAI's object form, or the url as a string)."""
-    field = getattr(part, "image_url", None) if not isinstance(part, dict) else part.get("image_url")
-    if field is None and not isinstance(part, dict):
-        field = (part.model_extra or {}).get("image_url")
+    field = (part.model_extra or {}).get("image_url")  # (a ContentPart: image_url is an extra field)
     url = field.get("url") if isinstance(field, dict) else field
     if not isinstance(url, str) or not url:
         raise RequestError(f"{where} ({IMAGE_PART_TYPES[0]}) has no image_url.url", param=where)
