@@ -224,3 +224,18 @@ def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tens
     if activation == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
     return F.silu(gate) * up
+
+
+def route_top_k(logits: torch.Tensor, k: int, renormalise: bool):
+    """A mixture of experts' routing: logits [T, E] -> (weight [T, k], groups), groups a list of
+    (expert, rows, slot) in ascending expert order, rows ascending within one (found with one
+    stable sort, not a scan per expert): softmax over the experts, the top k per row, their
+    weights renormalised to sum to 1 when ``renormalise``."""
+    weight, chosen = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)  # [T, k]
+    if renormalise:
+        weight = weight / weight.sum(-1, keepdim=True)
+    flat = chosen.flatten()
+    order = torch.sort(flat, stable=True).indices  # [T*k], by expert then by row
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    groups = [(int(e), idx // k, idx % k) for e, idx in zip(experts.tolist(), order.split(counts.tolist()))]
+    return weight, groups

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.errors import SpecserveError
+from specserve.models.layers import route_top_k
 from specserve.models.loader import LoadedModel
 
 
@@ -67,13 +68,10 @@ class MoEMLP(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [..., H]
         flat = h.reshape(-1, h.shape[-1])
-        weight, chosen = torch.topk(torch.softmax(self.router(flat).float(), dim=-1), self.top_k, dim=-1)
-        if self.norm_topk:
-            weight = weight / weight.sum(-1, keepdim=True)
+        weight, groups = route_top_k(self.router(flat).float(), self.top_k, self.norm_topk)
         out = torch.zeros_like(flat)
-        for e in torch.unique(chosen).tolist():
-            rows, slot = (chosen == e).nonzero(as_tuple=True)
-            out = out.index_add(0, rows, self.experts[e](flat[rows]) * weight[rows, slot, None].to(flat.dtype))
+        for e, rows, slot in groups:
+            out.index_add_(0, rows, self.experts[e](flat[rows]) * weight[rows, slot, None].to(flat.dtype))
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
         return out.view_as(h)

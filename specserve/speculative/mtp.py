@@ -33,8 +33,8 @@ Weights come from (first match):
    ``model.layers.{num_hidden_layers}.{eh_proj,enorm,hnorm,shared_head.norm,...}``, or GGUF
    ``blk.{N}.nextn.{eh_proj,enorm,hnorm,shared_head_norm}`` with the block's ordinary layer
    tensors (``attn_q``, ``ffn_gate``, ...); read by mtp_checkpoint.py. The layer is attention
-   (gated with partial rotary for a Qwen3.5 / Qwen3-Next target) with a SwiGLU MLP or, from
-   safetensors, a mixture of experts (Qwen3-Next); MLA layers are not supported.
+   (gated with partial rotary for a Qwen3.5 / Qwen3-Next target) with a SwiGLU MLP or a mixture
+   of experts (Qwen3-Next, from safetensors or GGUF); MLA layers are not supported.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from specserve.errors import SpecserveError
 from specserve.models.loader import LoadedModel
 from specserve.speculative.dflash import CONTEXT_TRIM, DecoderLayer, TargetHead, check_target, load_state, rms, target_identity
 from specserve.speculative.drafter import Drafter, Proposal, pick_tokens
-from specserve.speculative.mtp_checkpoint import config_from_state, read_checkpoint_mtp  # noqa: F401
+from specserve.speculative.mtp_checkpoint import config_from_state, read_checkpoint_mtp
 from specserve.speculative.prefix_store import PrefixStore
 
 

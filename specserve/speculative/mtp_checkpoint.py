@@ -103,8 +103,8 @@ def _read_gguf_mtp(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         if not m:
             continue
         part = m.group(1)
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         if part in _GGUF_MOE:  # a mixture-of-experts layer (Qwen3-Next): the experts merged in 3-D tensors
-            shape = tuple(int(s) for s in reversed(t.shape.tolist()))
             w = mweights.RawTensor(t.name, shape, t.tensor_type.name, t.data).dequantize()
             if part.endswith("_exps"):
                 for e in range(shape[0]):
@@ -118,7 +118,6 @@ def _read_gguf_mtp(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         name = f"layer.{own}" if own in _LAYER_PARAMS else _GGUF_LAYER.get(part)
         if name is None:
             continue
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         perm = None
         fam = families().get(arch)
         if fam and fam.gguf_permute_qk and name in ("layer.q", "layer.k") and heads:  # undo llama.cpp's permutation

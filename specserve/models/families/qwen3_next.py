@@ -21,9 +21,10 @@ HF_NAMES = {
 def _hf_fields(read, kw: dict) -> dict:
     out = hybrid_fields(read, kw)
     if int(read("num_experts") or 0) > 0:
+        norm = read("norm_topk_prob")
         out["moe"] = MoEConfig(int(read("num_experts")), int(read("num_experts_per_tok")),
                                int(read("moe_intermediate_size")), int(read("shared_expert_intermediate_size") or 0),
-                               bool(read("norm_topk_prob") if read("norm_topk_prob") is not None else True),
+                               bool(norm if norm is not None else True),
                                int(read("decoder_sparse_step") or 1), tuple(read("mlp_only_layers") or ()))
     return out
 
@@ -55,7 +56,7 @@ def _rewrite(tensors: dict, cfg) -> dict:
         raw = out.pop(name)
         layer, part = name.split(".experts.")
         for e in range(raw.shape[0]):
-            data = raw.data[e] if raw.qtype != "torch" else raw.data[e].contiguous()
+            data = raw.data[e]  # (only GGUF names experts this way: safetensors' are split at read)
             out[f"{layer}.expert{e}.{part}"] = RawTensor(f"{layer}.expert{e}.{part}", tuple(raw.shape[1:]), raw.qtype,
                                                          data)
     return out
