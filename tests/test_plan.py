@@ -148,3 +148,21 @@ def test_max_model_len_above_the_models_is_capped_with_a_warning(capsys, caplog)
         log.removeHandler(caplog.handler)
     assert json.loads(capsys.readouterr().out)["max_model_len"] == 8192
     assert "--max-model-len 100000 is more than smollm2-135m was trained for; using 8192" in caplog.text
+
+
+def test_cpu_plan_counts_loaded_weights_once():
+    """On the CPU the available memory is read with the weights loaded: a 2 GiB pool fits in
+    3 GiB left after 1 GiB of weights (they were counted twice once, refusing a fitting engine),
+    while buffers allocated later (drafter KV, vision activations) still count against it."""
+    from specserve.engine.config import EngineConfig, plan_memory
+
+    MiB = 1 << 20
+    ecfg = EngineConfig(max_model_len=1024, kv_cache_memory=2048 * MiB)
+    plan = plan_memory(ecfg, 4096, 1024, 1024 * MiB, 0, 3072 * MiB, "cpu")
+    assert plan.num_blocks == 2048 * MiB // (16 * 4096)
+    with pytest.raises(SpecserveError, match=r"KV pool \(2048 MiB\) plus 1536 MiB of drafter KV and vision"):
+        plan_memory(ecfg, 4096, 1024, 1024 * MiB, 0, 3072 * MiB, "cpu", drafter_kv_bytes=512 * MiB,
+                    vision=(100 * MiB, 512 * MiB, 512 * MiB))
+    auto = plan_memory(EngineConfig(max_model_len=1024), 4096, 1024, 1024 * MiB, 0, 3072 * MiB, "cpu",
+                       vision=(100 * MiB, 512 * MiB, 512 * MiB))  # the pool sized around them
+    assert auto.num_blocks * 16 * 4096 <= int(3072 * MiB * 0.9) - 1024 * MiB

@@ -326,3 +326,24 @@ def test_decode_steps_after_an_image_keep_the_1d_rotary_table(vl):
     rows = eng.scheduler.schedule(drafting=False)
     pos = eng.runner.batch(rows).rope_positions
     assert pos.shape == (1,) and int(pos[0]) == seq.num_computed + seq.mm.delta < seq.num_computed
+
+
+@pytest.mark.parametrize("method", [None, "ngram", "suffix", "draft_model", "mtp", "dflash"])
+def test_a_dropped_engine_is_freed_without_a_gc_pass(vl, draft, method):
+    """No reference cycle through the engine (a bound method handed to the scheduler was one): a
+    process that builds engines one after another (tests, benchmarks, a reload) frees each one's
+    KV pool and drafter when its last reference goes, not at some later full gc pass."""
+    import gc
+    import weakref
+
+    d, ours, _ = vl
+    spec, drafter = drafter_makers(d, ours, draft, 512)[method]() if method else (None, None)
+    eng = engine(ours, spec, drafter)
+    greedy(eng, image_prompts(ours)[:3], n=6)
+    refs = [weakref.ref(eng), weakref.ref(eng.kv), weakref.ref(eng.scheduler)]
+    gc.disable()
+    try:
+        del eng, drafter
+        assert [r() is None for r in refs] == [True] * 3
+    finally:
+        gc.enable()

@@ -196,14 +196,18 @@ def plan_memory(ecfg: EngineConfig, per_token: int, max_model_len: int, weight_b
     The pool is ``--kv-cache-memory`` when given; else, with ``total_memory`` (the planner's
     ``--memory``: bytes for weights + KV), whatever the weights leave of it; else sized from the
     available memory, at most what max_num_seqs sequences of max_model_len need (and at most
-    CPU_DEFAULT_KV_CAP on the CPU). ``window`` = (sliding window, its blocks, their bytes): a
-    fixed pool for sliding-window layers, taken from the budget before the growing pool; ``states``
-    = (slots, planes, checkpoints, bytes) of a hybrid model's recurrent states, fixed too."""
+    CPU_DEFAULT_KV_CAP on the CPU, where ``available`` is read with the weights loaded).
+    ``window`` = (sliding window, its blocks, their bytes): a fixed pool for sliding-window layers,
+    taken from the budget before the growing pool; ``states`` = (slots, planes, checkpoints, bytes)
+    of a hybrid model's recurrent states, fixed too."""
     bs = ecfg.block_size
     blocks_one_seq = -(-max_model_len // bs)
     need = blocks_one_seq * bs * per_token
     # the drafter's own KV pool is fixed too, and so are the vision tower, its activations and outputs
     weights = weight_bytes + drafter_bytes + drafter_kv_bytes + sum(vision)
+    # on the CPU ``available`` is read after the weights are loaded (they are out of it already);
+    # what is allocated, or first touched, later must still fit in it
+    later = drafter_kv_bytes + vision[1] + vision[2]
     fixed = window[2] + states[3]  # the sliding-window layers' pool, the recurrent states
     if ecfg.kv_cache_memory is not None:
         pool, source = ecfg.kv_cache_memory - fixed, "--kv-cache-memory"
@@ -211,7 +215,7 @@ def plan_memory(ecfg: EngineConfig, per_token: int, max_model_len: int, weight_b
         pool, source = total_memory - weights - fixed, "--memory"
         available = total_memory
     else:
-        budget = int(available * ecfg.memory_fraction) - (weights if device_type == "cuda" else 0) - fixed
+        budget = int(available * ecfg.memory_fraction) - (weights if device_type == "cuda" else later) - fixed
         want = ecfg.max_num_seqs * blocks_one_seq * bs * per_token
         pool = min(budget, want, CPU_DEFAULT_KV_CAP if device_type == "cpu" else budget)
         source = "available"
@@ -231,10 +235,11 @@ def plan_memory(ecfg: EngineConfig, per_token: int, max_model_len: int, weight_b
         raise SpecserveError(f"{have} but one sequence at --max-model-len {max_model_len} needs "
                              f"{need / 2**20:.0f} MiB: {fix}")
     kv_total = num_blocks * bs * per_token + fixed
-    if device_type == "cpu" and source != "--memory" and weights + kv_total > available:
-        raise SpecserveError(f"weights ({weights / 2**20:.0f} MiB) plus the KV pool "
-                             f"({kv_total / 2**20:.0f} MiB) do not fit in the "
-                             f"{available / 2**20:.0f} MiB of available memory: lower --kv-cache-memory")
+    if device_type == "cpu" and source != "--memory" and later + kv_total > available:
+        extra = f" plus {later / 2**20:.0f} MiB of drafter KV and vision buffers" if later else ""
+        raise SpecserveError(f"the KV pool ({kv_total / 2**20:.0f} MiB){extra} does not fit in the "
+                             f"{available / 2**20:.0f} MiB of memory left after loading "
+                             f"{(weights - later) / 2**20:.0f} MiB of weights: lower --kv-cache-memory")
     return MemoryPlan(weight_bytes, drafter_bytes, per_token, int(num_blocks), bs, max_model_len, available,
                       kv_dtype, ecfg.max_num_seqs, source, *window, drafter_kv_bytes, *states, *vision)
 

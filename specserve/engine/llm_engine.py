@@ -70,12 +70,13 @@ class LLMEngine:
         self.cost = CostModel()
         self.policy = DraftPolicy(k_max, bool(spec and spec.adaptive), self.cost,
                                   drafter.draft_cost if drafter else lambda k: 0.0)
-        self.scheduler = Scheduler(ecfg, self.cache, self.policy, self.max_model_len,
-                                   on_preempt=drafter.on_finished if drafter else lambda seq: None,
-                                   computable=self._computable)
         self.runner = ModelRunner(self.model, self.kv, self.cache, ecfg.block_size,
                                   -(-self.max_model_len // ecfg.block_size) + 1, self.cost,
                                   drafter.hidden_layers if drafter else (), self.encoder_cache(target, ecfg))
+        encoder = self.runner.encoder
+        self.scheduler = Scheduler(ecfg, self.cache, self.policy, self.max_model_len,
+                                   on_preempt=drafter.on_finished if drafter else lambda seq: None,
+                                   computable=encoder.computable if encoder is not None else None)
         self.by_id: dict[str, Sequence] = {}
         if self.policy.adaptive and drafter is not None:
             self._calibrate(k_max)
@@ -208,29 +209,19 @@ class LLMEngine:
         out = self.runner.run(rows)
         return self._process(rows, out.logits, out.hidden)
 
-    def _unencoded(self, seq: Sequence) -> list[ImageInput]:
-        """seq's images still to prefill whose encoder output is not ready."""
-        return [img for img in seq.mm.images if img.end > seq.num_computed and not self.runner.encoder.ready(img.key)]
-
     def encode_ahead(self) -> float:
         """Encode the running prompts' images before the steps that need them: all at once when no
         stream decodes, else block by block within the step budget (--max-step-ms), so a stream waits
         for a slice of an image, not a whole one. A prompt's chunks stop before its first image
-        not encoded yet (``_computable``). Returns the milliseconds spent (the step's prefill chunks
+        not encoded yet (``EncoderCache.computable``). Returns the milliseconds spent (the step's prefill chunks
         get what is left of the budget)."""
-        images = [img for s in self.running if s.mm is not None and s.prefilling for img in self._unencoded(s)]
+        images = [img for s in self.running if s.mm is not None and s.prefilling for img in self.runner.encoder.unencoded(s)]
         if not images:
             return 0.0
         decoding = any(not s.prefilling for s in self.running)
         budget, t0 = self.ecfg.max_step_ms / 1000.0, time.perf_counter()
         self.runner.encoder.work(images, t0 + budget if decoding and budget > 0 else None)
         return (time.perf_counter() - t0) * 1000.0 if decoding else 0.0
-
-    def _computable(self, seq: Sequence) -> int:
-        """How far seq's prompt can be computed: up to its first image not encoded yet."""
-        if self.runner.encoder is None:
-            return seq.num_tokens
-        return min((img.offset for img in self._unencoded(seq)), default=seq.num_tokens)
 
     def _propose(self, rows: list[ScheduledRow]) -> None:
         """Fill each decode row's drafts (at most the length the scheduler reserved room for)."""

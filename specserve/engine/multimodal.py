@@ -159,6 +159,17 @@ class EncoderCache:
     def ready(self, key: int) -> bool:
         return key in self.entries
 
+    def unencoded(self, seq) -> list[ImageInput]:
+        """seq's images still to prefill whose encoder output is not ready."""
+        return [img for img in seq.mm.images if img.end > seq.num_computed and not self.ready(img.key)] \
+            if seq.mm is not None else []
+
+    def computable(self, seq) -> int:
+        """How far seq's prompt can be computed: up to its first image not encoded yet (the
+        scheduler's ``computable`` hook; a method of this cache, not of the engine, so the engine
+        holds no reference cycle that would keep its weights alive until a full gc pass)."""
+        return min((img.offset for img in self.unencoded(seq)), default=seq.num_tokens)
+
     def get(self, img: ImageInput) -> torch.Tensor:  # -> [num_tokens, H]
         out = self.entries.get(img.key)
         if out is not None:
