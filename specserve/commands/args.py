@@ -11,6 +11,7 @@ import re
 
 from specserve.engine.step_budget import DEFAULT_MAX_STEP_MS
 from specserve.models.quant import QUANTIZATIONS
+from specserve.parallel.launch import add_parallel_args
 
 DEFAULT_MODEL = "smollm2-135m"
 MAX_THREADS = 1024
@@ -102,7 +103,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
     p.add_argument("--threads", type=int_in(0, MAX_THREADS), default=None,
-                   help="CPU threads (default or 0: the cores this process may use)")
+                   help="CPU threads (default or 0: the cores this process may use; under tensor parallel: "
+                        "per rank, default the cores shared by this machine's ranks)")
+    add_parallel_args(p)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:

@@ -77,9 +77,17 @@ def _prompt_ids(engine, args, images: list) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from specserve.engine.builder import build_engine
-    from specserve.engine.types import SamplingParams
 
     engine = build_engine(args)
+    try:
+        return _generate(engine, args)
+    finally:
+        engine.close()  # (a tensor-parallel group's workers)
+
+
+def _generate(engine, args: argparse.Namespace) -> int:
+    from specserve.engine.types import SamplingParams
+
     images = _images(engine, args)
     ids = _prompt_ids(engine, args, images)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

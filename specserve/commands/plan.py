@@ -79,6 +79,8 @@ def compute_plan(args: argparse.Namespace) -> tuple[object, dict]:
 
     if args.memory is not None and args.memory <= 0:
         raise SpecserveError("--memory must be a positive number of bytes")
+    if args.tensor_parallel_size > 1:
+        return rank_plans(args)
     parts = build_parts(args)
     target, spec, model = parts.target, parts.speculative, parts.target.model
     plan = plan_for(target, parts.ecfg, spec, parts.drafter, total_memory=args.memory)
@@ -89,12 +91,59 @@ def compute_plan(args: argparse.Namespace) -> tuple[object, dict]:
     return plan, extra
 
 
+def rank_plans(args: argparse.Namespace) -> tuple[list, dict]:
+    """-tp N: each rank's plan, its shard loaded here one after another (no process started).
+    Rank 0 holds the drafter; every rank holds the same KV blocks of its own heads; the ranks of
+    one machine share its memory (--memory / the available memory split between them)."""
+    from dataclasses import replace
+
+    from specserve.engine.builder import _parts
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.llm_engine import plan_for
+    from specserve.models.loader import LoadOptions, load_model
+    from specserve.parallel.launch import ParallelConfig
+    from specserve.parallel.shard import Shard
+    from specserve.speculative.config import parse_speculative_config
+
+    pcfg = ParallelConfig.from_args(args)
+    n, ecfg = pcfg.tensor_parallel_size, EngineConfig.from_args(args)
+    spec = parse_speculative_config(getattr(args, "speculative_config", None))
+    options = LoadOptions(args.device, args.dtype, args.quantization)
+    plans, share = [], len(pcfg.local_ranks)
+    for rank in range(n):
+        target = load_model(args.model, replace(options, shard=Shard(rank, n)))
+        parts = _parts(target, ecfg, spec if rank == 0 else None, options)
+        plan = plan_for(target, ecfg, parts.speculative, parts.drafter, total_memory=args.memory, share=share)
+        if plans:  # the driver's pool is every rank's
+            plan = replace(plan, num_blocks=plans[0].num_blocks)
+        plans.append(plan)
+        del target, parts
+    extra = {"model": args.model, "device": args.device, "tensor_parallel_size": n,
+             "speculative_method": spec.method if spec else None, "memory": args.memory}
+    return plans, extra
+
+
 def run(args: argparse.Namespace) -> int:
     plan, extra = compute_plan(args)
+    if isinstance(plan, list):
+        return _print_rank_plans(plan, extra, args.json)
     if args.json:
         print(json.dumps({**extra, **plan.to_dict()}, indent=2))
         return 0
     print(f"{extra['model']} on {extra['device']}: weights in {extra['weight_format']}"
           + (f", speculation: {extra['speculative_method']}" if extra["speculative_method"] else ""))
     print(format_plan(plan))
+    return 0
+
+
+def _print_rank_plans(plans: list, extra: dict, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({**extra, "ranks": [p.to_dict() for p in plans],
+                          "total_bytes": sum(p.total_bytes for p in plans)}, indent=2))
+        return 0
+    print(f"{extra['model']}, tensor parallel over {extra['tensor_parallel_size']} ranks"
+          + (f", speculation: {extra['speculative_method']} (on rank 0)" if extra["speculative_method"] else ""))
+    for rank, plan in enumerate(plans):
+        print(format_plan(plan, title=f"rank {rank}"))
+    print(f"all ranks: {_mib(sum(p.total_bytes for p in plans))}")
     return 0

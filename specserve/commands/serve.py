@@ -9,6 +9,7 @@ import sys
 
 from specserve.commands.args import add_serve_args
 from specserve.errors import SpecserveError
+from specserve.parallel.launch import ParallelConfig, run_node
 
 LOCK_DRIFT_EXIT = 3
 HTTP_GRACE_S = 2  # uvicorn's wait for connections once the drain has ended every request
@@ -65,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
     level = args.log_level.lower()
     if level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise SpecserveError(f"--log-level must be one of critical, error, warning, info, debug; got {level!r}")
+    pcfg = ParallelConfig.from_args(args)
+    if pcfg.node_rank > 0:  # another machine's share of the ranks: workers only, no HTTP
+        _setup_logging("debug" if level == "trace" else level)
+        return run_node(args, pcfg)
     if args.lock:
         status = check_lock(args)
         if status:
@@ -145,10 +150,16 @@ def run_server(server, engine, sock: socket.socket | None = None, drain=None) ->
     finally:
         server.should_exit = True
         http.join(15)
+        close = getattr(getattr(engine, "engine", None), "close", None)
+        if close is not None:
+            close()  # a tensor-parallel group's workers
         for sig, old in previous.items():
             signal.signal(sig, old)
         if wakeup is not None:
             signal.set_wakeup_fd(old_fd)
             for end in wakeup:
                 end.close()
+    if getattr(engine, "fatal", None) is not None:
+        print(f"specserve: error: {engine.fatal}", file=sys.stderr)
+        return 1
     return 0 if server.started else 1

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 
 from specserve.engine.llm_engine import LLMEngine
 from specserve.engine.types import EngineStats, RequestOutput, SamplingParams
+from specserve.parallel.group import ParallelError
 
 log = logging.getLogger("specserve.engine")
 
@@ -37,6 +38,7 @@ class AsyncEngine:
         self._stats = engine.stats()
         self._own_thread = own_thread  # False: the caller runs run_forever() itself
         self._closed: BaseException | None = None  # set by fail_all: every request ends with it
+        self.fatal: BaseException | None = None  # the engine cannot go on (a tensor-parallel rank is gone)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, own_thread: bool = True) -> "AsyncEngine":
@@ -47,7 +49,7 @@ class AsyncEngine:
 
     def run_forever(self, keep_going=lambda: True) -> None:
         """Run the step loop in the calling thread until shutdown() or keep_going() is false."""
-        while keep_going() and not self._stop.is_set():
+        while keep_going() and not self._stop.is_set() and self.fatal is None:
             self._step_once()
 
     async def start(self) -> None:
@@ -106,16 +108,22 @@ class AsyncEngine:
 
     # ---- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self.fatal is None:
             self._step_once()
 
     def _step_once(self) -> None:
         eng = self.engine
         self._drain(block=not eng.has_work())
-        if not eng.has_work():
-            return
         try:
+            if not eng.has_work():
+                eng.idle()
+                return
             outputs = eng.step()
+        except ParallelError as exc:  # the group is broken for good: fail everything, stop
+            log.error("%s: failing every request and stopping", exc)
+            self.fatal = self._closed = exc
+            self._fail_all(exc)
+            return
         except Exception as exc:  # noqa: BLE001 - fail the running requests, keep serving
             log.exception("engine step failed")
             self._fail_all(exc)

@@ -11,7 +11,10 @@ import torch
 from specserve.engine.config import EngineConfig
 from specserve.engine.llm_engine import LLMEngine
 from specserve.kernels import ops
+from specserve.errors import SpecserveError
 from specserve.models.loader import LoadedModel, LoadOptions, load_model
+from specserve.parallel.launch import ParallelConfig, connect, free_port, start_workers, watch
+from specserve.parallel.shard import Shard
 from specserve.speculative.config import SpeculativeConfig, parse_speculative_config
 from specserve.speculative.drafter import Drafter
 from specserve.speculative.registry import build_drafter
@@ -40,16 +43,48 @@ class EngineParts:
 
 
 def build_parts(args: argparse.Namespace) -> EngineParts:
-    set_threads(getattr(args, "threads", None))
+    pcfg = ParallelConfig.from_args(args)
+    tp_size = pcfg.tensor_parallel_size
+    set_threads(pcfg.threads_per_rank(getattr(args, "threads", None)) if tp_size > 1 else getattr(args, "threads", None))
     spec = parse_speculative_config(getattr(args, "speculative_config", None))
     options = LoadOptions(args.device, args.dtype, args.quantization)
     ecfg = EngineConfig.from_args(args)
-    target = load_model(args.model, replace(options, mmproj=getattr(args, "mmproj", None)))
+    if tp_size == 1:
+        target = load_model(args.model, replace(options, mmproj=getattr(args, "mmproj", None)))
+        return _parts(target, ecfg, spec, options)
+    check_parallel_request(args, spec)
+    addr = pcfg.dist_init_addr or f"127.0.0.1:{free_port()}"
+    procs = start_workers(args, pcfg, addr)  # they load their shards while this process loads its own
+    try:
+        target = load_model(args.model, replace(options, shard=Shard(0, tp_size)))
+        parts = _parts(target, ecfg, spec, options)
+        target.model.tp = connect(0, pcfg, addr, procs)
+    except BaseException:
+        for p in procs.values():
+            p.kill()
+        raise
+    watch(target.model.tp)
+    return parts
+
+
+def _parts(target: LoadedModel, ecfg: EngineConfig, spec: SpeculativeConfig | None, options: LoadOptions) -> EngineParts:
     max_len = ecfg.context_len(target.config.max_position)
     if ecfg.max_model_len and ecfg.max_model_len > max_len:
         logger.warning("--max-model-len %d is more than %s was trained for; using %d", ecfg.max_model_len,
                        target.name, max_len)
     return EngineParts(target, ecfg, spec, build_drafter(spec, target, options, ecfg, max_len))
+
+
+def check_parallel_request(args: argparse.Namespace, spec: SpeculativeConfig | None) -> None:
+    """What tensor parallel does not take yet, refused before any process starts."""
+    n = args.tensor_parallel_size
+    if getattr(args, "mmproj", None):
+        raise SpecserveError(f"--tensor-parallel-size {n}: a vision tower (--mmproj) is not sharded yet")
+    if args.device == "cuda":
+        raise SpecserveError(f"--tensor-parallel-size {n}: the CUDA path (NCCL) is not built yet; use --device cpu")
+    if spec is not None and spec.draft_vocab_size and spec.method in ("dflash", "mtp"):
+        raise SpecserveError(f"--tensor-parallel-size {n}: draft_vocab_size cuts the target's LM head, which is "
+                             "split across the ranks; leave it unset")
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:

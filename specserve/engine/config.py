@@ -246,15 +246,16 @@ def plan_memory(ecfg: EngineConfig, per_token: int, max_model_len: int, weight_b
 
 def engine_plan(ecfg: EngineConfig, mcfg: ModelConfig, model_dtype: torch.dtype, device: torch.device,
                 weight_bytes: int, drafter_bytes: int, total_memory: int | None = None, lookahead: int = 1,
-                drafter_kv_bytes: int = 0, vision: tuple[int, int, int] = (0, 0, 0)) -> MemoryPlan:
+                drafter_kv_bytes: int = 0, vision: tuple[int, int, int] = (0, 0, 0), share: int = 1) -> MemoryPlan:
     """The engine's memory plan for a loaded model (what LLMEngine and ``specserve plan`` use).
+    share: tensor-parallel ranks on this machine, each planned with its part of the free memory.
     vision: (tower weights, activations, encoder-output cache) bytes of an image-reading model.
     lookahead: tokens a decode step adds per sequence (1 + speculative tokens)."""
     kv_dtype = resolve_kv_dtype(ecfg.kv_cache_dtype, device.type, model_dtype)
     if device.type != "cpu" and kv_dtype in ("fp8_e4m3", "int8", "int4"):
         raise SpecserveError(f"--kv-cache-dtype {kv_dtype} is not supported on CUDA yet (use auto, bf16 or fp16)")
     max_model_len = ecfg.context_len(mcfg.max_position)
-    available = available_memory(device) if total_memory is None else total_memory
+    available = (available_memory(device) if total_memory is None else total_memory) // share
     growing, window = len(mcfg.attention_layers), (0, 0, 0)
     if window_paged(mcfg, max_model_len):
         growing = mcfg.num_global_layers

@@ -23,6 +23,7 @@ from specserve.engine.constraint import Constraint, cut_proposal
 from specserve.engine.config import EngineConfig, MemoryPlan, engine_plan, kv_bytes_per_token, state_checkpoints
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.model_runner import ModelRunner
+from specserve.parallel.group import share_plan
 from specserve.engine.multimodal import EncoderCache, ImageInput, MultiModalPrompt, vision_memory
 from specserve.engine.scheduler import ScheduledRow, Scheduler
 from specserve.engine.sequence import Sequence, Status
@@ -47,10 +48,12 @@ class LLMEngine:
         self.target, self.ecfg, self.speculative, self.drafter = target, ecfg, spec, drafter
         self.model, self.tokenizer = target.model, target.tokenizer
         self.device = self.model.device
-        mcfg = target.config
+        mcfg = self.model.cfg  # (under tensor parallel: this rank's heads, the KV slice it keeps)
         self.max_model_len = ecfg.context_len(mcfg.max_position)
         self.plan: MemoryPlan = plan_for(target, ecfg, spec, drafter)
         plan = self.plan
+        if self.model.tp is not None:
+            share_plan(self.model.tp, plan)  # every rank allocates the same blocks of its own heads
         self.kv = KVCache.allocate(mcfg, plan.num_blocks, ecfg.block_size, plan.kv_dtype, self.device,
                                    window_blocks=plan.window_blocks or None)
         k_max = spec.num_speculative_tokens if spec else 0
@@ -190,6 +193,22 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def idle(self) -> None:
+        """Called while there is no work: a tensor-parallel driver keeps its workers' waits short
+        of the collectives' timeout, and raises ParallelError once a rank is gone."""
+        tp = self.model.tp
+        if tp is not None:
+            if tp.failed is not None:
+                raise tp.failed
+            tp.keepalive(tp.timeout_s / 4)
+
+    def close(self) -> None:
+        """Release what outlives the object: a tensor-parallel group's worker processes."""
+        if self.model.tp is not None:
+            from specserve.parallel.launch import stop_workers
+
+            stop_workers(self.model.tp)
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.running), len(self.waiting), self.blocks.num_blocks, self.blocks.num_free,
@@ -357,11 +376,14 @@ class LLMEngine:
 
 
 def plan_for(target: LoadedModel, ecfg: EngineConfig, spec: SpeculativeConfig | None, drafter: Drafter | None,
-             total_memory: int | None = None) -> MemoryPlan:
-    """The memory plan of an engine over target with this drafter (``specserve plan`` prints it)."""
+             total_memory: int | None = None, share: int | None = None) -> MemoryPlan:
+    """The memory plan of an engine over target with this drafter (``specserve plan`` prints it).
+    share: ranks sharing this machine's memory (default: a tensor-parallel driver's local ranks)."""
     model = target.model
-    return engine_plan(ecfg, target.config, model.dtype, model.device, model.weight_bytes(),
+    if share is None:
+        share = 1 + len(model.tp.processes) if model.tp is not None else 1
+    return engine_plan(ecfg, model.cfg, model.dtype, model.device, model.weight_bytes(),
                        drafter.weight_bytes() if drafter else 0, total_memory,
                        lookahead=(spec.num_speculative_tokens if spec else 0) + 1,
                        drafter_kv_bytes=drafter.kv_bytes() if drafter else 0,
-                       vision=vision_memory(target, ecfg.encoder_cache_bytes))
+                       vision=vision_memory(target, ecfg.encoder_cache_bytes), share=share)

@@ -19,6 +19,7 @@ from specserve.models.catalog import ResolvedModel, cache_root, resolve_model
 from specserve.models.families import family
 from specserve.models.hybrid import HybridTransformer
 from specserve.models.transformer import Transformer
+from specserve.parallel.shard import Shard, shard_tensors
 
 log = logging.getLogger("specserve.models")
 
@@ -31,6 +32,7 @@ class LoadOptions:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str = "auto"  # one of specserve.models.quant.QUANTIZATIONS
     mmproj: str | None = None  # a llama.cpp mmproj GGUF: the vision tower of a GGUF model
+    shard: Shard = Shard(0, 1)  # tensor parallel: the part of the weights this rank keeps
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -106,10 +108,15 @@ def load_model(spec: str, options: LoadOptions = LoadOptions()) -> LoadedModel:
     else:
         cfg, tensors, tok, offset = _read_hf(resolved.path)
     model_class = HybridTransformer if cfg.hybrid else Transformer
-    model = model_class(cfg, tensors, quant, device, dtype, norm_offset=offset,
+    rank_cfg = cfg
+    if options.shard.active:
+        rank_cfg, tensors = shard_tensors(cfg, tensors, options.shard)
+    model = model_class(rank_cfg, tensors, quant, device, dtype, norm_offset=offset,
                         norm_offset_skip=family(cfg.arch).hf_norm_offset_skip if offset else ())
-    log.info("loaded %s (%s, %d layers) on %s, weights %s, %.0f MB", resolved.name, cfg.arch, cfg.num_layers,
-             device, quant, model.weight_bytes() / 1e6)
+    model.shard = options.shard if options.shard.active else None
+    log.info("loaded %s (%s, %d layers) on %s, weights %s, %.0f MB%s", resolved.name, cfg.arch, cfg.num_layers,
+             device, quant, model.weight_bytes() / 1e6,
+             f" (rank {options.shard.rank} of {options.shard.world})" if options.shard.active else "")
     vision, processor = _load_vision(resolved, cfg, options, device, tok)
     return LoadedModel(resolved.name, resolved, cfg, model, tok, identity, vision, processor)
 

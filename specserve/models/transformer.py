@@ -7,11 +7,12 @@ writing the paged KV cache through their block tables.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
-from specserve.errors import ModelLoadError
+from specserve.errors import ModelLoadError, SpecserveError
 from specserve.kernels import ops
 from specserve.models.config import ModelConfig
 from specserve.models.embedding import TokenEmbedding
@@ -21,6 +22,8 @@ from specserve.models.fused import unsupported as fused_unsupported
 from specserve.models.kv_cache import KVCache  # noqa: F401  (re-exported: the paged KV cache)
 from specserve.models.layers import Linear, Rope, act_mul, paged_attention, rms_norm
 from specserve.models.weights import RawTensor
+from specserve.parallel.group import Op
+from specserve.parallel.shard import vocab_rows
 
 
 @dataclass
@@ -48,6 +51,19 @@ class ForwardBatch:
     mm_rows: torch.Tensor | None = None  # [N] int64, rows whose input is an image embedding
     mm_embeds: torch.Tensor | None = None  # [N, H] float32, those embeddings
     rope_table: object = field(default=None, repr=False, compare=False)  # the forward's M-RoPE rows, built once
+
+    TENSORS = ("input_ids", "positions", "seq_ids", "block_tables", "slot_mapping", "logits_indices",
+               "window_block_tables", "window_slot_mapping", "state_slots", "state_read", "state_write",
+               "state_ckpt_read", "state_ckpt_write", "rope_positions", "mm_rows", "mm_embeds")
+
+    def to_tensors(self) -> list[torch.Tensor | None]:
+        """The batch as tensors (what a tensor-parallel driver sends its workers)."""
+        return [getattr(self, n) for n in self.TENSORS] + [torch.tensor(self.hidden_layers, dtype=torch.int64)]
+
+    @classmethod
+    def from_tensors(cls, tensors: list[torch.Tensor | None]) -> "ForwardBatch":
+        *fields, hidden = tensors
+        return cls(**dict(zip(cls.TENSORS, fields)), hidden_layers=tuple(hidden.tolist()))
 
 
 @dataclass
@@ -153,6 +169,8 @@ class Transformer:
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.fused = fused
         self._stack: FusedStack | None = None
+        # tensor parallel (specserve/parallel): this rank's group and its shard; None on one device
+        self.tp, self.shard = None, None
         tensors = _check_and_offset(tensors, self.required_tensors(cfg), norm_offset, norm_offset_skip)
         self.layers = self.build_layers(cfg, tensors, quant, device, dtype)
         embed = tensors["embed"]
@@ -177,9 +195,23 @@ class Transformer:
         return [_Layer(cfg, i, tensors, quant, device, dtype) for i in range(cfg.num_layers)]
 
     # ---- pieces drafters reuse -------------------------------------------------------------
+    def mirrored(self, op: int, tensors):
+        """Around a call a tensor-parallel driver makes: its workers make the same call (tensors:
+        a function giving the call's arguments); a no-op on one device."""
+        return contextlib.nullcontext() if self.tp is None else self.tp.lead(op, tensors)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
-        x = self.token_embedding(ids)
+        with self.mirrored(Op.EMBED, lambda: [ids]):
+            x = self.token_embedding(ids) if self.tp is None else self._embed_vocab_parallel(ids)
         return x * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else x
+
+    def _embed_vocab_parallel(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        """Each rank looks up the ids in its vocabulary rows, zeros elsewhere; the sum is exact."""
+        start, rows = vocab_rows(self.cfg.vocab_size, self.shard)
+        local = ids.long() - start
+        inside = (local >= 0) & (local < rows)  # [T]
+        x = self.token_embedding(torch.where(inside, local, 0))
+        return self.tp.all_reduce(x.masked_fill(~inside[:, None], 0.0))
 
     def embed_batch(self, batch: ForwardBatch) -> torch.Tensor:  # -> [T, H]
         """The rows' token embeddings, image rows replaced by their encoder outputs."""
@@ -190,11 +222,22 @@ class Transformer:
 
     def logits(self, h: torch.Tensor, head: Linear | None = None) -> torch.Tensor:
         """[L, H] normed -> [L, V] float32 (with ``head``: that head's rows, e.g. a draft vocabulary)."""
-        out = (head or self.lm_head)(h).float()
+        with self.mirrored(Op.LOGITS, lambda: [h.float()]):
+            out = (head or self.lm_head)(h).float()
+            if self.tp is not None:
+                if head is not None:
+                    raise SpecserveError("a draft vocabulary over a tensor-parallel LM head is not supported")
+                out = self._gather_vocab(out)
         if self.cfg.final_softcap:
             c = self.cfg.final_softcap
             out = torch.tanh(out / c) * c
         return out
+
+    def _gather_vocab(self, out: torch.Tensor) -> torch.Tensor:  # [L, V / world] -> [L, V]
+        per = -(-self.cfg.vocab_size // self.tp.world)
+        if out.shape[1] < per:  # the last rank's rows, padded to the others'
+            out = torch.nn.functional.pad(out, (0, per - out.shape[1]))
+        return self.tp.all_gather_cat(out)[:, :self.cfg.vocab_size]
 
     def weight_bytes(self) -> int:
         linears = [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
@@ -207,11 +250,16 @@ class Transformer:
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> ForwardOutput:
-        x = self.embed_batch(batch)  # [T, H]
-        x, hidden = self.run_layers(x, batch, kv)
-        h = rms_norm(x, self.final_norm, self.cfg.rms_eps)  # [T, H]
-        logits = self.logits(h[batch.logits_indices])
+        with self.mirrored(Op.FORWARD, batch.to_tensors):
+            x = self.embed_batch(batch)  # [T, H]
+            x, hidden = self.run_layers(x, batch, kv)
+            h = rms_norm(x, self.final_norm, self.cfg.rms_eps)  # [T, H]
+            logits = self.logits(h[batch.logits_indices])
         return ForwardOutput(logits, hidden, h)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel linear's partial sums [T, H] -> their sum over the ranks."""
+        return x if self.tp is None else self.tp.all_reduce(x)
 
     def run_layers(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, dict]:
         """The decoder layers over x [T, H] -> (x, hidden states of batch.hidden_layers)."""
@@ -227,7 +275,7 @@ class Transformer:
 
     def fused_stack(self, batch: ForwardBatch, kv: KVCache) -> FusedStack | None:
         """The fused layer stack when this forward can use it, else None (Python path)."""
-        if not self.fused or not fused_batch_supported(batch, kv):
+        if not self.fused or self.tp is not None or not fused_batch_supported(batch, kv):
             return None
         lib = ops.decoder_library()  # None: the torch kernels are selected (or no compiler)
         if lib is None:
@@ -264,12 +312,12 @@ class Transformer:
         rope = self.rope_local if cfg.sliding(i) else self.rope_global
         q, k = rope(q, batch.positions), rope(k, batch.positions)
         attn = self.attend(i, q, k, v, batch, kv, layer.window)  # [T, Hq, D]
-        o = layer.o(attn.reshape(t_len, cfg.q_size))
+        o = self.reduce(layer.o(attn.reshape(t_len, cfg.q_size)))
         if cfg.sandwich_norms:
             o = rms_norm(o, layer.post_attn_norm, cfg.rms_eps)
         x = x + o
         h = rms_norm(x, layer.ffn_norm, cfg.rms_eps)
-        m = layer.mlp(h)
+        m = self.reduce(layer.mlp(h))
         if cfg.sandwich_norms:
             m = rms_norm(m, layer.post_ffn_norm, cfg.rms_eps)
         return x + m

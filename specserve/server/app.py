@@ -20,6 +20,7 @@ from starlette.routing import Match, Route
 
 from specserve import __version__
 from specserve.errors import RequestError, ServiceUnavailable
+from specserve.parallel.group import ParallelError
 from specserve.server.chat import ChatRenderer
 from specserve.server.config import ServerConfig
 from specserve.server.fingerprint import describe, system_fingerprint
@@ -100,6 +101,8 @@ def _guard(ctx: ServingContext, handler: Handler):
             return unavailable_response(exc)
         except ClientGone:
             return Response(status_code=499)  # nobody is listening any more
+        except ParallelError as exc:  # a tensor-parallel rank is gone: this server is going down
+            return error_response(503, str(exc), "server_error", code="engine_dead")
         except Exception as exc:  # noqa: BLE001
             logger.exception("%s %s failed", request.method, request.url.path)
             return error_response(500, f"internal server error ({type(exc).__name__})", "server_error",
@@ -172,7 +175,10 @@ async def retrieve_model(ctx: ServingContext, request: Request) -> dict:
     return model_card(ctx)
 
 
-async def health(_ctx: ServingContext, _request: Request) -> dict:
+async def health(ctx: ServingContext, _request: Request) -> dict | Response:
+    fatal = getattr(ctx.engine, "fatal", None)
+    if fatal is not None:  # e.g. a tensor-parallel rank died: the process is about to exit
+        return error_response(503, f"unhealthy: {fatal}", "server_error", code="engine_dead")
     return {"status": "ok"}
 
 

@@ -1,0 +1,227 @@
+"""One tensor-parallel group: its collectives, and the driver's calls mirrored on every rank.
+
+Rank 0 (the driver) runs the scheduler, the sampler, verification and the drafters; every rank
+holds a shard of the target. Each call the driver makes into the target (``forward``, ``embed``,
+``logits``) is first broadcast as an operation with its tensors (``lead``), so the workers run
+the same call (``follow``) and every rank enters the same collectives in the same order. The
+messages are tensors only: a fixed-size int64 header (the operation, each tensor's dtype and
+shape), then one int64 and one float32 buffer holding them all (3 broadcasts per call, no
+pickling between machines).
+
+The group is a ``ProcessGroupGloo`` of its own (CPU, gloo), not torch.distributed's default
+group, so nothing process-global is set and a test can hold two groups. Every collective has
+the group's timeout: a dead or hung rank raises :class:`ParallelError` on the driver within it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from specserve.errors import SpecserveError
+
+HEADER = 128  # int64 slots: [op, count, then (dtype, ndim, d0, d1, d2) per tensor]
+MAX_TENSORS = (HEADER - 2) // 5
+DTYPES = {1: torch.int32, 2: torch.int64, 3: torch.float32, 4: torch.bool}
+CODES = {v: k for k, v in DTYPES.items()}
+
+
+class ParallelError(SpecserveError):
+    """A rank died, a collective failed or timed out: the group is broken for good."""
+
+
+@dataclass(frozen=True)
+class Op:
+    NOOP = 0
+    FORWARD = 1
+    EMBED = 2
+    LOGITS = 3
+    INIT_KV = 4
+    STOP = 5
+
+
+class TensorParallel:
+    """rank / world of a group, its collectives and the driver-to-worker call protocol."""
+
+    def __init__(self, rank: int, world: int, pg, timeout_s: float, names: dict[int, str] | None = None):
+        self.rank, self.world, self.pg, self.timeout_s = rank, world, pg, timeout_s
+        self.names = names or {}  # rank -> where it runs ("pid 1234", "node 1"), for errors
+        self._depth = 0  # calls nested inside a mirrored one (forward -> embed) are not sent again
+        self._last = time.monotonic()
+        self.failed: ParallelError | None = None
+        self.closing = False  # the driver is stopping the workers: their exits are expected
+        self.lock = threading.Lock()  # one caller at a time (the engine step, a keep-alive)
+        self.processes: dict = {}  # rank -> its local worker process (parallel/launch.py)
+
+    @property
+    def driver(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def connect(cls, rank: int, world: int, host: str, port: int, timeout_s: float,
+                connect_timeout_s: float = 600.0) -> "TensorParallel":
+        """Join the group at host:port (rank 0 serves the rendezvous store there)."""
+        store = dist.TCPStore(host, port, world, rank == 0, timeout=datetime.timedelta(seconds=connect_timeout_s),
+                              wait_for_workers=False)
+        pg = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=timeout_s))
+        group = cls(rank, world, pg, timeout_s)
+        group._store = store  # the store serves the group's lifetime
+        return group
+
+    # ---- collectives -----------------------------------------------------------------------
+    def _wait(self, work, what: str) -> None:
+        if self.failed is not None:
+            raise self.failed
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            self.failed = ParallelError(f"tensor-parallel {what} failed on rank {self.rank}: {_short(exc)}"
+                                        f"{self._who()}")
+            raise self.failed from exc
+        self._last = time.monotonic()
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:  # in place, summed over the ranks
+        self._wait(self.pg.allreduce([t]), "all-reduce")
+        return t
+
+    def all_gather_cat(self, t: torch.Tensor) -> torch.Tensor:  # [.., n] each -> [.., world * n]
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        self._wait(self.pg.allgather([parts], [t]), "all-gather")
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:  # from rank 0, in place
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._wait(self.pg.broadcast([t], opts), "broadcast")
+        return t
+
+    def max_flag(self, flag: int) -> int:
+        """The largest of every rank's flag (a rank that cannot go on says so with a non-zero one)."""
+        t = torch.tensor([flag], dtype=torch.int64)
+        self._wait(self.pg.allreduce([t], _max_opts()), "all-reduce")
+        return int(t.item())
+
+    # ---- the driver's calls, mirrored ------------------------------------------------------
+    @contextlib.contextmanager
+    def lead(self, op: int, tensors):
+        """Around a driver call into the target: send it to the workers first (outermost only).
+        tensors: a function giving the call's tensors (built only when sent)."""
+        outer = self._depth == 0 and self.driver
+        if outer:
+            self.lock.acquire()
+        try:
+            if outer:
+                self.send(op, tensors())
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+        finally:
+            if outer:
+                self.lock.release()
+
+    def send(self, op: int, tensors: list[torch.Tensor | None]) -> None:
+        if len(tensors) > MAX_TENSORS:
+            raise ValueError(f"at most {MAX_TENSORS} tensors per call")
+        header = torch.zeros(HEADER, dtype=torch.int64)
+        header[0], header[1] = op, len(tensors)
+        ints, floats = [], []
+        for i, t in enumerate(tensors):
+            if t is None:
+                continue
+            if t.dim() > 3 or t.dtype not in CODES:
+                raise ValueError(f"cannot send a {t.dtype} tensor of {t.dim()} dims")
+            header[2 + 5 * i:4 + 5 * i] = torch.tensor([CODES[t.dtype], t.dim()])
+            header[4 + 5 * i:4 + 5 * i + t.dim()] = torch.tensor(t.shape)
+            (floats if t.dtype == torch.float32 else ints).append(t.reshape(-1))
+        self.broadcast(header)
+        if ints:
+            self.broadcast(torch.cat([t.cpu().to(torch.int64) for t in ints]))
+        if floats:
+            self.broadcast(torch.cat([t.cpu() for t in floats]))
+
+    def receive(self) -> tuple[int, list[torch.Tensor | None]]:
+        """A worker's next call from the driver: (op, its tensors)."""
+        header = self.broadcast(torch.zeros(HEADER, dtype=torch.int64)).tolist()
+        op, count = header[0], header[1]
+        specs = [(header[2 + 5 * i], header[4 + 5 * i:4 + 5 * i + header[3 + 5 * i]]) for i in range(count)]
+        n_int = sum(_numel(s) for code, s in specs if code and DTYPES[code] != torch.float32)
+        n_float = sum(_numel(s) for code, s in specs if code and DTYPES[code] == torch.float32)
+        ints = self.broadcast(torch.empty(n_int, dtype=torch.int64)) if n_int else None
+        floats = self.broadcast(torch.empty(n_float, dtype=torch.float32)) if n_float else None
+        out, oi, of = [], 0, 0
+        for code, shape in specs:
+            if not code:
+                out.append(None)
+            elif DTYPES[code] == torch.float32:
+                out.append(floats[of:of + _numel(shape)].reshape(shape))
+                of += _numel(shape)
+            else:
+                out.append(ints[oi:oi + _numel(shape)].reshape(shape).to(DTYPES[code]))
+                oi += _numel(shape)
+        return op, out
+
+    def keepalive(self, every_s: float) -> None:
+        """Driver, idle: a no-op call when nothing was sent for every_s (a worker waiting for the
+        next call would otherwise hit the collectives' timeout)."""
+        if self.failed is None and time.monotonic() - self._last >= every_s and self.lock.acquire(blocking=False):
+            try:
+                self.send(Op.NOOP, [])
+            finally:
+                self.lock.release()
+
+    def stop(self) -> None:
+        """Driver: tell the workers to exit (best effort: a broken group has nobody to tell)."""
+        self.closing = True
+        if self.driver and self.failed is None:
+            with contextlib.suppress(ParallelError), self.lock:
+                self.send(Op.STOP, [])
+
+    def fail(self, why: str) -> None:
+        """Mark the group broken (a watchdog saw a rank die): every later collective raises."""
+        if self.failed is None:
+            self.failed = ParallelError(why)
+
+    def _who(self) -> str:
+        dead = [f"rank {r} ({self.names.get(r, '?')}) exited with code {p.returncode}"
+                for r, p in sorted(self.processes.items()) if p.poll() is not None]
+        return f" ({'; '.join(dead)})" if dead else ""
+
+
+def _max_opts():
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    return opts
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text.split("] ", 1)[-1][:200]
+
+
+def share_plan(tp: TensorParallel, plan) -> None:
+    """Driver: send the memory plan's pool (blocks, block size, window blocks, KV dtype) to the
+    workers, which allocate their slice of it; refuse when any rank cannot hold its slice."""
+    from specserve.models.kv_cache import KV_DTYPES
+
+    numbers = [plan.num_blocks, plan.block_size, plan.window_blocks, KV_DTYPES.index(plan.kv_dtype)]
+    with tp.lead(Op.INIT_KV, lambda: [torch.tensor(numbers, dtype=torch.int64)]):
+        bad = tp.max_flag(0)
+    if bad:
+        raise SpecserveError(f"tensor-parallel rank {bad - 1}: its slice of the KV pool ({plan.num_blocks} blocks) "
+                             "does not fit in its available memory: lower --kv-cache-memory")

@@ -1,0 +1,226 @@
+"""Tensor parallel over gloo on this machine: two ranks, one thread each (specserve/parallel).
+
+A tiny random Llama at fp32: logits against the same model on one rank, greedy tokens with and
+without every drafter (exact: the all-reduce adds partial sums in another order than one rank,
+but the same order at every step, in every batch), alone and in a batch of 8; the shards
+rebuild the full matrices; the wire format; two "nodes" on loopback; bad flags. The real-model
+agreement count and a killed rank are in tests/test_tensor_parallel_live.py."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from engine_utils import drafter_makers, run_all
+from specserve.commands.args import add_engine_args
+from specserve.engine.builder import build_parts
+from specserve.engine.config import EngineConfig
+from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.types import SamplingParams
+from specserve.errors import SpecserveError
+from specserve.models.loader import load_model
+from specserve.models.transformer import ForwardBatch
+from specserve.parallel.launch import ParallelConfig, free_port, stop_workers
+from specserve.parallel.shard import Shard, shard_tensors, split_points, vocab_rows
+from tiny_models import FP32, make_tiny_target
+
+MAX_LEN = 256
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return p.parse_args(list(argv))
+
+
+def tp_args(directory, *extra: str) -> argparse.Namespace:
+    return parse("--model", str(directory), "--quantization", "none", "--max-model-len", str(MAX_LEN),
+                 "--kv-cache-memory", "16MiB", "-tp", "2", "--threads", "1", *extra)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tp_tiny")
+    make_tiny_target(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def one(tiny_dir):
+    return load_model(str(tiny_dir), FP32)
+
+
+@pytest.fixture(scope="module")
+def tp2(tiny_dir):
+    """The tiny target split over 2 ranks: this process is rank 0, a worker process rank 1."""
+    parts = build_parts(tp_args(tiny_dir))
+    yield parts.target
+    stop_workers(parts.target.model.tp)
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp("tp_draft"), seed=1, layers=1)
+
+
+def prompts(n: int = 8) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 250, (int(torch.randint(5, 40, (1,), generator=g)),), generator=g).tolist()
+            + [5, 6, 7, 5, 6, 7] for _ in range(n)]
+
+
+def engine(target, spec=None, drafter=None, **kw) -> LLMEngine:
+    kw.setdefault("max_model_len", MAX_LEN)
+    kw.setdefault("kv_cache_memory", 16 << 20)
+    return LLMEngine(target, EngineConfig(**kw), spec, drafter)
+
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def test_logits_agree_with_one_rank(one, tp2):
+    ids = prompts(1)[0]
+    got = [run_logits(m, ids) for m in (one, tp2)]
+    assert got[0].shape == got[1].shape == (len(ids), one.config.vocab_size)
+    torch.testing.assert_close(got[1], got[0], rtol=1e-4, atol=1e-4)
+
+
+def run_logits(target, ids: list[int]) -> torch.Tensor:
+    from engine_utils import logits_of_every_position
+
+    eng = engine(target)
+    eng.add_request("x", ids, SamplingParams(max_tokens=1))
+    return logits_of_every_position(eng, "x")[0][:len(ids)]
+
+
+def test_greedy_is_deterministic_and_batch_invariant(one, tp2):
+    ps = prompts()
+    batch = run_all(engine(tp2), ps, GREEDY)
+    assert run_all(engine(tp2), ps, GREEDY) == batch  # run to run
+    assert [run_all(engine(tp2, max_num_seqs=1), [p], GREEDY)[0] for p in ps[:3]] == batch[:3]  # alone
+    single = run_all(engine(one), ps, GREEDY)
+    same = sum(a[:16] == b[:16] for a, b in zip(batch, single))
+    assert same >= 6, f"only {same} of 8 prompts keep one rank's first 16 tokens"
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "dflash"])
+def test_every_drafter_is_lossless_under_tensor_parallel(tiny_dir, tp2, draft, method):
+    ps = prompts()
+    plain = run_all(engine(tp2), ps, GREEDY)
+    spec, drafter = drafter_makers(tiny_dir, tp2, draft, MAX_LEN)[method]()
+    eng = engine(tp2, spec, drafter)
+    assert run_all(eng, ps, GREEDY) == plain
+    assert eng.totals.draft_tokens > 0
+
+
+def test_mtp_head_under_tensor_parallel(tmp_path, one, tp2):
+    """A (random) MTP head reads the target's last hidden state and its embedding / LM head,
+    both split over the ranks: the driver's calls into them run on every rank."""
+    from specserve.speculative.config import SpeculativeConfig
+    from specserve.speculative.dflash import save_drafter
+    from specserve.speculative.registry import build_drafter
+    from specserve.speculative.train.trainer import make_model
+    from specserve.models.loader import LoadOptions
+
+    head = make_model("mtp", one, seed=3)
+    save_drafter(head, head.cfg.to_json(), tmp_path / "mtp")
+    spec = SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False, model=str(tmp_path / "mtp"))
+    options = LoadOptions("cpu", "float32", "none")
+    ps = prompts()
+    plain = run_all(engine(tp2), ps, GREEDY)
+    eng = engine(tp2, spec, build_drafter(spec, tp2, options, EngineConfig(max_model_len=MAX_LEN), MAX_LEN))
+    assert run_all(eng, ps, GREEDY) == plain
+    assert eng.totals.draft_tokens > 0
+
+
+def test_shards_rebuild_the_full_matrices(one, tiny_dir):
+    from specserve.models.loader import _read_hf
+
+    cfg, tensors, _tok, _ = _read_hf(tiny_dir)
+    parts = [shard_tensors(cfg, tensors, Shard(r, 2)) for r in range(2)]
+    full = {n: t.dequantize() for n, t in tensors.items()}
+    for name in ("layers.0.q", "layers.1.k", "layers.2.gate", "embed"):
+        torch.testing.assert_close(torch.cat([p[1][name].dequantize() for p in parts]), full[name], rtol=0, atol=0)
+    for name in ("layers.0.o", "layers.2.down"):
+        torch.testing.assert_close(torch.cat([p[1][name].dequantize() for p in parts], dim=1), full[name],
+                                   rtol=0, atol=0)
+    rank_cfg = parts[1][0]
+    assert (rank_cfg.num_heads, rank_cfg.num_kv_heads, rank_cfg.intermediate_size) == (2, 1, 64)
+    torch.testing.assert_close(parts[1][1]["layers.0.attn_norm"].dequantize(), full["layers.0.attn_norm"])
+
+
+def test_cuts_keep_quantized_blocks_whole():
+    assert split_points(4864, 2, 256) == [0, 2304, 4864]  # 19 blocks: 9 and 10, not 2432 (mid-block)
+    assert split_points(4864, 2, 32) == [0, 2432, 4864]
+    assert split_points(100, 3, 1) == [0, 33, 66, 100]
+    assert vocab_rows(151936, Shard(1, 2)) == (75968, 75968)
+    assert vocab_rows(10, Shard(2, 3)) == (8, 2)
+
+
+def test_forward_batch_survives_the_wire_format():
+    b = ForwardBatch(torch.arange(5), torch.arange(5, dtype=torch.int32), torch.zeros(5, dtype=torch.int32),
+                     torch.ones(2, 4, dtype=torch.int32), torch.arange(5), torch.tensor([4]), hidden_layers=(0, 2),
+                     mm_embeds=torch.randn(2, 8))
+    back = ForwardBatch.from_tensors(b.to_tensors())
+    for name in ForwardBatch.TENSORS:
+        a, c = getattr(b, name), getattr(back, name)
+        assert (a is None) == (c is None), name
+        if a is not None:
+            assert a.dtype == c.dtype and torch.equal(a, c), name
+    assert back.hidden_layers == (0, 2)
+
+
+def test_two_nodes_on_loopback_give_the_same_tokens(tiny_dir, tp2):
+    """--nnodes 2: node 1 is `specserve serve --node-rank 1` (its worker only), node 0 this process."""
+    import subprocess
+    import sys
+
+    addr = f"127.0.0.1:{free_port()}"
+    node = ["--nnodes", "2", "--dist-init-addr", addr]
+    args = tp_args(tiny_dir, *node)
+    node1 = subprocess.Popen([sys.executable, "-m", "specserve", "serve", "--model", str(tiny_dir),
+                              "--quantization", "none", "-tp", "2", "--threads", "1", *node, "--node-rank", "1"])
+    try:
+        parts = build_parts(args)
+        eng = LLMEngine(parts.target, parts.ecfg)
+        ps = prompts()
+        assert run_all(eng, ps, GREEDY) == run_all(engine(tp2), ps, GREEDY)
+        eng.close()
+        assert node1.wait(30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("-tp", "0"), "must be >= 1"),
+    (("-tp", "2", "--nnodes", "3"), "must divide"),
+    (("-tp", "2", "--nnodes", "2"), "needs --dist-init-addr"),
+    (("-tp", "2", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:1"), "--node-rank must be in"),
+    (("-tp", "2", "--dist-init-addr", "nohost"), "host:port"),
+    (("-tp", "2", "--dist-timeout", "0"), "--dist-timeout"),
+])
+def test_bad_parallel_flags_fail_naming_the_flag(argv, message):
+    with pytest.raises(SpecserveError, match=message):
+        ParallelConfig.from_args(parse(*argv))
+
+
+def test_a_model_the_ranks_cannot_split_is_refused_at_start_up():
+    with pytest.raises(SpecserveError, match="does not divide the 9 attention heads"):
+        build_parts(parse("--model", "smollm2-135m", "-tp", "2", "--max-model-len", "256"))
+
+
+def test_plan_prints_every_rank_without_starting_one(tiny_dir, one, capsys):
+    from specserve import cli
+
+    argv = ["plan", "--model", str(tiny_dir), "--quantization", "none", "--max-model-len", "256",
+            "--kv-cache-memory", "8MiB", "-tp", "2", "--json"]
+    assert cli.main(argv) == 0
+    got = __import__("json").loads(capsys.readouterr().out)
+    ranks = got["ranks"]
+    assert len(ranks) == 2 and ranks[0]["num_blocks"] == ranks[1]["num_blocks"]
+    assert sum(r["weight_bytes"] for r in ranks) == one.model.weight_bytes()  # split, nothing replicated
+    assert ranks[0]["kv_bytes_per_token"] * 2 == ranks[0]["kv_bytes_per_token"] + ranks[1]["kv_bytes_per_token"]
+    assert got["total_bytes"] == sum(r["total_bytes"] for r in ranks)
