@@ -4,9 +4,10 @@
 
 Each case runs in its own process, one after another (never two at once):
   tp1:          one process, --threads = the cores (the fused C decoder stack);
-  tp1-unfused:  the same, per-op path (what a tensor-parallel rank runs: the all-reduces sit
-                between the ops), to separate the cost of splitting from the cost of the path;
-  tp2:          -tp 2, one thread per rank (gloo all-reduce on loopback).
+  tp1-unfused:  the same on the per-op Python path (for reference: what the fused C stack saves;
+                a rank runs the fused stack, its all-reduces a callback from inside it);
+  tp2:          -tp 2, one thread per rank, each rank pinned to its core (gloo point-to-point
+                on loopback: 48 all-reduces of one [T, 896] row block per step for this model).
 Prints decode tok/s of one stream (median of --runs after a warm-up, greedy, EOS ignored) and
 of 8 streams together, each as a ratio to tp1, then how many of 16 prompts keep TP=1's first
 32 greedy tokens under TP=2 (the all-reduce adds partial sums in another order, so a near tie

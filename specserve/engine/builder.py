@@ -13,7 +13,7 @@ from specserve.engine.llm_engine import LLMEngine
 from specserve.kernels import ops
 from specserve.errors import SpecserveError
 from specserve.models.loader import LoadedModel, LoadOptions, load_model
-from specserve.parallel.launch import ParallelConfig, connect, free_port, start_workers, watch
+from specserve.parallel.launch import ParallelConfig, connect, free_port, pin, start_workers, watch
 from specserve.parallel.shard import Shard
 from specserve.speculative.config import SpeculativeConfig, parse_speculative_config
 from specserve.speculative.drafter import Drafter
@@ -55,6 +55,7 @@ def build_parts(args: argparse.Namespace) -> EngineParts:
     check_parallel_request(args, spec)
     addr = pcfg.dist_init_addr or f"127.0.0.1:{free_port()}"
     procs = start_workers(args, pcfg, addr)  # they load their shards while this process loads its own
+    pin(pcfg.core_sets().get(0))
     try:
         target = load_model(args.model, replace(options, shard=Shard(0, tp_size)))
         parts = _parts(target, ecfg, spec, options)

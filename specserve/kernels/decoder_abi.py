@@ -41,10 +41,15 @@ class SSKVPool(ctypes.Structure):
                 ("block_size", _i64), ("fmt", ctypes.c_int32), ("group", ctypes.c_int32)]
 
 
+# tensor parallel: int reduce(float *x, int64_t n, void *ctx), x summed over the ranks in place
+REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, _i64, ctypes.c_void_p)
+
+
 class SSModel(ctypes.Structure):
     _fields_ = [("hidden", _i64), ("n_heads", _i64), ("n_kv_heads", _i64), ("head_dim", _i64), ("inter", _i64),
                 ("eps", _f32), ("scale", _f32), ("softcap", _f32), ("act", ctypes.c_int32),
-                ("rope_cos", _vp), ("rope_sin", _vp), ("rope_max_pos", _i64)]
+                ("rope_cos", _vp), ("rope_sin", _vp), ("rope_max_pos", _i64), ("reduce", REDUCE_FN),
+                ("reduce_ctx", _vp)]
 
 
 class SSRows(ctypes.Structure):

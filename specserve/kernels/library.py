@@ -45,6 +45,7 @@ _ERRORS = {
     -6: (MemoryError, "out of memory in kernel"),
     -7: (IndexError, "position beyond the rope table (or negative)"),
     -8: (IndexError, "kv slot out of range of the kv cache"),
+    -9: (RuntimeError, "the tensor-parallel reduce callback failed"),
 }
 
 # --------------------------------------------------------------------------

@@ -119,6 +119,7 @@ from .pointwise import (  # noqa: F401
 from .recurrent import gated_delta, sigmoid_mul  # noqa: F401
 from .decoder_abi import (  # noqa: F401
     LIN_SLOTS,
+    REDUCE_FN,
     SSKVPool,
     SSLayer,
     SSLin,

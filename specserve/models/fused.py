@@ -19,6 +19,7 @@ need ``model._stack = None``; a switched ``int_dot`` is picked up by itself.
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from operator import attrgetter
 from typing import TYPE_CHECKING
@@ -129,6 +130,20 @@ class FusedStack:
         self._model_layers = model.layers
         self._kv_ref = None
         self._pools = None
+        self._reduce_error: BaseException | None = None
+        if model.tp is not None:  # the row-parallel partial sums, summed over the ranks inside the call
+            self._reduce = ops.REDUCE_FN(self._make_reduce(model.tp))
+            self.model_desc.reduce = self._reduce
+
+    def _make_reduce(self, tp):
+        def reduce(ptr: int, n: int, _ctx) -> int:
+            try:
+                tp.all_reduce(torch.frombuffer((ctypes.c_float * n).from_address(ptr), dtype=torch.float32))
+                return 0
+            except BaseException as exc:  # noqa: BLE001 - re-raised by run() once the C call returns
+                self._reduce_error = exc
+                return 1
+        return reduce
 
     def __deepcopy__(self, memo) -> None:
         """A copied model must not reuse raw pointers into the original's tensors: it rebuilds."""
@@ -183,8 +198,17 @@ class FusedStack:
         hidden: dict[int, torch.Tensor] = {}
         start = 0
         for end in sorted({i + 1 for i in batch.hidden_layers if 0 <= i < self.num_layers}):
-            ops.decoder_layers(self.lib, self.model_desc, layers, pools, start, end, rows, wrows, x)
+            self._layers_call(layers, pools, start, end, rows, wrows, x)
             hidden[end - 1] = x.clone()
             start = end
-        ops.decoder_layers(self.lib, self.model_desc, layers, pools, start, self.num_layers, rows, wrows, x)
+        self._layers_call(layers, pools, start, self.num_layers, rows, wrows, x)
         return hidden
+
+    def _layers_call(self, layers, pools, l0: int, l1: int, rows, wrows, x: torch.Tensor) -> None:
+        try:
+            ops.decoder_layers(self.lib, self.model_desc, layers, pools, l0, l1, rows, wrows, x)
+        except RuntimeError:
+            error, self._reduce_error = self._reduce_error, None
+            if error is not None:
+                raise error from None
+            raise

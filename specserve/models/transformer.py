@@ -275,7 +275,7 @@ class Transformer:
 
     def fused_stack(self, batch: ForwardBatch, kv: KVCache) -> FusedStack | None:
         """The fused layer stack when this forward can use it, else None (Python path)."""
-        if not self.fused or self.tp is not None or not fused_batch_supported(batch, kv):
+        if not self.fused or not fused_batch_supported(batch, kv):
             return None
         lib = ops.decoder_library()  # None: the torch kernels are selected (or no compiler)
         if lib is None:

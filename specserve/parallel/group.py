@@ -86,15 +86,33 @@ class TensorParallel:
             raise self.failed from exc
         self._last = time.monotonic()
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:  # in place, summed over the ranks
-        self._wait(self.pg.allreduce([t]), "all-reduce")
-        return t
+    def exchange(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
+        """Every rank's t, in rank order (this rank's own at its index). Point-to-point sends and
+        receives between every pair: for the small tensors of a decode step on one machine much
+        quicker than gloo's ring all-reduce (timed by hand on 2 ranks, 896 floats: ~0.2 ms
+        against ~1.6 ms)."""
+        t = t.contiguous()
+        parts = [t if r == self.rank else torch.empty_like(t) for r in range(self.world)]
+        works = []
+        for r in range(self.world):
+            if r != self.rank:
+                works.append(self.pg.send([t], r, 0))
+                works.append(self.pg.recv([parts[r]], r, 0))
+        for work in works:
+            self._wait(work, what)
+        return parts
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """t summed over the ranks, in place: added in rank order on every rank, so every rank
+        holds the same bits and a step's sums do not depend on which rank finished first."""
+        parts = self.exchange(t, "all-reduce")
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p
+        return t.copy_(total)
 
     def all_gather_cat(self, t: torch.Tensor) -> torch.Tensor:  # [.., n] each -> [.., world * n]
-        t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(self.world)]
-        self._wait(self.pg.allgather([parts], [t]), "all-gather")
-        return torch.cat(parts, dim=-1)
+        return torch.cat(self.exchange(t, "all-gather"), dim=-1)
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:  # from rank 0, in place
         opts = dist.BroadcastOptions()

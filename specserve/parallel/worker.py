@@ -30,6 +30,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dist-init-addr", required=True)
     p.add_argument("--dist-timeout", type=float, default=30.0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cpus", default="", help="cores to pin this rank to (comma-separated; empty: none)")
     return p.parse_args(argv)
 
 
@@ -73,13 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     from specserve.commands.serve import _setup_logging
     from specserve.engine.builder import set_threads
     from specserve.models.loader import LoadOptions, load_model
-    from specserve.parallel.launch import ParallelConfig, connect
+    from specserve.parallel.launch import ParallelConfig, connect, pin
     from specserve.parallel.shard import Shard
 
     args = parse(sys.argv[1:] if argv is None else argv)
     # Ctrl-C reaches the whole process group: the driver drains and then stops this worker itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _setup_logging("info")
+    pin([int(c) for c in args.cpus.split(",") if c])
     set_threads(args.threads)
     try:
         shard = Shard(args.rank, args.world)

@@ -38,6 +38,7 @@
 enum {
     SS_EROPE = -7, /* position beyond the rope table (or negative) */
     SS_ESLOT = -8, /* KV slot out of range of the cache */
+    SS_EREDUCE = -9, /* the tensor-parallel reduce callback failed */
 };
 
 /* ------------------------------------------------------------------------ */
@@ -187,6 +188,10 @@ typedef struct {
     int32_t act;                    /* ACT_* */
     const float *rope_cos, *rope_sin; /* [max_pos, head_dim / 2] */
     int64_t rope_max_pos;
+    /* tensor parallel (NULL on one rank): sums a row-parallel linear's partial output [n] over
+     * the ranks, in place, after o and after down; non-zero: the collective failed */
+    int (*reduce)(float *x, int64_t n, void *ctx);
+    void *reduce_ctx;
 } SSModel;
 
 /* the rows of one forward pass */
@@ -294,11 +299,13 @@ static int decoder_layer(const SSModel *m, const SSLayer *L, const SSKVPool *kv,
                                    nthreads)))
         return rc;
     if ((rc = run_lin(&L->lin[LIN_O], s->attn, T, qs, qs, s->o, H, nthreads))) return rc;
+    if (m->reduce && m->reduce(s->o, T * H, m->reduce_ctx)) return SS_EREDUCE;
     add_rows(x, s->o, T * H);
     if ((rc = ss_rms_norm(x, T, H, H, L->ffn_norm, m->eps, 0, s->h, H, nthreads))) return rc;
     if ((rc = run_lins(L, LIN_GATE, 2, s->h, T, H, s->gu, 2 * I, nthreads))) return rc;
     if ((rc = ss_act_mul(s->gu, s->gu + I, T, I, 2 * I, 2 * I, m->act, s->act, I, nthreads))) return rc;
     if ((rc = run_lin(&L->lin[LIN_DOWN], s->act, T, I, I, s->o, H, nthreads))) return rc;
+    if (m->reduce && m->reduce(s->o, T * H, m->reduce_ctx)) return SS_EREDUCE;
     add_rows(x, s->o, T * H);
     return SS_OK;
 }
