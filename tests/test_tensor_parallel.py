@@ -224,3 +224,106 @@ def test_plan_prints_every_rank_without_starting_one(tiny_dir, one, capsys):
     assert sum(r["weight_bytes"] for r in ranks) == one.model.weight_bytes()  # split, nothing replicated
     assert ranks[0]["kv_bytes_per_token"] * 2 == ranks[0]["kv_bytes_per_token"] + ranks[1]["kv_bytes_per_token"]
     assert got["total_bytes"] == sum(r["total_bytes"] for r in ranks)
+
+
+# ---- hybrid models: Gated DeltaNet heads and their recurrent states split over the ranks -------
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    from tiny_models import make_tiny_hybrid
+
+    d = tmp_path_factory.mktemp("tp_hybrid")
+    make_tiny_hybrid(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def hybrid_tp2(hybrid_dir):
+    parts = build_parts(tp_args(hybrid_dir))
+    yield parts.target
+    stop_workers(parts.target.model.tp)
+
+
+def test_hybrid_logits_agree_with_one_rank(hybrid_dir, hybrid_tp2):
+    one = load_model(str(hybrid_dir), FP32)
+    assert hybrid_tp2.model.cfg.deltanet.num_v_heads * 2 == one.config.deltanet.num_v_heads
+    ids = prompts(1)[0]
+    torch.testing.assert_close(run_logits(hybrid_tp2, ids), run_logits(one, ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "mtp"])
+def test_hybrid_speculation_is_lossless_with_states_split(hybrid_tp2, method):
+    """The checkpoint's own MTP head (built by the registry on the split target, as serve does),
+    and model-free drafters: rollback of each rank's state planes stays in step."""
+    from specserve.models.loader import LoadOptions
+    from specserve.speculative.config import SpeculativeConfig
+    from specserve.speculative.registry import build_drafter
+
+    k = {"ngram": 4, "suffix": 3, "mtp": 3}[method]
+    spec = SpeculativeConfig(method, num_speculative_tokens=k, adaptive=False)
+    drafter = build_drafter(spec, hybrid_tp2, LoadOptions("cpu", "float32", "none"),
+                            EngineConfig(max_model_len=MAX_LEN), MAX_LEN)
+    ps = prompts()
+    plain = run_all(engine(hybrid_tp2), ps, GREEDY)
+    eng = engine(hybrid_tp2, spec, drafter)
+    assert run_all(eng, ps, GREEDY) == plain
+    assert eng.totals.draft_tokens > 0
+    again = run_all(eng, ps, GREEDY)  # prefix-cache hits: each rank restores its state checkpoints
+    assert again == plain
+
+
+def test_mixture_of_experts_splits_every_expert(tmp_path):
+    """Qwen3-Next: each expert's and the shared expert's channels split, the router replicated."""
+    from tiny_models import make_tiny_qwen3_next
+
+    one, _hf = make_tiny_qwen3_next(tmp_path / "next")
+    parts = build_parts(tp_args(tmp_path / "next"))
+    try:
+        ids = prompts(1)[0]
+        torch.testing.assert_close(run_logits(parts.target, ids), run_logits(one, ids), rtol=1e-4, atol=1e-4)
+        ps = prompts(4)
+        assert run_all(engine(parts.target), ps, GREEDY) == run_all(engine(parts.target, max_num_seqs=1), ps, GREEDY)
+    finally:
+        stop_workers(parts.target.model.tp)
+
+
+def test_gguf_hybrid_in_llama_cpp_head_order():
+    """llama.cpp's converter tiles the value heads (v head h reads key head h % Hk): each rank keeps
+    the value heads of its key heads, wherever they sit."""
+    from pathlib import Path
+
+    gguf = str(Path(__file__).resolve().parent / "data" / "tiny_qwen35_vl" / "tiny-qwen35-vl-f32.gguf")
+    one = load_model(gguf, FP32)
+    assert one.config.deltanet.v_tiled
+    parts = build_parts(parse("--model", gguf, "--quantization", "none", "--max-model-len", str(MAX_LEN),
+                              "--kv-cache-memory", "16MiB", "-tp", "2", "--threads", "1"))
+    try:
+        ids = prompts(1)[0]
+        torch.testing.assert_close(run_logits(parts.target, ids), run_logits(one, ids), rtol=1e-4, atol=1e-4)
+    finally:
+        stop_workers(parts.target.model.tp)
+
+
+def test_images_under_tensor_parallel():
+    """The vision tower runs once, on rank 0 (replicated there, not split; the workers load none):
+    the image rows' embeddings and M-RoPE positions travel with the forward to every rank. Greedy
+    tokens equal one rank's on this tiny model, and n-gram speculation keeps them exactly."""
+    from pathlib import Path
+
+    from specserve.speculative.config import SpeculativeConfig
+    from specserve.speculative.ngram import NgramDrafter
+    from test_vision import engine as vl_engine
+    from test_vision import greedy, image_prompts
+
+    d = str(Path(__file__).resolve().parent / "data" / "tiny_qwen35_vl" / "hf")
+    one = load_model(d, FP32)
+    parts = build_parts(parse("--model", d, "--quantization", "none", "--max-model-len", "512",
+                              "--kv-cache-memory", "16MiB", "-tp", "2", "--threads", "1"))
+    try:
+        tp = parts.target
+        ps = image_prompts(one)[:6]
+        plain = greedy(vl_engine(tp), ps, 16)
+        assert plain == greedy(vl_engine(one), ps, 16)
+        spec = SpeculativeConfig("ngram", num_speculative_tokens=4)
+        assert greedy(vl_engine(tp, spec, NgramDrafter(1, 3), max_num_seqs=8), ps, 16) == plain
+    finally:
+        stop_workers(parts.target.model.tp)

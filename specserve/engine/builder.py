@@ -57,7 +57,7 @@ def build_parts(args: argparse.Namespace) -> EngineParts:
     procs = start_workers(args, pcfg, addr)  # they load their shards while this process loads its own
     pin(pcfg.core_sets().get(0))
     try:
-        target = load_model(args.model, replace(options, shard=Shard(0, tp_size)))
+        target = load_model(args.model, replace(options, shard=Shard(0, tp_size), mmproj=getattr(args, "mmproj", None)))
         parts = _parts(target, ecfg, spec, options)
         target.model.tp = connect(0, pcfg, addr, procs)
     except BaseException:
@@ -79,8 +79,6 @@ def _parts(target: LoadedModel, ecfg: EngineConfig, spec: SpeculativeConfig | No
 def check_parallel_request(args: argparse.Namespace, spec: SpeculativeConfig | None) -> None:
     """What tensor parallel does not take yet, refused before any process starts."""
     n = args.tensor_parallel_size
-    if getattr(args, "mmproj", None):
-        raise SpecserveError(f"--tensor-parallel-size {n}: a vision tower (--mmproj) is not sharded yet")
     if args.device == "cuda":
         raise SpecserveError(f"--tensor-parallel-size {n}: the CUDA path (NCCL) is not built yet; use --device cpu")
     if spec is not None and spec.draft_vocab_size and spec.method in ("dflash", "mtp"):

@@ -266,8 +266,8 @@ class HybridTransformer(Transformer):
             raise RuntimeError("a hybrid model's forward needs recurrent-state storage (KVCache.states)")
         seqs = SeqState.of(batch)
         for i, layer in enumerate(self.layers):
-            x = x + layer.mixer(self, i, rms_norm(x, layer.attn_norm, eps), batch, kv, seqs)
-            x = x + layer.mlp(rms_norm(x, layer.ffn_norm, eps))
+            x = x + self.reduce(layer.mixer(self, i, rms_norm(x, layer.attn_norm, eps), batch, kv, seqs))
+            x = x + self.reduce(layer.mlp(rms_norm(x, layer.ffn_norm, eps)))
             if i in batch.hidden_layers:
                 hidden[i] = x
         return x, hidden

@@ -33,6 +33,7 @@ class LoadOptions:
     quantization: str = "auto"  # one of specserve.models.quant.QUANTIZATIONS
     mmproj: str | None = None  # a llama.cpp mmproj GGUF: the vision tower of a GGUF model
     shard: Shard = Shard(0, 1)  # tensor parallel: the part of the weights this rank keeps
+    vision: bool = True  # False: skip a vision tower (a tensor-parallel worker: rank 0 encodes images)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -117,7 +118,7 @@ def load_model(spec: str, options: LoadOptions = LoadOptions()) -> LoadedModel:
     log.info("loaded %s (%s, %d layers) on %s, weights %s, %.0f MB%s", resolved.name, cfg.arch, cfg.num_layers,
              device, quant, model.weight_bytes() / 1e6,
              f" (rank {options.shard.rank} of {options.shard.world})" if options.shard.active else "")
-    vision, processor = _load_vision(resolved, cfg, options, device, tok)
+    vision, processor = _load_vision(resolved, cfg, options, device, tok) if options.vision else (None, None)
     return LoadedModel(resolved.name, resolved, cfg, model, tok, identity, vision, processor)
 
 

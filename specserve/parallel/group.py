@@ -233,11 +233,12 @@ def _short(exc: BaseException) -> str:
 
 
 def share_plan(tp: TensorParallel, plan) -> None:
-    """Driver: send the memory plan's pool (blocks, block size, window blocks, KV dtype) to the
-    workers, which allocate their slice of it; refuse when any rank cannot hold its slice."""
+    """Driver: send the memory plan's pool (blocks, block size, window blocks, KV dtype, a hybrid
+    model's recurrent-state slots, planes and checkpoints) to the workers, which allocate their slice of it; refuse when any rank cannot hold its slice."""
     from specserve.models.kv_cache import KV_DTYPES
 
-    numbers = [plan.num_blocks, plan.block_size, plan.window_blocks, KV_DTYPES.index(plan.kv_dtype)]
+    numbers = [plan.num_blocks, plan.block_size, plan.window_blocks, KV_DTYPES.index(plan.kv_dtype),
+               plan.state_slots, plan.state_planes, plan.state_checkpoints]
     with tp.lead(Op.INIT_KV, lambda: [torch.tensor(numbers, dtype=torch.int64)]):
         bad = tp.max_flag(0)
     if bad:

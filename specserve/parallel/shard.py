@@ -47,11 +47,10 @@ def check_shardable(cfg: ModelConfig, world: int) -> None:
     """Refuse a model this many ranks cannot split, naming why (at start-up, before any load)."""
     if world <= 1:
         return
-    if cfg.hybrid or cfg.moe is not None:
-        raise SpecserveError(f"--tensor-parallel-size {world}: {cfg.arch} (hybrid linear-attention or "
-                             "mixture-of-experts layers) is not sharded yet; dense families only")
-    if cfg.attn_output_gate:
-        raise SpecserveError(f"--tensor-parallel-size {world}: gated attention output is not sharded yet")
+    dn = cfg.deltanet
+    if cfg.hybrid and (dn.num_k_heads % world or dn.num_v_heads % world):
+        raise SpecserveError(f"--tensor-parallel-size {world} does not divide the linear-attention layers' "
+                             f"{dn.num_k_heads} key / {dn.num_v_heads} value heads")
     if cfg.num_heads % world:
         raise SpecserveError(f"--tensor-parallel-size {world} does not divide the {cfg.num_heads} attention "
                              f"heads of this model")
@@ -115,39 +114,114 @@ def take_columns(raw: RawTensor, start: int, stop: int) -> RawTensor:
                                                                              stop // bs * per_block]))
 
 
-def shard_tensors(cfg: ModelConfig, tensors: dict[str, RawTensor], shard: Shard
-                  ) -> tuple[ModelConfig, dict[str, RawTensor]]:
-    """(this rank's config, its tensors) of a dense model."""
-    check_shardable(cfg, shard.world)
-    r, n, d = shard.rank, shard.world, cfg.head_dim
-    hq = cfg.num_heads // n
-    kv_per = max(1, cfg.num_kv_heads // n)
-    kv_first = r * cfg.num_kv_heads // n  # (fewer KV heads than ranks: the one rank r's queries read)
-    down0 = tensors["layers.0.down"]
-    cuts = split_points(cfg.intermediate_size, n, max(_block(down0), 1))
-    mlp = (cuts[r], cuts[r + 1])
-    heads = {"q": (r * hq * d, (r + 1) * hq * d), "k": (kv_first * d, (kv_first + kv_per) * d)}
-    heads["v"] = heads["k"]
-    out: dict[str, RawTensor] = {}
-    for name, raw in tensors.items():
+def _cut(total: int, shard: Shard, raw: RawTensor | None) -> tuple[int, int]:
+    """This rank's run of an MLP's channels, on raw's (the down projection's) block boundaries."""
+    cuts = split_points(total, shard.world, _block(raw) if raw is not None else 1)
+    return cuts[shard.rank], cuts[shard.rank + 1]
+
+
+def _runs(heads: list[int], width: int, offset: int = 0) -> list[int]:
+    """The channel indices of these heads, each width wide, after offset."""
+    return [offset + h * width + j for h in heads for j in range(width)]
+
+
+class _Plan:
+    """Which rows / columns of each kind of tensor rank r keeps."""
+
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, RawTensor], shard: Shard):
+        r, n, d = shard.rank, shard.world, cfg.head_dim
+        hq, kv_per = cfg.num_heads // n, max(1, cfg.num_kv_heads // n)
+        kv_first = r * cfg.num_kv_heads // n  # (fewer KV heads than ranks: the one rank r's queries read)
+        qd = 2 * d if cfg.attn_output_gate else d  # a gated q projection: each head's query then its gate
+        self.q, self.o = (r * hq * qd, (r + 1) * hq * qd), (r * hq * d, (r + 1) * hq * d)
+        self.kv = (kv_first * d, (kv_first + kv_per) * d)
+        dense_down = next((t for k, t in tensors.items() if k.endswith(".down") and ".expert" not in k
+                           and ".shexp" not in k), None)
+        self.mlp = _cut(cfg.intermediate_size, shard, dense_down)
+        moe = cfg.moe
+        self.expert = _cut(moe.intermediate_size, shard, _first(tensors, ".expert0.down")) if moe else None
+        self.shexp = (_cut(moe.shared_intermediate_size, shard, _first(tensors, ".shexp.down"))
+                      if moe and moe.shared_intermediate_size else None)
+        dn = cfg.deltanet
+        if dn is not None:
+            hk, hv = dn.num_k_heads // n, dn.num_v_heads // n
+            k_heads = list(range(r * hk, (r + 1) * hk))
+            v_heads = (sorted(h for h in range(dn.num_v_heads) if h % dn.num_k_heads in k_heads) if dn.v_tiled
+                       else list(range(r * hv, (r + 1) * hv)))
+            self.v_heads = v_heads
+            self.conv = (_runs(k_heads, dn.k_head_dim) + _runs(k_heads, dn.k_head_dim, dn.key_dim)
+                         + _runs(v_heads, dn.v_head_dim, 2 * dn.key_dim))
+            self.value = _runs(v_heads, dn.v_head_dim)
+
+    def rank_config(self, cfg: ModelConfig, shard: Shard) -> ModelConfig:
+        n = shard.world
+        out = rank_config(cfg, shard, self.mlp[1] - self.mlp[0])
+        if cfg.moe is not None:
+            out = replace(out, moe=replace(cfg.moe, intermediate_size=self.expert[1] - self.expert[0],
+                                           shared_intermediate_size=(self.shexp[1] - self.shexp[0]) if self.shexp
+                                           else 0))
+        if cfg.deltanet is not None:
+            dn = cfg.deltanet
+            out = replace(out, deltanet=replace(dn, num_k_heads=dn.num_k_heads // n, num_v_heads=dn.num_v_heads // n))
+        return out
+
+    def split(self, name: str, raw: RawTensor, rank: int) -> RawTensor:
+        """The part of layer tensor ``name`` this rank keeps."""
         part, _, leaf = name.rpartition(".")
         base = leaf.removesuffix("_bias")
-        if not part.startswith("layers."):
-            out[name] = raw
-        elif base in ("q", "k", "v"):
-            out[name] = take_rows(raw, *heads[base])
-        elif base in ("gate", "up"):
-            out[name] = take_rows(raw, *mlp)
-        elif leaf == "o":
-            out[name] = take_columns(raw, *heads["q"])
-        elif leaf == "down":
-            out[name] = take_columns(raw, *mlp)
-        elif leaf.endswith("_bias") and base in ROW:  # added once, on rank 0
-            out[name] = raw if r == 0 else RawTensor(name, raw.shape, "torch", torch.zeros(raw.shape))
-        else:
-            out[name] = raw  # norms and other per-channel vectors
+        mlp = self.expert if ".expert" in part else self.shexp if part.endswith(".shexp") else self.mlp
+        if base == "q":
+            return take_rows(raw, *self.q)
+        if base in ("k", "v"):
+            return take_rows(raw, *self.kv)
+        if base in ("gate", "up"):
+            return take_rows(raw, *mlp)
+        if leaf == "o":
+            return take_columns(raw, *self.o)
+        if leaf == "down":
+            return take_columns(raw, *mlp)
+        if leaf in ("attn_qkv", "ssm_conv1d"):
+            return take_index(raw, self.conv)
+        if leaf == "attn_gate":
+            return take_index(raw, self.value)
+        if leaf in ("ssm_beta", "ssm_alpha", "ssm_a", "ssm_a_log", "ssm_dt", "ssm_dt_bias"):
+            return take_index(raw, self.v_heads)
+        if leaf == "ssm_out":
+            return take_column_index(raw, self.value)
+        if leaf.endswith("_bias") and base in ROW:  # added once, on rank 0
+            return raw if rank == 0 else RawTensor(name, raw.shape, "torch", torch.zeros(raw.shape))
+        return raw  # norms, the router, a shared expert's gate: replicated
+
+
+def _first(tensors: dict[str, RawTensor], suffix: str) -> RawTensor | None:
+    return next((t for k, t in tensors.items() if k.endswith(suffix)), None)
+
+
+def take_index(raw: RawTensor, idx: list[int]) -> RawTensor:
+    """Output rows idx (ascending) of a weight or vector (a vector of per-head values, a conv)."""
+    shape = (len(idx),) + tuple(raw.shape[1:])
+    if len(raw.shape) == 2 and raw.qtype not in ("torch", "F32", "F16", "BF16"):  # whole rows: blocks kept
+        return RawTensor(raw.name, shape, raw.qtype, raw.raw_rows()[torch.tensor(idx)].numpy())
+    flat = raw.dequantize()
+    return RawTensor(raw.name, shape, "torch", flat.reshape(raw.shape)[torch.tensor(idx)].contiguous())
+
+
+def take_column_index(raw: RawTensor, idx: list[int]) -> RawTensor:
+    """Input columns idx (ascending) of a weight: whole blocks when they are one aligned run."""
+    if idx == list(range(idx[0], idx[-1] + 1)):
+        return take_columns(raw, idx[0], idx[-1] + 1)
+    return RawTensor(raw.name, (raw.shape[0], len(idx)), "torch", raw.dequantize()[:, torch.tensor(idx)].contiguous())
+
+
+def shard_tensors(cfg: ModelConfig, tensors: dict[str, RawTensor], shard: Shard
+                  ) -> tuple[ModelConfig, dict[str, RawTensor]]:
+    """(this rank's config, its tensors)."""
+    check_shardable(cfg, shard.world)
+    plan = _Plan(cfg, tensors, shard)
+    out = {name: plan.split(name, raw, shard.rank) if name.startswith("layers.") else raw
+           for name, raw in tensors.items()}
     start, rows = vocab_rows(cfg.vocab_size, shard)
     for name in ("embed", "lm_head"):
         if name in tensors:
             out[name] = take_rows(tensors[name], start, start + rows)
-    return rank_config(cfg, shard, mlp[1] - mlp[0]), out
+    return plan.rank_config(cfg, shard), out

@@ -39,10 +39,16 @@ def allocate_kv(model, plan: list[int]):
     from specserve.engine.config import available_memory
     from specserve.models.kv_cache import KV_DTYPES, KVCache
 
-    num_blocks, block_size, window_blocks, dtype = plan
+    num_blocks, block_size, window_blocks, dtype, slots, planes, checkpoints = plan
     kv = KVCache.allocate(model.cfg, num_blocks, block_size, KV_DTYPES[dtype], model.device,
                           window_blocks=window_blocks or None)
-    return kv if kv.nbytes() <= available_memory(model.device) else None
+    need = kv.nbytes()
+    if model.cfg.hybrid:  # this rank's heads of the linear-attention layers' states
+        from specserve.models.hybrid import RecurrentStates
+
+        kv.states = RecurrentStates.allocate(model.cfg, slots, planes, model.device, checkpoints)
+        need += kv.states.nbytes()
+    return kv if need <= available_memory(model.device) else None
 
 
 def serve(model, tp) -> int:
@@ -85,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     set_threads(args.threads)
     try:
         shard = Shard(args.rank, args.world)
-        target = load_model(args.model, LoadOptions(args.device, args.dtype, args.quantization, shard=shard))
+        target = load_model(args.model, LoadOptions(args.device, args.dtype, args.quantization, shard=shard,
+                                                        vision=False))
         pcfg = ParallelConfig(args.world, 1, 0, args.dist_init_addr, args.dist_timeout)
         tp = connect(args.rank, pcfg, args.dist_init_addr, {})
     except SpecserveError as exc:
