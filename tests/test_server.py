@@ -990,3 +990,17 @@ def test_tool_choice_none_and_no_parser(tool_srv, srv, engine):
 def test_tool_request_errors(tool_srv, body, param):
     r = tool_srv.http.post("/v1/chat/completions", json={"messages": MSGS, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_health_is_503_once_the_engine_cannot_go_on():
+    """A tensor-parallel rank gone (AsyncEngine.fatal): /health says so until the process exits."""
+    from specserve.parallel.group import ParallelError
+
+    s = make_server()
+    try:
+        assert s.http.get("/health").json() == {"status": "ok"}
+        s.engine.fatal = ParallelError("tensor-parallel rank 1 (pid 7) exited with code -9")
+        r = s.http.get("/health")
+        assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"]
+    finally:
+        s.close()

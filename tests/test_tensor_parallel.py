@@ -327,3 +327,19 @@ def test_images_under_tensor_parallel():
         assert greedy(vl_engine(tp, spec, NgramDrafter(1, 3), max_num_seqs=8), ps, 16) == plain
     finally:
         stop_workers(parts.target.model.tp)
+
+
+def test_an_idle_group_outlasts_its_collective_timeout(tiny_dir):
+    """Workers wait for the next call without a timeout (a server idles for hours); only the
+    collectives inside a call have --dist-timeout."""
+    import time
+
+    parts = build_parts(tp_args(tiny_dir, "--dist-timeout", "2"))
+    try:
+        eng = LLMEngine(parts.target, parts.ecfg)
+        first = run_all(eng, prompts(2), GREEDY)
+        time.sleep(5)
+        assert run_all(eng, prompts(2), GREEDY) == first
+        assert parts.target.model.tp.failed is None
+    finally:
+        stop_workers(parts.target.model.tp)

@@ -69,11 +69,9 @@ def test_a_killed_rank_fails_the_stream_and_the_server_exits_within_30s():
             killed_at = time.monotonic()
             os.kill(worker, signal.SIGKILL)
             rest = "\n".join(lines)
-        assert '"error"' in rest, rest[-500:]  # the stream ends with an error event, not silently
+        assert '"error"' in rest and "rank 1" in rest, rest[-500:]  # an error event naming the rank
         code = s.proc.wait(30)
         assert time.monotonic() - killed_at < 30
         assert code != 0
-        s._reader.join(5)
-        assert "rank 1" in s.last_lines(40), s.last_lines(40)
     finally:
         s.stop()

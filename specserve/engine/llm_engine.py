@@ -195,13 +195,10 @@ class LLMEngine:
         return bool(self.waiting or self.running)
 
     def idle(self) -> None:
-        """Called while there is no work: a tensor-parallel driver keeps its workers' waits short
-        of the collectives' timeout, and raises ParallelError once a rank is gone."""
+        """Called while there is no work: raises ParallelError once a tensor-parallel rank is gone."""
         tp = self.model.tp
-        if tp is not None:
-            if tp.failed is not None:
-                raise tp.failed
-            tp.keepalive(tp.timeout_s / 4)
+        if tp is not None and tp.failed is not None:
+            raise tp.failed
 
     def close(self) -> None:
         """Release what outlives the object: a tensor-parallel group's worker processes."""

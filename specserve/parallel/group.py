@@ -10,7 +10,8 @@ pickling between machines).
 
 The group is a ``ProcessGroupGloo`` of its own (CPU, gloo), not torch.distributed's default
 group, so nothing process-global is set and a test can hold two groups. Every collective has
-the group's timeout: a dead or hung rank raises :class:`ParallelError` on the driver within it.
+the group's timeout (a dead or hung rank raises :class:`ParallelError` on the driver within it),
+except a worker's wait for the next call's header, on a second group that never times out.
 """
 
 from __future__ import annotations
@@ -24,21 +25,22 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from specserve.errors import SpecserveError
+from specserve.errors import ServiceUnavailable, SpecserveError
 
 HEADER = 128  # int64 slots: [op, count, then (dtype, ndim, d0, d1, d2) per tensor]
 MAX_TENSORS = (HEADER - 2) // 5
+CONTROL_TIMEOUT = datetime.timedelta(days=365)  # a worker's wait for the next call
 DTYPES = {1: torch.int32, 2: torch.int64, 3: torch.float32, 4: torch.bool}
 CODES = {v: k for k, v in DTYPES.items()}
 
 
-class ParallelError(SpecserveError):
-    """A rank died, a collective failed or timed out: the group is broken for good."""
+class ParallelError(ServiceUnavailable):
+    """A rank died, a collective failed or timed out: the group is broken for good (the server
+    answers 503, a stream ends with this error event, and the process exits)."""
 
 
 @dataclass(frozen=True)
 class Op:
-    NOOP = 0
     FORWARD = 1
     EMBED = 2
     LOGITS = 3
@@ -49,14 +51,17 @@ class Op:
 class TensorParallel:
     """rank / world of a group, its collectives and the driver-to-worker call protocol."""
 
-    def __init__(self, rank: int, world: int, pg, timeout_s: float, names: dict[int, str] | None = None):
+    def __init__(self, rank: int, world: int, pg, timeout_s: float, control=None, names: dict[int, str] | None = None):
         self.rank, self.world, self.pg, self.timeout_s = rank, world, pg, timeout_s
+        # the calls' headers go over a group of their own with no practical timeout: a worker waits
+        # for the next call as long as the server idles (a driver that dies closes the connection)
+        self.control = control if control is not None else pg
         self.names = names or {}  # rank -> where it runs ("pid 1234", "node 1"), for errors
         self._depth = 0  # calls nested inside a mirrored one (forward -> embed) are not sent again
-        self._last = time.monotonic()
+        self.busy_since: float | None = None  # driver: when the call in progress started (watchdog)
         self.failed: ParallelError | None = None
         self.closing = False  # the driver is stopping the workers: their exits are expected
-        self.lock = threading.Lock()  # one caller at a time (the engine step, a keep-alive)
+        self.lock = threading.Lock()  # one caller at a time
         self.processes: dict = {}  # rank -> its local worker process (parallel/launch.py)
 
     @property
@@ -69,8 +74,12 @@ class TensorParallel:
         """Join the group at host:port (rank 0 serves the rendezvous store there)."""
         store = dist.TCPStore(host, port, world, rank == 0, timeout=datetime.timedelta(seconds=connect_timeout_s),
                               wait_for_workers=False)
-        pg = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=timeout_s))
-        group = cls(rank, world, pg, timeout_s)
+        # every rank has loaded its shard before the groups connect (their set-up has the short timeout)
+        store.set(f"ready/{rank}", "1")
+        store.wait([f"ready/{r}" for r in range(world)], datetime.timedelta(seconds=connect_timeout_s))
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("data", store), rank, world, datetime.timedelta(seconds=timeout_s))
+        control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world, CONTROL_TIMEOUT)
+        group = cls(rank, world, pg, timeout_s, control)
         group._store = store  # the store serves the group's lifetime
         return group
 
@@ -81,10 +90,10 @@ class TensorParallel:
         try:
             work.wait()
         except RuntimeError as exc:
+            self._reap()
             self.failed = ParallelError(f"tensor-parallel {what} failed on rank {self.rank}: {_short(exc)}"
                                         f"{self._who()}")
             raise self.failed from exc
-        self._last = time.monotonic()
 
     def exchange(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
         """Every rank's t, in rank order (this rank's own at its index). Point-to-point sends and
@@ -114,10 +123,10 @@ class TensorParallel:
     def all_gather_cat(self, t: torch.Tensor) -> torch.Tensor:  # [.., n] each -> [.., world * n]
         return torch.cat(self.exchange(t, "all-gather"), dim=-1)
 
-    def broadcast(self, t: torch.Tensor) -> torch.Tensor:  # from rank 0, in place
+    def broadcast(self, t: torch.Tensor, control: bool = False) -> torch.Tensor:  # from rank 0, in place
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self._wait(self.pg.broadcast([t], opts), "broadcast")
+        self._wait((self.control if control else self.pg).broadcast([t], opts), "broadcast")
         return t
 
     def max_flag(self, flag: int) -> int:
@@ -134,6 +143,7 @@ class TensorParallel:
         outer = self._depth == 0 and self.driver
         if outer:
             self.lock.acquire()
+            self.busy_since = time.monotonic()
         try:
             if outer:
                 self.send(op, tensors())
@@ -144,6 +154,7 @@ class TensorParallel:
                 self._depth -= 1
         finally:
             if outer:
+                self.busy_since = None
                 self.lock.release()
 
     def send(self, op: int, tensors: list[torch.Tensor | None]) -> None:
@@ -160,7 +171,7 @@ class TensorParallel:
             header[2 + 5 * i:4 + 5 * i] = torch.tensor([CODES[t.dtype], t.dim()])
             header[4 + 5 * i:4 + 5 * i + t.dim()] = torch.tensor(t.shape)
             (floats if t.dtype == torch.float32 else ints).append(t.reshape(-1))
-        self.broadcast(header)
+        self.broadcast(header, control=True)
         if ints:
             self.broadcast(torch.cat([t.cpu().to(torch.int64) for t in ints]))
         if floats:
@@ -168,7 +179,7 @@ class TensorParallel:
 
     def receive(self) -> tuple[int, list[torch.Tensor | None]]:
         """A worker's next call from the driver: (op, its tensors)."""
-        header = self.broadcast(torch.zeros(HEADER, dtype=torch.int64)).tolist()
+        header = self.broadcast(torch.zeros(HEADER, dtype=torch.int64), control=True).tolist()
         op, count = header[0], header[1]
         specs = [(header[2 + 5 * i], header[4 + 5 * i:4 + 5 * i + header[3 + 5 * i]]) for i in range(count)]
         n_int = sum(_numel(s) for code, s in specs if code and DTYPES[code] != torch.float32)
@@ -187,15 +198,6 @@ class TensorParallel:
                 oi += _numel(shape)
         return op, out
 
-    def keepalive(self, every_s: float) -> None:
-        """Driver, idle: a no-op call when nothing was sent for every_s (a worker waiting for the
-        next call would otherwise hit the collectives' timeout)."""
-        if self.failed is None and time.monotonic() - self._last >= every_s and self.lock.acquire(blocking=False):
-            try:
-                self.send(Op.NOOP, [])
-            finally:
-                self.lock.release()
-
     def stop(self) -> None:
         """Driver: tell the workers to exit (best effort: a broken group has nobody to tell)."""
         self.closing = True
@@ -207,6 +209,13 @@ class TensorParallel:
         """Mark the group broken (a watchdog saw a rank die): every later collective raises."""
         if self.failed is None:
             self.failed = ParallelError(why)
+
+    def _reap(self, wait_s: float = 2.0) -> None:
+        """A collective failed: give a local worker that is exiting the moment to be seen doing so."""
+        deadline = time.monotonic() + wait_s
+        while self.processes and all(p.poll() is None for p in self.processes.values()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _who(self) -> str:
         dead = [f"rank {r} ({self.names.get(r, '?')}) exited with code {p.returncode}"

@@ -9,9 +9,11 @@ and the rendezvous store listens on node 0 at --dist-init-addr. Under torchrun t
 numbers are --nnodes, --node-rank, --master-addr:--master-port with --nproc-per-node N/nnodes,
 except that specserve starts its worker processes itself.
 
-A watchdog thread on the driver polls the local workers: one that exits breaks the group
-(every later collective raises, naming the rank), and the process exits non-zero within
-``--dist-timeout`` seconds instead of hanging.
+A watchdog thread on the driver polls the local workers: one that exits, or a call into the
+target in flight for twice ``--dist-timeout`` (a rank that hangs), breaks the group (every later
+collective raises, naming the rank), and the process exits non-zero within ``--dist-timeout``
+seconds more instead of hanging. Between calls nothing times out: a worker waits for the next
+call as long as the server idles.
 """
 
 from __future__ import annotations
@@ -168,9 +170,13 @@ def watch(tp: TensorParallel, interval_s: float = 0.2) -> threading.Thread:
             if tp.closing:
                 return
             dead = [(r, p) for r, p in tp.processes.items() if p.poll() is not None]
+            busy = tp.busy_since
             if dead:
                 r, p = dead[0]
                 tp.fail(f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.returncode}")
+            elif busy is not None and time.monotonic() - busy > 2 * tp.timeout_s:
+                tp.fail(f"a tensor-parallel call has waited {2 * tp.timeout_s:g} s (a rank hangs)")
+            if tp.failed is not None:
                 log.error("%s: the group is broken, failing the requests in flight", tp.failed)
                 break
             time.sleep(interval_s)

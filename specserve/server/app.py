@@ -20,7 +20,6 @@ from starlette.routing import Match, Route
 
 from specserve import __version__
 from specserve.errors import RequestError, ServiceUnavailable
-from specserve.parallel.group import ParallelError
 from specserve.server.chat import ChatRenderer
 from specserve.server.config import ServerConfig
 from specserve.server.fingerprint import describe, system_fingerprint
@@ -101,8 +100,6 @@ def _guard(ctx: ServingContext, handler: Handler):
             return unavailable_response(exc)
         except ClientGone:
             return Response(status_code=499)  # nobody is listening any more
-        except ParallelError as exc:  # a tensor-parallel rank is gone: this server is going down
-            return error_response(503, str(exc), "server_error", code="engine_dead")
         except Exception as exc:  # noqa: BLE001
             logger.exception("%s %s failed", request.method, request.url.path)
             return error_response(500, f"internal server error ({type(exc).__name__})", "server_error",
