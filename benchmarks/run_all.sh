@@ -71,5 +71,7 @@ python benchmarks/prefill_stall.py --out "$out/prefill_stall.json" --markdown "$
 # images: time to first token, one and five 448x448 images, plain and MTP (tiny and Qwen3.5-0.8B shapes)
 python benchmarks/vision_ttft.py --out "$out/vision_ttft.json" --markdown "$out/vision_ttft.md"
 python benchmarks/vision_stall.py --out "$out/vision_stall.json" --markdown "$out/vision_stall.md"
+# tensor parallel: TP=1 with every core vs -tp 2 with a core per rank, and TP=2's agreement with TP=1
+python benchmarks/tensor_parallel.py > "$out/tensor_parallel.md"
 # the 15-minute soak (not a table: it passes or fails)
 python benchmarks/soak.py --minutes 15 --out "$out/soak.json"
