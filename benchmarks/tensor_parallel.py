@@ -36,7 +36,7 @@ def _engine(model: str, extra: list[str], threads: int):
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    return build_engine(p.parse_args(["--model", model, "--max-model-len", "1024", "--kv-cache-memory", "256MiB",
+    return build_engine(p.parse_args(["--model", model, "--max-model-len", "1024", "--kv-cache-memory", "1GiB",
                                       "--threads", str(threads), *extra]))
 
 

@@ -343,3 +343,24 @@ def test_an_idle_group_outlasts_its_collective_timeout(tiny_dir):
         assert parts.target.model.tp.failed is None
     finally:
         stop_workers(parts.target.model.tp)
+
+
+def test_a_driver_error_inside_a_call_breaks_the_group_at_once(tiny_dir):
+    """The workers are still inside the call: the ranks are out of step, so the group is broken
+    now (the server then exits), not after a collective's timeout."""
+    from specserve.parallel.group import Op, ParallelError
+
+    parts = build_parts(tp_args(tiny_dir))
+    tp = parts.target.model.tp
+    try:
+        with pytest.raises(KeyError):
+            with tp.lead(Op.EMBED, lambda: [torch.tensor([1, 2])]):
+                raise KeyError("boom")
+        assert isinstance(tp.failed, ParallelError) and "out of step" in str(tp.failed)
+        with pytest.raises(ParallelError):
+            parts.target.model.embed(torch.tensor([1]))
+    finally:
+        stop_workers(tp)
+        for p in tp.processes.values():
+            if p.poll() is None:
+                p.kill()

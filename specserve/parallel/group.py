@@ -150,6 +150,11 @@ class TensorParallel:
             self._depth += 1
             try:
                 yield
+            except BaseException as exc:
+                if outer and not isinstance(exc, ParallelError):  # the workers are inside the call still
+                    self.fail(f"rank 0 failed in the middle of a tensor-parallel call ({type(exc).__name__}: "
+                              f"{exc}); the ranks are out of step")
+                raise
             finally:
                 self._depth -= 1
         finally:
