@@ -12,6 +12,7 @@ Prints decode tok/s of one stream (median of --runs after a warm-up, greedy, EOS
 of 8 streams together, each as a ratio to tp1, then how many of 16 prompts keep TP=1's first
 32 greedy tokens under TP=2 (the all-reduce adds partial sums in another order, so a near tie
 may flip; speculation under TP=2 is exact against TP=2, see tests/test_tensor_parallel.py).
+``--check-fp32`` instead compares TP=2's fp32 logits of one prompt with TP=1's.
 """
 
 from __future__ import annotations
@@ -86,13 +87,53 @@ def child(case: str, model: str, tokens: int, runs: int) -> dict:
     return {"decode": statistics.median(rates), "batch8": batch, "greedy": greedy}
 
 
+def logits_child(case: str, model: str) -> dict:
+    """fp32 (--quantization none) logits of every position of one prompt, TP=1 or TP=2."""
+    from specserve.engine.types import SamplingParams
+
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from engine_utils import logits_of_every_position
+
+    engine = _engine(model, [*CASES[case], "--quantization", "none"], 1 if case == "tp2" else len(os.sched_getaffinity(0)))
+    ids = _prompts(engine, 1)[0]
+    engine.add_request("x", ids, SamplingParams(max_tokens=1))
+    logits = logits_of_every_position(engine, "x")[0][:len(ids)]
+    engine.close()
+    return {"logits": logits.tolist()}
+
+
+def check_fp32(model: str) -> None:
+    """--check-fp32: how close TP=2's fp32 logits are to TP=1's (no weight quantization noise)."""
+    import torch
+
+    got = {}
+    for case in ("tp1", "tp2"):
+        out = subprocess.run([sys.executable, __file__, "--logits-child", case, "--model", model],
+                             capture_output=True, text=True, check=True).stdout
+        got[case] = torch.tensor(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+                                 ["logits"])
+    a, b = got["tp1"], got["tp2"]
+    same = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    print(f"fp32 logits, {a.shape[0]} positions: max |TP=2 - TP=1| {(a - b).abs().max().item():.1e} "
+          f"(logit std {a.std().item():.2f}); argmax equal at {same:.0%} of positions")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--check-fp32", action="store_true",
+                    help="instead: compare TP=2's fp32 logits with TP=1's on one prompt")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--logits-child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.logits_child:
+        print("RESULT " + json.dumps(logits_child(a.logits_child, a.model)))
+        return
+    if a.check_fp32:
+        check_fp32(a.model)
+        return
     if a.child:
         print("RESULT " + json.dumps(child(a.child, a.model, a.tokens, a.runs)))
         return
