@@ -22,7 +22,8 @@ from specserve.engine.types import SamplingParams
 from specserve.errors import SpecserveError
 from specserve.models.loader import load_model
 from specserve.models.transformer import ForwardBatch
-from specserve.parallel.launch import ParallelConfig, free_port, stop_workers
+from specserve.bench.serverproc import free_port
+from specserve.parallel.launch import ParallelConfig, stop_workers
 from specserve.parallel.shard import Shard, shard_tensors, split_points, vocab_rows
 from tiny_models import FP32, make_tiny_target
 
@@ -213,17 +214,39 @@ def test_a_model_the_ranks_cannot_split_is_refused_at_start_up():
 
 
 def test_plan_prints_every_rank_without_starting_one(tiny_dir, one, capsys):
+    """Each rank's shard and KV slice; the draft model on rank 0 only; the ranks of one machine
+    planned with their share of its memory (--memory here, so the numbers are fixed)."""
+    import json
+
     from specserve import cli
 
+    memory = 64 << 20
+    spec = json.dumps({"method": "draft_model", "model": str(tiny_dir), "num_speculative_tokens": 2})
     argv = ["plan", "--model", str(tiny_dir), "--quantization", "none", "--max-model-len", "256",
-            "--kv-cache-memory", "8MiB", "-tp", "2", "--json"]
+            "--memory", str(memory), "-tp", "2", "--speculative-config", spec, "--json"]
     assert cli.main(argv) == 0
-    got = __import__("json").loads(capsys.readouterr().out)
+    got = json.loads(capsys.readouterr().out)
     ranks = got["ranks"]
     assert len(ranks) == 2 and ranks[0]["num_blocks"] == ranks[1]["num_blocks"]
     assert sum(r["weight_bytes"] for r in ranks) == one.model.weight_bytes()  # split, nothing replicated
-    assert ranks[0]["kv_bytes_per_token"] * 2 == ranks[0]["kv_bytes_per_token"] + ranks[1]["kv_bytes_per_token"]
+    assert ranks[0]["kv_bytes_per_token"] == ranks[1]["kv_bytes_per_token"] == \
+        one.model.cfg.num_layers * 2 * one.model.cfg.kv_size * 4 // 2  # half the KV heads each, fp32
+    assert ranks[0]["drafter_bytes"] == one.model.weight_bytes() and ranks[1]["drafter_bytes"] == 0
+    assert ranks[0]["available_bytes"] == ranks[1]["available_bytes"] == memory // 2
     assert got["total_bytes"] == sum(r["total_bytes"] for r in ranks)
+
+
+def test_local_ranks_get_cores_of_their_own():
+    import os
+
+    sets = ParallelConfig(2).core_sets()
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        assert sets == {}
+    else:
+        assert sorted(sets) == [0, 1] and not set(sets[0]) & set(sets[1])
+        assert set(sets[0]) | set(sets[1]) <= set(cores) and sets[0] and sets[1]
+    assert ParallelConfig(len(cores) + 1).core_sets() == {}  # fewer cores than ranks: no pinning
 
 
 # ---- hybrid models: Gated DeltaNet heads and their recurrent states split over the ranks -------
@@ -294,8 +317,7 @@ def test_gguf_hybrid_in_llama_cpp_head_order():
     gguf = str(Path(__file__).resolve().parent / "data" / "tiny_qwen35_vl" / "tiny-qwen35-vl-f32.gguf")
     one = load_model(gguf, FP32)
     assert one.config.deltanet.v_tiled
-    parts = build_parts(parse("--model", gguf, "--quantization", "none", "--max-model-len", str(MAX_LEN),
-                              "--kv-cache-memory", "16MiB", "-tp", "2", "--threads", "1"))
+    parts = build_parts(tp_args(gguf))
     try:
         ids = prompts(1)[0]
         torch.testing.assert_close(run_logits(parts.target, ids), run_logits(one, ids), rtol=1e-4, atol=1e-4)
@@ -316,8 +338,7 @@ def test_images_under_tensor_parallel():
 
     d = str(Path(__file__).resolve().parent / "data" / "tiny_qwen35_vl" / "hf")
     one = load_model(d, FP32)
-    parts = build_parts(parse("--model", d, "--quantization", "none", "--max-model-len", "512",
-                              "--kv-cache-memory", "16MiB", "-tp", "2", "--threads", "1"))
+    parts = build_parts(tp_args(d, "--max-model-len", "512"))
     try:
         tp = parts.target
         ps = image_prompts(one)[:6]

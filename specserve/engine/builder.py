@@ -13,7 +13,8 @@ from specserve.engine.llm_engine import LLMEngine
 from specserve.kernels import ops
 from specserve.errors import SpecserveError
 from specserve.models.loader import LoadedModel, LoadOptions, load_model
-from specserve.parallel.launch import ParallelConfig, connect, free_port, pin, start_workers, watch
+from specserve.bench.serverproc import free_port
+from specserve.parallel.launch import ParallelConfig, connect, pin, start_workers, watch
 from specserve.parallel.shard import Shard
 from specserve.speculative.config import SpeculativeConfig, parse_speculative_config
 from specserve.speculative.drafter import Drafter

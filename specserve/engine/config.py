@@ -255,7 +255,9 @@ def engine_plan(ecfg: EngineConfig, mcfg: ModelConfig, model_dtype: torch.dtype,
     if device.type != "cpu" and kv_dtype in ("fp8_e4m3", "int8", "int4"):
         raise SpecserveError(f"--kv-cache-dtype {kv_dtype} is not supported on CUDA yet (use auto, bf16 or fp16)")
     max_model_len = ecfg.context_len(mcfg.max_position)
-    available = (available_memory(device) if total_memory is None else total_memory) // share
+    if total_memory is not None:
+        total_memory //= share
+    available = available_memory(device) // share if total_memory is None else total_memory
     growing, window = len(mcfg.attention_layers), (0, 0, 0)
     if window_paged(mcfg, max_model_len):
         growing = mcfg.num_global_layers

@@ -130,20 +130,10 @@ class FusedStack:
         self._model_layers = model.layers
         self._kv_ref = None
         self._pools = None
-        self._reduce_error: BaseException | None = None
+        self._reduce_errors: list[BaseException] = []  # (a list, not self: the callback keeps no cycle)
         if model.tp is not None:  # the row-parallel partial sums, summed over the ranks inside the call
-            self._reduce = ops.REDUCE_FN(self._make_reduce(model.tp))
+            self._reduce = ops.REDUCE_FN(_reduce_callback(model.tp, self._reduce_errors))
             self.model_desc.reduce = self._reduce
-
-    def _make_reduce(self, tp):
-        def reduce(ptr: int, n: int, _ctx) -> int:
-            try:
-                tp.all_reduce(torch.frombuffer((ctypes.c_float * n).from_address(ptr), dtype=torch.float32))
-                return 0
-            except BaseException as exc:  # noqa: BLE001 - re-raised by run() once the C call returns
-                self._reduce_error = exc
-                return 1
-        return reduce
 
     def __deepcopy__(self, memo) -> None:
         """A copied model must not reuse raw pointers into the original's tensors: it rebuilds."""
@@ -208,7 +198,19 @@ class FusedStack:
         try:
             ops.decoder_layers(self.lib, self.model_desc, layers, pools, l0, l1, rows, wrows, x)
         except RuntimeError:
-            error, self._reduce_error = self._reduce_error, None
-            if error is not None:
-                raise error from None
+            if self._reduce_errors:
+                raise self._reduce_errors.pop() from None
             raise
+
+
+def _reduce_callback(tp, errors: list):
+    """The C stack's reduce: x [n] (a raw pointer) summed over the ranks in place; a failure is
+    kept in errors and re-raised once the C call returns."""
+    def reduce(ptr: int, n: int, _ctx) -> int:
+        try:
+            tp.all_reduce(torch.frombuffer((ctypes.c_float * n).from_address(ptr), dtype=torch.float32))
+            return 0
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+            return 1
+    return reduce

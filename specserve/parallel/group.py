@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import threading
+import enum
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,8 +38,7 @@ class ParallelError(ServiceUnavailable):
     answers 503, a stream ends with this error event, and the process exits)."""
 
 
-@dataclass(frozen=True)
-class Op:
+class Op(enum.IntEnum):
     FORWARD = 1
     EMBED = 2
     LOGITS = 3
@@ -51,17 +49,15 @@ class Op:
 class TensorParallel:
     """rank / world of a group, its collectives and the driver-to-worker call protocol."""
 
-    def __init__(self, rank: int, world: int, pg, timeout_s: float, control=None, names: dict[int, str] | None = None):
+    def __init__(self, rank: int, world: int, pg, timeout_s: float, control=None):
         self.rank, self.world, self.pg, self.timeout_s = rank, world, pg, timeout_s
         # the calls' headers go over a group of their own with no practical timeout: a worker waits
         # for the next call as long as the server idles (a driver that dies closes the connection)
         self.control = control if control is not None else pg
-        self.names = names or {}  # rank -> where it runs ("pid 1234", "node 1"), for errors
         self._depth = 0  # calls nested inside a mirrored one (forward -> embed) are not sent again
         self.busy_since: float | None = None  # driver: when the call in progress started (watchdog)
         self.failed: ParallelError | None = None
         self.closing = False  # the driver is stopping the workers: their exits are expected
-        self.lock = threading.Lock()  # one caller at a time
         self.processes: dict = {}  # rank -> its local worker process (parallel/launch.py)
 
     @property
@@ -142,7 +138,6 @@ class TensorParallel:
         tensors: a function giving the call's tensors (built only when sent)."""
         outer = self._depth == 0 and self.driver
         if outer:
-            self.lock.acquire()
             self.busy_since = time.monotonic()
         try:
             if outer:
@@ -160,7 +155,6 @@ class TensorParallel:
         finally:
             if outer:
                 self.busy_since = None
-                self.lock.release()
 
     def send(self, op: int, tensors: list[torch.Tensor | None]) -> None:
         if len(tensors) > MAX_TENSORS:
@@ -207,7 +201,7 @@ class TensorParallel:
         """Driver: tell the workers to exit (best effort: a broken group has nobody to tell)."""
         self.closing = True
         if self.driver and self.failed is None:
-            with contextlib.suppress(ParallelError), self.lock:
+            with contextlib.suppress(ParallelError):
                 self.send(Op.STOP, [])
 
     def fail(self, why: str) -> None:
@@ -223,7 +217,7 @@ class TensorParallel:
             time.sleep(0.05)
 
     def _who(self) -> str:
-        dead = [f"rank {r} ({self.names.get(r, '?')}) exited with code {p.returncode}"
+        dead = [f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
                 for r, p in sorted(self.processes.items()) if p.poll() is not None]
         return f" ({'; '.join(dead)})" if dead else ""
 

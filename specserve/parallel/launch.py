@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -107,12 +106,6 @@ def host_port(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def worker_argv(args: argparse.Namespace, rank: int, pcfg: ParallelConfig, addr: str, threads: int) -> list[str]:
     """A worker's command line: which shard to load, where to meet, how long to wait."""
     return [sys.executable, "-m", "specserve.parallel.worker", "--rank", str(rank),
@@ -157,7 +150,6 @@ def connect(rank: int, pcfg: ParallelConfig, addr: str, procs: dict[int, subproc
         raise SpecserveError(f"tensor-parallel rendezvous at {addr} failed: {box['error']}") from box["error"]
     tp = box["tp"]
     tp.processes = procs
-    tp.names = {r: f"pid {p.pid}" for r, p in procs.items()}
     return tp
 
 

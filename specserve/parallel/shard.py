@@ -27,8 +27,7 @@ from specserve.models.weights import RawTensor
 
 log = logging.getLogger("specserve.parallel")
 
-COLUMN = ("q", "k", "v", "gate", "up")  # output rows split
-ROW = ("o", "down")  # input columns split, partial sums all-reduced
+ROW = ("o", "down")  # input columns split, partial sums all-reduced (their biases added on rank 0 only)
 
 
 @dataclass(frozen=True)
