@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         from specserve.commands.plan import format_plan
 
         logging.getLogger("specserve.server").info("%s", format_plan(plan))
+    _log_kernels()
     drain = Drain(args.shutdown_timeout, engine.fail_all, lambda force: stop_http(server, force))
     app = create_app(engine, cfg, drain)
     logging.getLogger("specserve.server").info(
@@ -98,6 +99,18 @@ def run(args: argparse.Namespace) -> int:
         args.host, sock.getsockname()[1], "on" if engine.spec_enabled else "off")
     server = uvicorn.Server(uvicorn_config(app, args.host, args.port, level, HTTP_GRACE_S))
     return run_server(server, engine, sock, drain)
+
+
+def _log_kernels() -> None:
+    from specserve.kernels.library import kernels_info
+
+    info = kernels_info()
+    if info["available"]:
+        logging.getLogger("specserve.server").info(
+            "C kernels: %s build (integer dot: %s; chosen by %s%s)", info["variant"], info["int_dot"],
+            info["variant_source"] if info["variant_source"] == "SPECSERVE_KERNEL_VARIANT" else
+            "measurement" if info["variant_ms"] else "default",
+            f", ms per pass {info['variant_ms']}" if info["variant_ms"] else "")
 
 
 def stop_http(server, force: bool) -> None:

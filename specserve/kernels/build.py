@@ -15,6 +15,10 @@ compiler flags to every candidate. It exists to test the other SIMD paths on
 one machine, e.g. ``SPECSERVE_KERNEL_CFLAGS=-mno-avx512f`` builds the AVX2
 path on an AVX-512 host (``-mno-avx512vnni``: AVX-512 without VNNI). It
 changes which instructions compute the results, never the results.
+
+Variants: ``native`` (``-march=native``, else AVX2, else plain), ``native256`` (``-march=native
+-mno-avx512f``), and test builds with SIMD paths compiled out (``avx2``, ``novnni``, ``scalar``).
+Which of native / native256 a process uses is measured once per CPU (``tune.py``).
 """
 
 from __future__ import annotations
@@ -117,6 +121,8 @@ def _candidates(variant: str) -> list[list[str]]:
         cands = [["-O3", "-march=native", "-mno-avx512vnni", "-mno-avxvnni"], ["-O3", "-mavx2", "-mfma", "-mf16c"]]
     elif variant == "native":
         cands = ARCH_CANDIDATES
+    elif variant == "native256":  # an AVX-512 CPU's 256-bit build (AVX2, AVX-VNNI where present): tune.py
+        cands = [["-O3", "-march=native", "-mno-avx512f"]]
     else:
         raise ValueError(f"unknown kernel build variant {variant!r}")
     extra = _extra_flags()
@@ -148,7 +154,7 @@ def _try_compile(cc: str, flags: list[str], out: Path) -> tuple[bool, str]:
     return True, ""
 
 
-class _FileLock:
+class FileLock:
     def __init__(self, path: Path):
         self.path = path
         self.fd: int | None = None
@@ -228,7 +234,7 @@ def _build_in(d: Path, cc: str, ccver: str, key: str, variant: str) -> BuildResu
     if res is not None:
         return res
 
-    with _FileLock(d / f"{name}.lock"):
+    with FileLock(d / f"{name}.lock"):
         res = _result_from_cache()  # another process may have built it meanwhile
         if res is not None:
             return res

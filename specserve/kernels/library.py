@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from . import build as _build
+from . import tune as _tune
 
 
 class KernelError(RuntimeError):
@@ -118,11 +119,39 @@ def _get_lib(variant: str = "native") -> ctypes.CDLL | None:
         return _lib_cache[variant]
 
 
+_choice_lock = threading.Lock()
+_choice: dict[str, Any] = {}
+
+
+def chosen_build() -> dict[str, Any]:
+    """The build ``auto`` / ``c`` use ({"variant", "times", "source"}: tune.py), chosen on first use."""
+    if _choice:
+        return _choice
+    with _choice_lock:
+        if not _choice:
+            try:
+                _choice.update(_tune.choose())
+            except _tune.BadVariant:
+                raise
+            except Exception as e:  # a failed contest must not break the kernels: native, as before
+                _choice.update(variant="native", times={}, source=f"default ({type(e).__name__}: {e})")
+            if _get_lib(_choice["variant"]) is None:
+                _choice.update(variant="native", source=f"default ({_choice['variant']} did not build)")
+        return _choice
+
+
+def _auto_lib() -> ctypes.CDLL | None:
+    if _get_lib() is None:
+        return None
+    return _get_lib(chosen_build()["variant"])
+
+
 def kernels_available() -> bool:
     """True when the compiled C kernels can be used (builds them on first call)."""
     return _get_lib() is not None
 
 
+_BUILDS = ("c-native", "c-native256", "c-avx2", "c-novnni", "c-scalar")
 _default_impl: str | None = None  # None: read SPECSERVE_KERNELS on next use
 
 
@@ -136,30 +165,38 @@ def set_default_impl(impl: str | None) -> None:
     _default_impl = impl.lower() if impl is not None else None
 
 
-def _select(impl: str | None) -> ctypes.CDLL | None:
-    """The C library to use, or None for the torch fallback."""
+def _impl_name(impl: str | None) -> str:
     global _default_impl
     if impl is None:
         if _default_impl is None:
             _default_impl = (os.environ.get("SPECSERVE_KERNELS", "auto") or "auto").lower()
         impl = _default_impl
-    impl = impl.lower()
-    if impl in ("torch", "fallback", "python"):
+    return impl.lower()
+
+
+def _is_torch(impl: str | None) -> bool:
+    return _impl_name(impl) in ("torch", "fallback", "python")
+
+
+def _select(impl: str | None) -> ctypes.CDLL | None:
+    """The C library to use, or None for the torch fallback."""
+    impl = _impl_name(impl)
+    if _is_torch(impl):
         return None
     if impl in ("auto", ""):
-        return _get_lib()
+        return _auto_lib()
     if impl == "c":
-        lib = _get_lib()
+        lib = _auto_lib()
         if lib is None:
             raise KernelError(f"C kernels requested but unavailable: {_build.get_build().error}")
         return lib
-    if impl in ("c-scalar", "c-avx2", "c-novnni"):  # test builds with SIMD paths compiled out
+    if impl in _BUILDS:  # one build by name (tests: the builds with SIMD paths compiled out)
         variant = impl[2:]
         lib = _get_lib(variant)
         if lib is None:
             raise KernelError(f"{variant} C kernels unavailable: {_build.get_build(variant).error}")
         return lib
-    raise ValueError(f"unknown kernel implementation {impl!r} (expected auto, c, torch)")
+    raise ValueError(f"unknown kernel implementation {impl!r} (expected auto, c, torch, {', '.join(_BUILDS)})")
 
 
 def set_num_threads(n: int | None) -> None:
@@ -201,6 +238,9 @@ def _check(rc: int, what: str) -> None:
 
 def kernels_info() -> dict[str, Any]:
     res = _build.get_build()
+    choice = chosen_build() if res.lib is not None else {"variant": None, "times": {}, "source": None}
+    if choice["variant"]:
+        res = _build.get_build(choice["variant"])
     lib = res.lib
     info: dict[str, Any] = {
         "available": lib is not None,
@@ -212,9 +252,12 @@ def kernels_info() -> dict[str, Any]:
         "impl_env": os.environ.get("SPECSERVE_KERNELS", "auto"),
         "default_impl": _default_impl or "auto",
         "num_threads": get_num_threads(),
+        "variant": choice["variant"],
+        "variant_ms": dict(choice["times"]),
+        "variant_source": choice["source"],
     }
     if lib is not None:
-        lib = _get_lib()
+        lib = _get_lib(choice["variant"])
         info.update(
             avx2=bool(lib.ss_has_avx2()),
             avx512=bool(lib.ss_has_avx512()),

@@ -16,6 +16,8 @@ from .library import (
     GGUF_QTYPES,
     _check,
     _check_2d_float,
+    _get_lib,
+    _is_torch,
     _require,
     _select,
     get_num_threads,
@@ -73,7 +75,7 @@ class F32Weight:
 def _pack_panels(fmt: int, src: torch.Tensor, n: int, k: int, row_bytes: int) -> torch.Tensor | None:
     """src [n, row_bytes] in the file / int8 layout -> the kernels' panel layout, or None without
     the C library (the torch fallback reads the plain layout)."""
-    lib = _select(None)
+    lib = None if _is_torch(None) else _get_lib()  # the same layout in every build
     if lib is None:
         return None
     packed = torch.empty(int(lib.ss_panel_bytes(fmt, n, k)), dtype=torch.uint8)
@@ -85,7 +87,7 @@ def _pack_panels(fmt: int, src: torch.Tensor, n: int, k: int, row_bytes: int) ->
 def _unpack_panels(fmt: int, packed: torch.Tensor, n: int, k: int, idx: torch.Tensor, row_bytes: int,
                    dtype: torch.dtype) -> torch.Tensor:
     """Rows idx of a packed weight in the plain layout: [len(idx), row_bytes] bytes as dtype."""
-    lib = _select("c")
+    lib = _get_lib()  # packed by it (_pack_panels)
     idx = idx.to(torch.int64).contiguous()
     out = torch.empty(idx.numel(), row_bytes, dtype=torch.uint8)
     _check(lib.ss_panel_rows(fmt, packed.data_ptr(), n, k, idx.data_ptr(), idx.numel(), out.data_ptr()),

@@ -1,0 +1,82 @@
+"""The C kernel build chosen per CPU by measurement (specserve/kernels/tune.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specserve.kernels import build, library, ops, tune
+
+
+def test_pick_prefers_native_within_the_margin():
+    assert tune.pick({"native": 1.0, "native256": 0.99}) == "native"
+    assert tune.pick({"native": 1.0, "native256": 0.90}) == "native256"
+    assert tune.pick({"native": 0.80, "native256": 1.0}) == "native"
+    assert tune.pick({"native": 1.0}) == "native"
+
+
+def test_contenders_follow_the_cpu_flags():
+    assert tune.contenders({"avx2", "fma"}) == ["native"]
+    assert tune.contenders({"avx2", "avx512f", "avx512bw"}) == ["native", "native256"]
+
+
+def test_env_forces_a_build_and_a_bad_value_is_refused(monkeypatch):
+    monkeypatch.setenv(tune.ENV, "avx2")
+    assert tune.choose() == {"variant": "avx2", "times": {}, "source": tune.ENV}
+    monkeypatch.setenv(tune.ENV, "avx9000")
+    with pytest.raises(tune.BadVariant, match="avx9000"):
+        tune.choose()
+
+
+def test_the_choice_is_measured_once_and_then_read(monkeypatch, tmp_path):
+    if build.get_build("native").lib is None:
+        pytest.skip("no C compiler")
+    monkeypatch.delenv(tune.ENV, raising=False)
+    record = tmp_path / "tune-x.json"
+    monkeypatch.setattr(tune, "_record_path", lambda: record)
+    monkeypatch.setattr(tune, "contenders", lambda flags: ["native", "avx2"])
+    calls = []
+
+    def fake_measure(variants, rounds=tune.ROUNDS):
+        calls.append(list(variants))
+        return {"native": 0.010, "avx2": 0.005}
+
+    monkeypatch.setattr(tune, "measure", fake_measure)
+    first = tune.choose()
+    assert first["variant"] == "avx2" and first["source"] == "measured" and calls == [["native", "avx2"]]
+    assert json.loads(record.read_text()) == {"variant": "avx2", "times": {"native": 10.0, "avx2": 5.0}}
+    again = tune.choose()
+    assert again["variant"] == "avx2" and again["source"] == str(record) and len(calls) == 1
+    record.write_text("{not json")  # a corrupt record is measured again
+    assert tune.choose()["source"] == "measured" and len(calls) == 2
+
+
+def test_measure_times_every_build_with_the_same_work():
+    if build.get_build("native").lib is None or build.get_build("avx2").lib is None:
+        pytest.skip("no C compiler / not x86")
+    times = tune.measure(["native", "avx2"], rounds=1)
+    assert set(times) == {"native", "avx2"} and all(0 < t < 60 for t in times.values())
+
+
+def test_kernels_info_names_the_chosen_build():
+    info = ops.kernels_info()
+    if not info["available"]:
+        pytest.skip("no C compiler")
+    assert info["variant"] in tune.CHOOSABLE and info["variant"] == library.chosen_build()["variant"]
+    assert info["variant_source"]
+
+
+@pytest.mark.parametrize("impl", ["c-native", "c-native256"])
+def test_every_choosable_build_gives_the_same_bits(impl):
+    if "avx512f" not in tune.cpu_flags() and impl == "c-native256":
+        pytest.skip("native256 is only built on AVX-512 CPUs")
+    try:
+        ops.linear(torch.zeros(1, 32), torch.zeros(4, 32), impl=impl)
+    except ops.KernelError as e:
+        pytest.skip(str(e))
+    g = torch.Generator().manual_seed(3)
+    w = ops.Int8Weight.from_float(torch.randn(48, 512, generator=g))
+    x = torch.randn(5, 512, generator=g)
+    assert torch.equal(ops.linear(x, w, impl=impl), ops.linear(x, w, impl="c-scalar"))
