@@ -11,7 +11,9 @@ below) with cmake and ``-DGGML_NATIVE=ON`` on this machine, cached under the use
 One server runs at a time (the machines are shared: two servers would share the cores). Every
 round starts each configuration's server in turn (the order rotated per round), warms it up with
 one request, then sends every prompt once: ``/v1/chat/completions``, temperature 0, ``ignore_eos``
-and ``max_tokens`` fixed, so both engines generate exactly ``--tokens`` tokens. tok/s is
+and ``max_tokens`` fixed, so both engines generate exactly ``--tokens`` tokens (a base model
+without a chat template, gemma3-270m: ``/v1/completions`` with the conversation as "Role: text"
+lines, the same string for both). tok/s is
 completion tokens over the client's wall clock for the request (prefill of the short chat
 prompts included, as a user sees it). "vs llama.cpp" is the median over (prompt, round) of the
 ratio to llama.cpp plain on the same prompt and round; "same text" counts outputs identical to
@@ -41,7 +43,7 @@ sys.path.insert(0, str(HERE.parent))
 from specserve.bench.fetch import pip_download  # noqa: E402
 from specserve.bench.serverproc import ManagedServer, free_port  # noqa: E402
 from specserve.bench.suites import load_suites  # noqa: E402
-from specserve.models.catalog import cache_root, resolve_model  # noqa: E402
+from specserve.models.catalog import CATALOG, cache_root, resolve_model  # noqa: E402
 
 LLAMACPP_VERSION = "0.3.36"  # llama-cpp-python sdist whose vendor/llama.cpp is built
 TARGETS = ("llama-server", "llama-bench")
@@ -142,27 +144,36 @@ def configurations(model: str, bindir: Path) -> dict[str, list[str]]:
 
 # ---------------------------------------------------------------- measuring
 
-def ask(http: httpx.Client, model: str, messages: list[dict], tokens: int) -> dict:
-    body = {"model": model, "messages": messages, "temperature": 0, "max_tokens": tokens, "ignore_eos": True}
+def as_text(messages: list[dict]) -> str:
+    """A conversation as plain text, for a base model without a chat template (both engines get
+    the same string on /v1/completions)."""
+    return "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages) + "Assistant:"
+
+
+def ask(http: httpx.Client, model: str, messages: list[dict], tokens: int, chat: bool = True) -> dict:
+    body = {"model": model, "temperature": 0, "max_tokens": tokens, "ignore_eos": True}
+    body |= {"messages": messages} if chat else {"prompt": as_text(messages)}
     t0 = time.perf_counter()
-    r = http.post("/v1/chat/completions", json=body)
+    r = http.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
     wall = time.perf_counter() - t0
     r.raise_for_status()
     data = r.json()
     n = data["usage"]["completion_tokens"]
-    return {"text": data["choices"][0]["message"]["content"], "tokens": n, "wall_s": wall, "tok_s": n / wall}
+    choice = data["choices"][0]
+    text = choice["message"]["content"] if chat else choice["text"]
+    return {"text": text, "tokens": n, "wall_s": wall, "tok_s": n / wall}
 
 
-def run_server(label: str, argv: list[str], prompts: list, tokens: int) -> list[dict]:
+def run_server(label: str, argv: list[str], prompts: list, tokens: int, chat: bool = True) -> list[dict]:
     port = free_port()
     srv = ManagedServer(argv + ["--port", str(port)], port, label).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=900) as http:
             model = http.get("/v1/models").json()["data"][0]["id"]  # the served name
-            ask(http, model, prompts[0].as_messages(), 16)  # warm-up
+            ask(http, model, prompts[0].as_messages(), 16, chat)  # warm-up
             out = []
             for p in prompts:
-                res = ask(http, model, p.as_messages(), tokens)
+                res = ask(http, model, p.as_messages(), tokens, chat)
                 out.append({"config": label, "prompt": f"{p.suite}/{p.id}", "suite": p.suite, **res})
                 print(f"  {label:24s} {p.suite}/{p.id}: {res['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
             return out
@@ -225,11 +236,12 @@ def main() -> None:
     labels = list(configs) if args.configs == "all" else args.configs.split(",")
     suites = args.suites.split(",")
     prompts = [p for ps in load_suites(args.suites, args.limit).values() for p in ps]
+    chat = CATALOG[args.model].chat_template if args.model in CATALOG else True  # else /v1/completions
     results = []
     for rnd in range(args.rounds):
         order = labels[rnd % len(labels):] + labels[:rnd % len(labels)]
         for label in order:
-            for r in run_server(label, configs[label], prompts, args.tokens):
+            for r in run_server(label, configs[label], prompts, args.tokens, chat):
                 results.append({**r, "round": rnd})
     rows = summarize(results, labels, suites)
     text = markdown(rows, args)
