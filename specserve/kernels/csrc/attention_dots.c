@@ -44,6 +44,23 @@ SS_INLINE void dot8x8_multi(const int NV, const float *const *qv, const float *c
 SS_INLINE __m512 join8x2(__m256 lo, __m256 hi) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
 }
+/* hsum8x8 of the 8 keys held two per register (a[p] = [key 2p | key 2p + 1]): the same additions
+   of the same pairs (fp addition commutes), with half the shuffles. 128-bit lanes: a[p] = [lo(2p),
+   hi(2p), lo(2p + 1), hi(2p + 1)]; s(j) = lo(j) + hi(j) as in hsum8x8's first step. */
+SS_INLINE __m256 hsum8x8_512(const __m512 a[4]) {
+    const __m512 s0145 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[2], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_f32x4(a[0], a[2], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 s2367 = _mm512_add_ps(_mm512_shuffle_f32x4(a[1], a[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_f32x4(a[1], a[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* [s0, s1, s4, s5] and [s2, s3, s6, s7]: per lane the pairs of hsum8x8's second step */
+    const __m512 q = _mm512_add_ps(_mm512_shuffle_ps(s0145, s2367, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(s0145, s2367, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* q = [q0 | q1] of hsum8x8 */
+    const __m256 q0 = _mm512_castps512_ps256(q), q1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(q), 1));
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(q0, q1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(q0, q1, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
 SS_INLINE void dot8x8_multi512(const int NV, const float *const *qv, const float *const *kp, int D, __m256 *out) {
     __m512 a[ATT_QV][4];
     for (int v = 0; v < NV; v++)
@@ -69,14 +86,7 @@ SS_INLINE void dot8x8_multi512(const int NV, const float *const *qv, const float
             for (int p = 0; p < 4; p++) a[v][p] = _mm512_fmadd_ps(qd, k[p], a[v][p]);
         }
     }
-    for (int v = 0; v < NV; v++) {
-        __m256 t[8];
-        for (int p = 0; p < 4; p++) {
-            t[2 * p] = _mm512_castps512_ps256(a[v][p]);
-            t[2 * p + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[v][p]), 1));
-        }
-        out[v] = hsum8x8(t);
-    }
+    for (int v = 0; v < NV; v++) out[v] = hsum8x8_512(a[v]);
 }
 #define DOT8X8_MULTI dot8x8_multi512
 #else
@@ -91,6 +101,8 @@ static void attn_scores_multi(const float *const *qs, int nv, const float *kbase
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int v0 = 0; v0 < nv; v0 += ATT_QV) {
         const int n = nv - v0 < ATT_QV ? nv - v0 : ATT_QV;
+        __m256 vmx[ATT_QV]; /* without a softcap: each vector's running max, lane by lane (a max is exact in any order) */
+        for (int w = 0; w < n; w++) vmx[w] = _mm256_set1_ps(mx[v0 + w]);
         for (int64_t i = 0; i < L; i += 8) {
             const float *kp[8];
             for (int64_t j = i + ATT_PF; pf && v0 == 0 && j < i + ATT_PF + 8 && j < L; j++)
@@ -102,6 +114,14 @@ static void attn_scores_multi(const float *const *qs, int nv, const float *kbase
             case 3: DOT8X8_MULTI(3, qs + v0, kp, D, r); break;
             case 2: DOT8X8_MULTI(2, qs + v0, kp, D, r); break;
             default: r[0] = dot8x8(qs[v0], kp, D); break; /* 8 accumulator chains, not 4 */
+            }
+            if (softcap <= 0.0f) {
+                for (int w = 0; w < n; w++) {
+                    const __m256 x = _mm256_mul_ps(r[w], vscale);
+                    _mm256_storeu_ps(scs[v0 + w] + i, x);
+                    vmx[w] = _mm256_max_ps(x, vmx[w]); /* x NaN: keeps the max, as the scalar loop */
+                }
+                continue;
             }
             for (int w = 0; w < n; w++) {
                 float x8[8] SS_ALIGN;
@@ -115,6 +135,12 @@ static void attn_scores_multi(const float *const *qs, int nv, const float *kbase
                 }
                 mx[v0 + w] = m;
             }
+        }
+        for (int w = 0; softcap <= 0.0f && w < n; w++) {
+            float m8[8] SS_ALIGN, m = mx[v0 + w];
+            _mm256_store_ps(m8, vmx[w]);
+            for (int j = 0; j < 8; j++) m = m8[j] > m ? m8[j] : m;
+            mx[v0 + w] = m;
         }
     }
 #else
