@@ -14,6 +14,10 @@ python benchmarks/native_llamacpp.py --model smollm2-135m --tokens 128 --rounds 
   --out "$out/native_smollm2.json" --markdown "$out/native_smollm2.md"
 python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --rounds 1 --limit 1 \
   --out "$out/native_qwen1.5b.json" --markdown "$out/native_qwen1.5b.md"
+python benchmarks/native_llamacpp.py --model gemma3-270m --tokens 128 --rounds 1 --limit 2 \
+  --out "$out/native_gemma3.json" --markdown "$out/native_gemma3.md"
+python benchmarks/native_llamacpp.py --model qwen2.5-coder-0.5b --tokens 128 --rounds 1 --limit 2 \
+  --out "$out/native_qwen0.5b.json" --markdown "$out/native_qwen0.5b.md"
 python benchmarks/structured.py --model smollm2-135m --drafters ngram,draft_model --every 2 \
   --out "$out/structured_smollm2.json"
 python benchmarks/structured.py --model qwen2.5-coder-1.5b --drafters ngram \
