@@ -3,7 +3,7 @@
 from engine_utils import make_engine
 from specserve.engine.sequence import Sequence
 from specserve.engine.types import SamplingParams
-from specserve.speculative.adaptive import CostModel, DraftPolicy, calibrate
+from specserve.speculative.adaptive import PROBE_BUDGET, PROBE_MAX, CostModel, DraftPolicy, calibrate
 
 
 def _seq(accept: float) -> Sequence:
@@ -96,6 +96,8 @@ def test_engine_calibrates_the_verification_widths_at_start():
     assert 1 in engine.drafter.cost.table  # the draft model's own step
     assert engine.blocks.num_free == engine.blocks.num_blocks  # the scratch sequences left nothing behind
     assert engine.drafter.blocks.num_free == engine.drafter.blocks.num_blocks
+    engine.drafter.cost.table.update({1: 0.004, 8: 0.010})  # the catch-up cost comes from its own timings
+    assert engine.policy.catch_up_cost(1) == 0.0 and abs(engine.policy.catch_up_cost(8) - 0.006) < 1e-12
     fixed = make_engine("--model", "smollm2-135m", "--speculative-config",
                         spec.replace('"num_speculative_tokens"', '"adaptive": false, "num_speculative_tokens"'))
     assert not fixed.cost.table  # nothing to choose: no start-up timing
@@ -111,6 +113,22 @@ def test_probes_are_rarer_for_an_expensive_drafter():
         probes[name] = sum(p.lengths([_seq(0.05)], [7])[0] for _ in range(400))
     assert probes["cheap"] == 400 // 8  # k = 0 but one draft every 8 steps, to keep learning
     assert probes["dear"] == 400 // 34  # 0.030 / (3% of 0.030 s) = 34 steps between probes
+
+
+def test_a_draft_models_catch_up_stretches_the_probes():
+    """A draft model reads lazily: probing after p steps at k = 0 first runs it over the p tokens
+    it skipped. With that counted, probes stay within the budget or stop at PROBE_MAX."""
+    p = _policy(step=0.010, draft=0.0)
+    p.draft_cost = lambda k: 0.010 * k  # a third of the target's 0.030 s step
+    assert p._probe_every(1) == 12  # 0.010 / (3% of 0.030 s)
+    p.catch_up_cost = lambda n: 0.0002 * n  # cheap per token: a longer interval pays for it
+    every = p._probe_every(1)
+    assert 12 < every < PROBE_MAX
+    assert 0.010 + p.catch_up_cost(every) <= PROBE_BUDGET * 0.030 * every
+    p.catch_up_cost = lambda n: 0.002 * n  # dearer per token than 3% of a step: rarely as allowed
+    assert p._probe_every(1) == PROBE_MAX
+    p._step = 0
+    assert sum(p.lengths([_seq(0.05)], [7])[0] for _ in range(600)) == 600 // PROBE_MAX
 
 
 def test_acceptance_estimate_counts_a_cut_draft_as_a_miss():

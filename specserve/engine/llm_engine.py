@@ -72,7 +72,8 @@ class LLMEngine:
         self.totals = AcceptanceStats()
         self.cost = CostModel()
         self.policy = DraftPolicy(k_max, bool(spec and spec.adaptive), self.cost,
-                                  drafter.draft_cost if drafter else lambda k: 0.0)
+                                  drafter.draft_cost if drafter else lambda k: 0.0,
+                                  drafter.catch_up_cost if drafter else lambda n: 0.0)
         self.runner = ModelRunner(self.model, self.kv, self.cache, ecfg.block_size,
                                   -(-self.max_model_len // ecfg.block_size) + 1, self.cost,
                                   drafter.hidden_layers if drafter else (), self.encoder_cache(target, ecfg))

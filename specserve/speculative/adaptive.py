@@ -2,7 +2,8 @@
 
 Cost model: the time of a forward pass over w tokens, per width, measured at start-up for the
 verification widths and kept up to date online (``CostModel``), plus the drafter's own cost for k
-tokens (``Drafter.draft_cost``). A sequence whose drafts are accepted with per-token probability p
+tokens (``Drafter.draft_cost``, and ``Drafter.catch_up_cost`` for the tokens a probe's drafter
+has not read yet). A sequence whose drafts are accepted with per-token probability p
 yields on average 1 + p + ... + p^k tokens for k drafts. Starting from k = 0 everywhere, drafts
 are added one at a time to the sequence with the best marginal gain p_i^(k_i+1), up to every cap,
 and the point of that path with the most expected tokens per second is chosen. On text where
@@ -160,9 +161,11 @@ def calibrate(cost: CostModel, run, widths: list[int], rounds: int = 3) -> None:
 
 
 class DraftPolicy:
-    def __init__(self, k_max: int, adaptive: bool, cost: CostModel, draft_cost=lambda k: 0.0):
+    def __init__(self, k_max: int, adaptive: bool, cost: CostModel, draft_cost=lambda k: 0.0,
+                 catch_up_cost=lambda n: 0.0):
         self.k_max, self.adaptive, self.cost = k_max, adaptive, cost
         self.draft_cost = draft_cost  # k -> seconds to propose k tokens (Drafter.draft_cost)
+        self.catch_up_cost = catch_up_cost  # n -> seconds to first read n tokens it has not seen
         self._step = 0
 
     def lengths(self, seqs: list[Sequence], limits: list[int], extra_width: int = 0) -> list[int]:
@@ -195,11 +198,17 @@ class DraftPolicy:
 
     def _probe_every(self, width: int) -> int:
         """Steps between probes: a drafter that costs a whole forward (a block drafter) probes
-        rarely enough that probing stays within PROBE_BUDGET of the decode time."""
+        rarely enough that probing stays within PROBE_BUDGET of the decode time. A probe after p
+        steps at k = 0 also pays for the drafter reading the p tokens it skipped (a draft model's
+        KV catching up), so the interval grows until that fits too, up to PROBE_MAX."""
         d = self.draft_cost(1)
         if d <= 0:
             return PROBE_EVERY
-        return min(PROBE_MAX, max(PROBE_EVERY, math.ceil(d / (PROBE_BUDGET * self.cost.time(width)))))
+        step = PROBE_BUDGET * self.cost.time(width)
+        p = min(PROBE_MAX, max(PROBE_EVERY, math.ceil(d / step)))
+        while p < PROBE_MAX and d + self.catch_up_cost(p) > step * p:
+            p = min(PROBE_MAX, math.ceil(p * 1.25))
+        return p
 
     def _time(self, width: int, ks: list[int]) -> float:
         k = max(ks, default=0)

@@ -90,3 +90,6 @@ class ChainDrafter(Drafter):
         if k <= 0:
             return 0.0
         return sum(r * d.draft_cost(min(k, cap)) for d, cap, r in zip(self.drafters, self.caps, self.rates))
+
+    def catch_up_cost(self, n: int) -> float:
+        return sum(r * d.catch_up_cost(n) for d, r in zip(self.drafters, self.rates))

@@ -80,6 +80,11 @@ class Drafter(ABC):
         """Seconds to propose k tokens for one sequence (0 for model-free drafters)."""
         return 0.0
 
+    def catch_up_cost(self, n: int) -> float:
+        """Seconds a proposal costs on top of ``draft_cost`` when the drafter has not read the
+        sequence's last n tokens (0 for drafters that read every token as it comes)."""
+        return 0.0
+
 
 def pick_tokens(seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None,
                 earlier: list[int] = (), p_min: float = 0.0) -> Proposal:
