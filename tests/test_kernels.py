@@ -107,6 +107,35 @@ def test_gguf_dequantize_matches_gguf_py(qtype, impl):
     assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
 
 
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("variant", ["c", "c-scalar"])
+def test_load_time_dequantizer_matches_gguf_py(qtype, variant):
+    """RawTensor.dequantize goes through the C dequantizer (Q5_0 / Q5_1 have no other C path):
+    the same bits as gguf-py, for random blocks with every high bit and nibble pattern."""
+    import gguf
+
+    from specserve.models.weights import RawTensor
+
+    n, k = (7, 512) if qtype == "Q4_K" else (7, 96)
+    rng = np.random.default_rng(5)
+    ref_w = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32),
+                                 gguf.GGMLQuantizationType.Q8_0) if qtype == "Q8_0" else None
+    be, bb = (256, 144) if qtype == "Q4_K" else (32, {"Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[qtype])
+    raw = rng.integers(0, 256, (n, k // be, bb), dtype=np.uint8) if ref_w is None else ref_w.reshape(n, k // be, bb)
+    scales = (rng.standard_normal((n, k // be, 2)) * 1e-2).astype(np.float16).view(np.uint8).reshape(n, k // be, 4)
+    raw[..., :4 if qtype in ("Q5_1", "Q4_K") else 2] = scales[..., :4 if qtype in ("Q5_1", "Q4_K") else 2]
+    raw = np.ascontiguousarray(raw.reshape(n, -1))
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k).astype(np.float32)
+    ops.set_default_impl(variant)
+    try:
+        got = RawTensor("w", (n, k), qtype, raw).dequantize().numpy()
+        direct = ops.dequantize_blocks(torch.from_numpy(raw), qtype, n, k)
+    finally:
+        ops.set_default_impl(None)
+    assert direct is not None and np.array_equal(direct.numpy().view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_gguf_from_raw_layout_and_errors():
     import gguf
 

@@ -13,6 +13,7 @@ from .library import (
     _FMT_F32,
     _FMT_I8,
     ACT_BLOCK,
+    DEQUANT_QTYPES,
     GGUF_QTYPES,
     _check,
     _check_2d_float,
@@ -194,6 +195,21 @@ def _qtype_name(qtype: Any) -> str:
     if name not in GGUF_QTYPES:
         raise ValueError(f"unsupported GGUF qtype {name!r}; supported: {', '.join(GGUF_QTYPES)}")
     return name
+
+
+def dequantize_blocks(raw: torch.Tensor, qtype: str, n: int, k: int, *, impl: str | None = None) -> torch.Tensor | None:
+    """fp32 [n, k] from GGUF blocks (uint8 [n, row_bytes], contiguous), bit for bit what
+    gguf.quants.dequantize gives; None without the C kernels or for a type they do not know."""
+    lib = _select(impl)
+    if lib is None or qtype not in DEQUANT_QTYPES:
+        return None
+    fmt, be, bb = DEQUANT_QTYPES[qtype]
+    _require(k % be == 0 and tuple(raw.shape) == (n, k // be * bb) and raw.dtype == torch.uint8
+             and raw.is_contiguous(), f"{qtype} [{n}, {k}]: bad raw blocks {tuple(raw.shape)} {raw.dtype}")
+    out = torch.empty(n, k, dtype=torch.float32)
+    _check(lib.ss_dequantize(fmt, raw.data_ptr(), n, k, k // be * bb, out.data_ptr(), get_num_threads()),
+           "dequantize")
+    return out
 
 
 class GGUFBlockWeight:

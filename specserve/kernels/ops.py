@@ -88,6 +88,7 @@ from .linear import (  # noqa: F401
     _as_weight,
     _fallback_weight,
     _qtype_name,
+    dequantize_blocks,
     linear,
     quantize_activations,
 )
@@ -134,6 +135,7 @@ __all__ = [
     "F32Weight",
     "Int8Weight",
     "GGUFBlockWeight",
+    "dequantize_blocks",
     "GGUF_QTYPES",
     "ACT_BLOCK",
     "quantize_activations",

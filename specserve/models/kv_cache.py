@@ -28,8 +28,10 @@ On CUDA only fp32 / bf16 / fp16 are supported so far.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specserve.errors import SpecserveError
@@ -61,6 +63,16 @@ def resolve_kv_dtype(name: str | torch.dtype, device_type: str = "cpu",
 def kv_row_bytes(kv_dtype: str, head_dim: int) -> int:
     """Exact bytes of one (token, kv head) row of K (or V), scales included."""
     return ops.kv_row_bytes(resolve_kv_dtype(kv_dtype), head_dim)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled pool. On the CPU from calloc (numpy): the OS hands out zeroed pages as they
+    are first written, so a pool of many GB costs nothing at start-up (torch.zeros writes every
+    byte: seconds) and memory is committed as sequences fill it."""
+    if device.type != "cpu" or math.prod(shape) == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(n, dtype=np.uint8)).view(dtype).reshape(shape)
 
 
 @dataclass
@@ -97,7 +109,7 @@ class KVCache:
                   else num_blocks for i in range(cfg.num_layers)]
 
         def pools(tail: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
-            return [torch.zeros((nb, block_size, hkv, *tail), dtype=dtype, device=device) for nb in blocks]
+            return [zeros((nb, block_size, hkv, *tail), dtype, device) for nb in blocks]
 
         k, v = pools((ops.kv_store_dim(name, D),), store), pools((ops.kv_store_dim(name, D),), store)
         ks = vs = None

@@ -263,6 +263,22 @@ static void deq_q6_k(const uint8_t *blk, int nblk, float *out) {
     }
 }
 
+/* Q5_0 (22 bytes: d, 32 high bits, 16 bytes of nibbles) and Q5_1 (24: d, m, ...), as gguf-py:
+   q = low nibble (elements 0-15) or high nibble (16-31) | bit i of the high bits << 4;
+   Q5_0: d * (float)(q - 16), Q5_1: d * (float)q + m (a product, then a sum) */
+static void deq_q5(int with_min, const uint8_t *blk, int nblk, float *out) {
+    const int bb = with_min ? 24 : 22;
+    for (int b = 0; b < nblk; b++, blk += bb, out += 32) {
+        const float d = h2f(blk), m = with_min ? h2f(blk + 2) : 0.0f;
+        const uint8_t *qhp = blk + (with_min ? 4 : 2), *qs = qhp + 4;
+        const uint32_t qh = (uint32_t)qhp[0] | (uint32_t)qhp[1] << 8 | (uint32_t)qhp[2] << 16 | (uint32_t)qhp[3] << 24;
+        for (int i = 0; i < 32; i++) {
+            const int q = ((i < 16 ? qs[i] : qs[i - 16] >> 4) & 0x0F) | (int)((qh >> i) & 1u) << 4;
+            out[i] = with_min ? d * (float)q + m : d * (float)(q - 16);
+        }
+    }
+}
+
 static int fmt_block(int fmt, int *block_elems, int *block_bytes) {
     switch (fmt) {
     case FMT_F32: *block_elems = 1; *block_bytes = 4; return 0;
@@ -272,6 +288,8 @@ static int fmt_block(int fmt, int *block_elems, int *block_bytes) {
     case FMT_Q4_1: *block_elems = 32; *block_bytes = 20; return 0;
     case FMT_Q4_K: *block_elems = 256; *block_bytes = 144; return 0;
     case FMT_Q6_K: *block_elems = 256; *block_bytes = 210; return 0;
+    case FMT_Q5_0: *block_elems = 32; *block_bytes = 22; return 0;
+    case FMT_Q5_1: *block_elems = 32; *block_bytes = 24; return 0;
     default: return -1;
     }
 }
@@ -287,6 +305,8 @@ static void deq_chunk(int fmt, const uint8_t *row, int64_t k0, int kc, float *ou
     case FMT_Q4_1: deq_q4_1(row + (k0 / 32) * 20, kc / 32, out); break;
     case FMT_Q4_K: deq_q4_k(row + (k0 / 256) * 144, kc / 256, out); break;
     case FMT_Q6_K: deq_q6_k(row + (k0 / 256) * 210, kc / 256, out); break;
+    case FMT_Q5_0: deq_q5(0, row + (k0 / 32) * 22, kc / 32, out); break;
+    case FMT_Q5_1: deq_q5(1, row + (k0 / 32) * 24, kc / 32, out); break;
     default: break;
     }
 }
