@@ -49,6 +49,7 @@ from __future__ import annotations
 # the kernels live in one module per kind; this module is their one public face (ops.X)
 from .library import (  # noqa: F401
     ACT_BLOCK,
+    DEQUANT_QTYPES,
     GGUF_QTYPES,
     KernelError,
     _ACT_AMIN,
@@ -136,6 +137,7 @@ __all__ = [
     "Int8Weight",
     "GGUFBlockWeight",
     "dequantize_blocks",
+    "DEQUANT_QTYPES",
     "GGUF_QTYPES",
     "ACT_BLOCK",
     "quantize_activations",
