@@ -107,7 +107,7 @@ def test_gguf_dequantize_matches_gguf_py(qtype, impl):
     assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
 
 
-@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q4_K"])
 @pytest.mark.parametrize("variant", ["c", "c-scalar"])
 def test_load_time_dequantizer_matches_gguf_py(qtype, variant):
     """RawTensor.dequantize goes through the C dequantizer (Q5_0 / Q5_1 have no other C path):
@@ -116,14 +116,15 @@ def test_load_time_dequantizer_matches_gguf_py(qtype, variant):
 
     from specserve.models.weights import RawTensor
 
-    n, k = (7, 512) if qtype == "Q4_K" else (7, 96)
+    n, k = (7, 512) if qtype in ("Q4_K", "Q5_K") else (7, 96)
     rng = np.random.default_rng(5)
     ref_w = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32),
                                  gguf.GGMLQuantizationType.Q8_0) if qtype == "Q8_0" else None
-    be, bb = (256, 144) if qtype == "Q4_K" else (32, {"Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[qtype])
+    be, bb = {"Q4_K": (256, 144), "Q5_K": (256, 176)}.get(qtype) or (32, {"Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[qtype])
     raw = rng.integers(0, 256, (n, k // be, bb), dtype=np.uint8) if ref_w is None else ref_w.reshape(n, k // be, bb)
     scales = (rng.standard_normal((n, k // be, 2)) * 1e-2).astype(np.float16).view(np.uint8).reshape(n, k // be, 4)
-    raw[..., :4 if qtype in ("Q5_1", "Q4_K") else 2] = scales[..., :4 if qtype in ("Q5_1", "Q4_K") else 2]
+    nscale = 4 if qtype in ("Q5_1", "Q4_K", "Q5_K") else 2  # d (and m / dmin) as finite fp16
+    raw[..., :nscale] = scales[..., :nscale]
     raw = np.ascontiguousarray(raw.reshape(n, -1))
     want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k).astype(np.float32)
     ops.set_default_impl(variant)

@@ -21,7 +21,7 @@ class KernelError(RuntimeError):
 # format ids shared with the C file
 _FMT_F32, _FMT_I8, _FMT_Q8_0, _FMT_Q4_0, _FMT_Q4_1, _FMT_Q4_K, _FMT_Q6_K = range(7)
 
-_FMT_Q5_0, _FMT_Q5_1 = 7, 8  # dequantization only
+_FMT_Q5_0, _FMT_Q5_1, _FMT_Q5_K = 7, 8, 9  # dequantization only
 
 # or-ed into a format id: the weight is in the C kernels' panel layout (csrc/panel_pack.c)
 _FMT_PANEL = 0x100
@@ -35,9 +35,9 @@ GGUF_QTYPES: dict[str, tuple[int, int, int]] = {
     "Q6_K": (_FMT_Q6_K, 256, 210),
 }
 
-# qtypes the C kernels dequantize (bit for bit as gguf-py): the above and Q5_0 / Q5_1
+# qtypes the C kernels dequantize (bit for bit as gguf-py): the above and Q5_0 / Q5_1 / Q5_K
 DEQUANT_QTYPES: dict[str, tuple[int, int, int]] = {**GGUF_QTYPES, "Q5_0": (_FMT_Q5_0, 32, 22),
-                                                   "Q5_1": (_FMT_Q5_1, 32, 24)}
+                                                   "Q5_1": (_FMT_Q5_1, 32, 24), "Q5_K": (_FMT_Q5_K, 256, 176)}
 
 # activation block (values per fp32 scale) of the integer-dot path, per weight format
 ACT_BLOCK: dict[int, int] = {_FMT_I8: 32, _FMT_Q8_0: 32, _FMT_Q4_0: 32, _FMT_Q4_1: 32, _FMT_Q4_K: 256, _FMT_Q6_K: 256}

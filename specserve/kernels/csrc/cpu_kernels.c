@@ -79,8 +79,9 @@ enum {
     FMT_Q4_1 = 4,
     FMT_Q4_K = 5,
     FMT_Q6_K = 6,
-    FMT_Q5_0 = 7, /* Q5_0 / Q5_1: dequantization only (ss_dequantize, and ss_linear's fp32 path) */
+    FMT_Q5_0 = 7, /* Q5_0 / Q5_1 / Q5_K: dequantization only (ss_dequantize, and ss_linear's fp32 path) */
     FMT_Q5_1 = 8,
+    FMT_Q5_K = 9,
 };
 /* or-ed into a format: the weight is in the panel layout (panel_pack.c) */
 #define FMT_PANEL 0x100

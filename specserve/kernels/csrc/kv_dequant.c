@@ -279,6 +279,26 @@ static void deq_q5(int with_min, const uint8_t *blk, int nblk, float *out) {
     }
 }
 
+/* Q5_K (176 bytes: d, dmin, 12 bytes of 6-bit scales and mins as Q4_K's, 32 bytes of high bits,
+   128 of nibbles), as gguf-py: sub-block s (32 values) takes the low (even s) or high nibbles of
+   bytes 32 (s / 2) .. + 31 and bit s of the high-bit bytes; (d * sc) * q - dmin * m */
+static void deq_q5_k(const uint8_t *blk, int nblk, float *out) {
+    for (int b = 0; b < nblk; b++, blk += 176, out += 256) {
+        const float d = h2f(blk), dmin = h2f(blk + 2);
+        const uint8_t *scales = blk + 4, *qh = blk + 16, *qs = blk + 48;
+        for (int s = 0; s < 8; s++) {
+            int sc, mi;
+            q4k_scale_min(s, scales, &sc, &mi);
+            const float ds = d * (float)sc, dm = dmin * (float)mi;
+            const uint8_t *q = qs + 32 * (s / 2);
+            for (int l = 0; l < 32; l++) {
+                const int v = ((q[l] >> (4 * (s & 1))) & 0x0F) | ((qh[l] >> s) & 1) << 4;
+                out[32 * s + l] = ds * (float)v - dm;
+            }
+        }
+    }
+}
+
 static int fmt_block(int fmt, int *block_elems, int *block_bytes) {
     switch (fmt) {
     case FMT_F32: *block_elems = 1; *block_bytes = 4; return 0;
@@ -290,6 +310,7 @@ static int fmt_block(int fmt, int *block_elems, int *block_bytes) {
     case FMT_Q6_K: *block_elems = 256; *block_bytes = 210; return 0;
     case FMT_Q5_0: *block_elems = 32; *block_bytes = 22; return 0;
     case FMT_Q5_1: *block_elems = 32; *block_bytes = 24; return 0;
+    case FMT_Q5_K: *block_elems = 256; *block_bytes = 176; return 0;
     default: return -1;
     }
 }
@@ -307,6 +328,7 @@ static void deq_chunk(int fmt, const uint8_t *row, int64_t k0, int kc, float *ou
     case FMT_Q6_K: deq_q6_k(row + (k0 / 256) * 210, kc / 256, out); break;
     case FMT_Q5_0: deq_q5(0, row + (k0 / 32) * 22, kc / 32, out); break;
     case FMT_Q5_1: deq_q5(1, row + (k0 / 32) * 24, kc / 32, out); break;
+    case FMT_Q5_K: deq_q5_k(row + (k0 / 256) * 176, kc / 256, out); break;
     default: break;
     }
 }
