@@ -28,7 +28,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")  # rope_parameters, dtype=, ...
-pytest.importorskip("gguf")
+gguf = pytest.importorskip("gguf")
 
 from specserve.engine.block_manager import HOLE  # noqa: E402
 from specserve.engine.config import EngineConfig, kv_bytes_per_token  # noqa: E402
@@ -39,6 +39,7 @@ from specserve.errors import ModelLoadError  # noqa: E402
 from specserve.speculative.config import parse_speculative_config  # noqa: E402
 from specserve.speculative.registry import build_drafter  # noqa: E402
 from specserve.models.catalog import resolve_model  # noqa: E402
+from specserve.models.gguf_fields import GGUFArrayReader  # noqa: E402
 from specserve.models.loader import LoadedModel, LoadOptions, load_model  # noqa: E402
 from specserve.models.transformer import ForwardBatch, KVCache  # noqa: E402
 
@@ -214,10 +215,15 @@ class RealModel:
         self.name = name
         self.path = _gguf_path(name)
         self.ours = load_model(name, FP32)
-        self.hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(self.path.parent), gguf_file=self.path.name, dtype=torch.float32, attn_implementation="eager")
+        # transformers' own GGUF loader (its names, permutations and config), reading the metadata
+        # with the one-pass array reader (tests/test_gguf_fields.py: field for field the package's;
+        # the package's own reader parses gemma3's 262K-token vocabulary element by element, twice)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gguf, "GGUFReader", GGUFArrayReader)
+            self.hf = transformers.AutoModelForCausalLM.from_pretrained(
+                str(self.path.parent), gguf_file=self.path.name, dtype=torch.float32, attn_implementation="eager")
+            self.hf_tok = transformers.AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
         self.hf.eval()
-        self.hf_tok = transformers.AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
 
 
 @pytest.fixture(scope="module")
