@@ -80,3 +80,14 @@ def test_every_choosable_build_gives_the_same_bits(impl):
     w = ops.Int8Weight.from_float(torch.randn(48, 512, generator=g))
     x = torch.randn(5, 512, generator=g)
     assert torch.equal(ops.linear(x, w, impl=impl), ops.linear(x, w, impl="c-scalar"))
+
+
+def test_serve_logs_the_chosen_build(caplog):
+    if not ops.kernels_info()["available"]:
+        pytest.skip("no C compiler")
+    from specserve.commands.serve import _log_kernels
+
+    with caplog.at_level("INFO", logger="specserve.server"):
+        _log_kernels()
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("C kernels:"))
+    assert f"{library.chosen_build()['variant']} build" in line and "integer dot:" in line

@@ -166,3 +166,26 @@ def test_cpu_plan_counts_loaded_weights_once():
     auto = plan_memory(EngineConfig(max_model_len=1024), 4096, 1024, 1024 * MiB, 0, 3072 * MiB, "cpu",
                        vision=(100 * MiB, 512 * MiB, 512 * MiB))  # the pool sized around them
     assert auto.num_blocks * 16 * 4096 <= int(3072 * MiB * 0.9) - 1024 * MiB
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_cpu_kv_pool_is_committed_as_it_is_written():
+    """The README's claim: a CPU pool costs no memory (and no start-up time) until sequences
+    write it, and reads as zeros."""
+    import torch
+
+    from specserve.models.kv_cache import zeros
+
+    before = _rss()
+    pool = zeros((2048, 16, 8, 512), torch.float32, torch.device("cpu"))  # 512 MiB
+    assert pool.shape == (2048, 16, 8, 512) and pool.dtype == torch.float32 and pool.is_contiguous()
+    assert _rss() - before < 64 << 20
+    assert not pool[::97].any()
+    pool[:256] = 1.0  # an eighth of it written: that much is committed
+    assert 48 << 20 < _rss() - before < 192 << 20
+    assert zeros((0, 16, 8, 64), torch.bfloat16, torch.device("cpu")).shape == (0, 16, 8, 64)

@@ -197,15 +197,19 @@ def _qtype_name(qtype: Any) -> str:
     return name
 
 
-def dequantize_blocks(raw: torch.Tensor, qtype: str, n: int, k: int, *, impl: str | None = None) -> torch.Tensor | None:
-    """fp32 [n, k] from GGUF blocks (uint8 [n, row_bytes], contiguous), bit for bit what
-    gguf.quants.dequantize gives; None without the C kernels or for a type they do not know."""
-    lib = _select(impl)
-    if lib is None or qtype not in DEQUANT_QTYPES:
-        return None
+def dequantize_blocks(raw: torch.Tensor, qtype: str, n: int, k: int, *, impl: str | None = None) -> torch.Tensor:
+    """fp32 [n, k] from GGUF blocks of a DEQUANT_QTYPES type (uint8 [n, row_bytes], contiguous):
+    the C kernels' dequantizer, or gguf-py's under the torch fallback; the same bits either way."""
+    _require(qtype in DEQUANT_QTYPES, f"no dequantizer for GGUF type {qtype!r}")
     fmt, be, bb = DEQUANT_QTYPES[qtype]
     _require(k % be == 0 and tuple(raw.shape) == (n, k // be * bb) and raw.dtype == torch.uint8
              and raw.is_contiguous(), f"{qtype} [{n}, {k}]: bad raw blocks {tuple(raw.shape)} {raw.dtype}")
+    lib = _select(impl)
+    if lib is None:
+        import gguf
+
+        arr = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[qtype])
+        return torch.from_numpy(arr.reshape(n, k).astype("float32", copy=False))
     out = torch.empty(n, k, dtype=torch.float32)
     _check(lib.ss_dequantize(fmt, raw.data_ptr(), n, k, k // be * bb, out.data_ptr(), get_num_threads()),
            "dequantize")
@@ -302,17 +306,7 @@ class GGUFBlockWeight:
 
     def dequantize(self, *, impl: str | None = None) -> torch.Tensor:
         """fp32 [N, K]; bit-identical to gguf.quants.dequantize."""
-        lib = _select(impl)
-        raw = self.raw
-        if lib is None:
-            import gguf
-
-            arr = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[self.qtype])
-            return torch.from_numpy(arr.reshape(self.n, self.k).astype("float32", copy=False))
-        out = torch.empty(self.n, self.k, dtype=torch.float32)
-        _check(lib.ss_dequantize(self.fmt, raw.data_ptr(), self.n, self.k, self.row_bytes,
-                                 out.data_ptr(), get_num_threads()), "dequantize")
-        return out
+        return dequantize_blocks(self.raw, self.qtype, self.n, self.k, impl=impl)
 
     @property
     def act_block(self) -> int | None:
@@ -328,7 +322,7 @@ class GGUFBlockWeight:
 
     def dequantize_rows(self, idx: torch.Tensor) -> torch.Tensor:
         """fp32 [n', K]: channels idx [n'] dequantized (an embedding lookup), nothing repacked."""
-        return GGUFBlockWeight(self._rows_raw(idx), self.qtype, int(idx.numel()), self.k, int_dot=False).dequantize()
+        return dequantize_blocks(self._rows_raw(idx), self.qtype, int(idx.numel()), self.k)
 
     def _c_args(self) -> tuple[int, int, int, int]:
         if self.packed is not None and self.int_dot:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from specserve.errors import ModelLoadError
+from specserve.kernels.linear import DEQUANT_QTYPES, dequantize_blocks
 from specserve.models.families import ModelFamily, family
 from specserve.models.families.base import GGUF_TOP, HF_TOP
 
@@ -39,30 +40,20 @@ class RawTensor:
     def dequantize(self) -> torch.Tensor:
         if self.qtype == "torch":
             out = self.data.to(torch.float32)
+        elif self.qtype in DEQUANT_QTYPES:  # the kernels' dequantizer: gguf-py's bits, many times faster
+            k = self.shape[-1]
+            with warnings.catch_warnings():  # a read-only mapping of the file: only read here
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(np.ascontiguousarray(self.data)).reshape(-1, np.shape(self.data)[-1])
+            out = dequantize_blocks(raw, self.qtype, raw.shape[0], k).reshape(self.shape)
         else:
-            out = self._dequantize_c()
-            if out is None:
-                import gguf
+            import gguf
 
-                arr = gguf.quants.dequantize(np.asarray(self.data), gguf.GGMLQuantizationType[self.qtype])
-                out = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(self.shape)
+            arr = gguf.quants.dequantize(np.asarray(self.data), gguf.GGMLQuantizationType[self.qtype])
+            out = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(self.shape)
         if self.row_perm is not None:
             out = out[torch.from_numpy(self.row_perm)]
         return out.contiguous()
-
-    def _dequantize_c(self) -> torch.Tensor | None:
-        """The C kernels' dequantizer (same bits as gguf-py's, many times faster), or None."""
-        from specserve.kernels.linear import DEQUANT_QTYPES, dequantize_blocks
-
-        if self.qtype not in DEQUANT_QTYPES or not self.shape:
-            return None
-        k = self.shape[-1]
-        n = int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
-        with warnings.catch_warnings():  # a read-only mapping of the file: only read here
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.from_numpy(np.ascontiguousarray(self.data)).reshape(n, -1)
-        out = dequantize_blocks(raw, self.qtype, n, k)
-        return None if out is None else out.reshape(self.shape)
 
     def raw_rows(self) -> torch.Tensor:
         """The GGUF block bytes as uint8 [rows, row_bytes], rows permuted if needed."""

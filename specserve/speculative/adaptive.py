@@ -167,6 +167,7 @@ class DraftPolicy:
         self.draft_cost = draft_cost  # k -> seconds to propose k tokens (Drafter.draft_cost)
         self.catch_up_cost = catch_up_cost  # n -> seconds to first read n tokens it has not seen
         self._step = 0
+        self._next_probe: int | None = None  # the step of the next probe (set at the first step)
 
     def lengths(self, seqs: list[Sequence], limits: list[int], extra_width: int = 0) -> list[int]:
         """Draft length per sequence; limits[i] caps k (tokens left, context left)."""
@@ -192,7 +193,10 @@ class DraftPolicy:
             if rate > best:
                 best, best_ks = rate, list(ks)
         ks = best_ks
-        if self._step % self._probe_every(len(seqs) + extra_width) == 0:
+        if self._next_probe is None:
+            self._next_probe = self._probe_every(len(seqs) + extra_width)
+        if self._step >= self._next_probe:  # the interval is worked out at probes only, not every step
+            self._next_probe = self._step + self._probe_every(len(seqs) + extra_width)
             ks = [max(k, min(1, c)) for k, c in zip(ks, caps)]
         return ks
 
