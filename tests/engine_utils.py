@@ -107,7 +107,10 @@ def drafter_makers(checkpoint: Path, target, draft, max_len: int) -> dict:
     return {
         "ngram": lambda: (SpeculativeConfig("ngram", num_speculative_tokens=4), NgramDrafter(1, 3)),
         "suffix": lambda: (SpeculativeConfig("suffix", num_speculative_tokens=3), SuffixDrafter(16, 3)),
-        "draft_model": lambda: (SpeculativeConfig("draft_model", num_speculative_tokens=4, model="x"),
+        # a fixed k, as mtp and dflash: with the adaptive policy whether a short test drafts at all
+        # would depend on the machine's timings
+        "draft_model": lambda: (SpeculativeConfig("draft_model", num_speculative_tokens=4, adaptive=False,
+                                                  model="x"),
                                 DraftModelDrafter(draft, 200, 8, max_len)),
         "mtp": lambda: (SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False),
                         MTPDrafter.load(None, load_model(str(checkpoint), fp32))),

@@ -29,9 +29,9 @@ On CUDA only fp32 / bf16 / fp16 are supported so far.
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from specserve.errors import SpecserveError
@@ -66,13 +66,14 @@ def kv_row_bytes(kv_dtype: str, head_dim: int) -> int:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled pool. On the CPU from calloc (numpy): the OS hands out zeroed pages as they
-    are first written, so a pool of many GB costs nothing at start-up (torch.zeros writes every
-    byte: seconds) and memory is committed as sequences fill it."""
+    """A zero-filled pool. On the CPU an anonymous memory mapping of its own: the OS hands out
+    zeroed pages as they are first written, so a pool of many GB costs nothing at start-up
+    (torch.zeros writes every byte: seconds; calloc does too when the heap has freed memory to
+    reuse) and memory is committed as sequences fill it. Unmapped when the tensor goes."""
     if device.type != "cpu" or math.prod(shape) == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(n, dtype=np.uint8)).view(dtype).reshape(shape)
+    return torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 @dataclass
