@@ -139,6 +139,10 @@ def configurations(model: str, bindir: Path) -> dict[str, list[str]]:
     if draft:
         out["specserve draft"] = ours + ["--speculative-config", json.dumps(
             {"method": "draft_model", "model": draft, "num_speculative_tokens": 8})]
+        # the draft in 4 bits over a 32K-token draft vocabulary (README "The 0.5b draft model")
+        out["specserve draft q4_0 32K"] = ours + ["--speculative-config", json.dumps(
+            {"method": "draft_model", "model": draft, "num_speculative_tokens": 8, "quantization": "q4_0",
+             "draft_vocab_size": 32768})]
     return out
 
 

@@ -637,10 +637,10 @@ FUSED_SCENARIOS = {
 
 
 def _window_paging(batch: ForwardBatch, parts: list[tuple[PagedSeq, list[int]]]) -> ForwardBatch:
-    """batch with the sliding layers' own block tables / slots (pools of their own, as the engine
-    gives long contexts); parts: each row's window-pool sequence (advanced here)."""
-    w = paged_batch(parts)
-    batch.window_block_tables, batch.window_slot_mapping = w.block_tables, w.slot_mapping
+    """batch with the sliding layers' own block tables / slots (a second paging group: pools of
+    their own, as the engine gives long contexts); parts: each row's window-pool sequence
+    (advanced here)."""
+    batch.paging = (*batch.paging, *paged_batch(parts).paging)
     return batch
 
 

@@ -21,7 +21,7 @@ from specserve.engine.llm_engine import LLMEngine
 from specserve.engine.types import SamplingParams
 from specserve.errors import SpecserveError
 from specserve.models.loader import load_model
-from specserve.models.transformer import ForwardBatch
+from specserve.models.transformer import ForwardBatch, Paging
 from specserve.bench.serverproc import free_port
 from specserve.parallel.launch import ParallelConfig, stop_workers
 from specserve.parallel.shard import Shard, shard_tensors, split_points, vocab_rows
@@ -161,10 +161,14 @@ def test_cuts_keep_quantized_blocks_whole():
 
 
 def test_forward_batch_survives_the_wire_format():
-    b = ForwardBatch(torch.arange(5), torch.arange(5, dtype=torch.int32), torch.zeros(5, dtype=torch.int32),
-                     torch.ones(2, 4, dtype=torch.int32), torch.arange(5), torch.tensor([4]), hidden_layers=(0, 2),
-                     mm_embeds=torch.randn(2, 8))
+    paging = (Paging(torch.ones(2, 4, dtype=torch.int32), torch.arange(5)),
+              Paging(torch.zeros(2, 3, dtype=torch.int32), torch.arange(5, 10)))  # a sliding-window pool of its own
+    b = ForwardBatch(torch.arange(5), torch.arange(5, dtype=torch.int32), torch.zeros(5, dtype=torch.int32), paging,
+                     torch.tensor([4]), hidden_layers=(0, 2), mm_embeds=torch.randn(2, 8))
     back = ForwardBatch.from_tensors(b.to_tensors())
+    assert len(back.paging) == 2
+    for p, q in zip(b.paging, back.paging):
+        assert torch.equal(p.block_tables, q.block_tables) and torch.equal(p.slot_mapping, q.slot_mapping)
     for name in ForwardBatch.TENSORS:
         a, c = getattr(b, name), getattr(back, name)
         assert (a is None) == (c is None), name

@@ -15,7 +15,7 @@ from specserve.engine.cache import CacheCoordinator
 from specserve.engine.multimodal import EncoderCache, MultiModalPrompt, text_positions
 from specserve.engine.scheduler import ScheduledRow
 from specserve.engine.step_budget import batch_keys
-from specserve.models.transformer import ForwardBatch, ForwardOutput, KVCache
+from specserve.models.transformer import ForwardBatch, ForwardOutput, KVCache, Paging
 from specserve.speculative.adaptive import CostModel
 
 
@@ -34,9 +34,9 @@ class BatchEntry:
 
 def build_forward_batch(entries: list[BatchEntry], block_size: int, max_blocks: int, logit_rows: list[int],
                         device: torch.device, hidden_layers: tuple[int, ...] = ()) -> ForwardBatch:
-    """The batch of ``entries`` in order; logits are computed for ``logit_rows``. The first paged
-    group fills ``block_tables`` / ``slot_mapping``, a second (the sliding-window layers' own
-    pool) the ``window_*`` fields."""
+    """The batch of ``entries`` in order; logits are computed for ``logit_rows``. Each paged
+    cache group of the entries' tables (the full-attention pool, then a sliding-window pool of
+    its own where the model has one) becomes one :class:`Paging` of the batch."""
     ids, pos, sids = [], [], []
     num_groups = len(entries[0].tables) if entries else 1
     groups = [([], torch.zeros((len(entries), max_blocks), dtype=torch.int32)) for _ in range(num_groups)]
@@ -49,8 +49,8 @@ def build_forward_batch(entries: list[BatchEntry], block_size: int, max_blocks: 
         for (slots, tables), blocks in zip(groups, e.tables, strict=True):
             slots += [blocks[x // bs] * bs + x % bs for x in p]  # HOLE (-1) entries are never written
             tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-    paging = [(tables.to(device), torch.tensor(slots, dtype=torch.int64, device=device)) for slots, tables in groups]
-    window = paging[1] if len(paging) > 1 else (None, None)
+    paging = tuple(Paging(tables.to(device), torch.tensor(slots, dtype=torch.int64, device=device))
+                   for slots, tables in groups)
     states = [None] * 5
     if entries and entries[0].state is not None:
         per_seq = [torch.tensor([e.state[f] for e in entries], dtype=torch.int64) for f in (0, 1, 3)]
@@ -62,12 +62,9 @@ def build_forward_batch(entries: list[BatchEntry], block_size: int, max_blocks: 
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
         positions=torch.tensor(pos, dtype=torch.int32, device=device),
         seq_ids=torch.tensor(sids, dtype=torch.int32, device=device),
-        block_tables=paging[0][0],
-        slot_mapping=paging[0][1],
+        paging=paging,
         logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=device),
         hidden_layers=hidden_layers,
-        window_block_tables=window[0],
-        window_slot_mapping=window[1],
         state_slots=states[0], state_read=states[1], state_write=states[2], state_ckpt_read=states[3],
         state_ckpt_write=states[4],
     )

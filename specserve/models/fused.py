@@ -8,7 +8,7 @@ one, on the same shapes, so the results are bit-identical to it (tests/test_mode
 
 Covered: Llama / SmolLM2 / Mistral / Qwen2 (q/k/v biases) / Qwen3 (qk-norm), any weight format,
 fused or separate q/k/v and gate/up weights, sliding layers that share the global block tables,
-sliding layers with their own pools (``window_block_tables``), every KV cache dtype (the C code
+sliding layers with their own pools (a second ``Paging`` group), every KV cache dtype (the C code
 quantizes a written row to the bits of ``ops.kv_quantize``, the Python path's write). Everything
 else falls back to the Python path (``unsupported`` / ``batch_supported`` say why): Gemma 3
 (sandwich norms, local rope), CUDA, non-fp32 activations, the torch kernel fallback.
@@ -30,7 +30,7 @@ from specserve.kernels import ops
 
 if TYPE_CHECKING:
     from specserve.models.kv_cache import KVCache
-    from specserve.models.transformer import ForwardBatch, Transformer, _Layer
+    from specserve.models.transformer import ForwardBatch, Paging, Transformer, _Layer
 
 
 _INT_DOT = attrgetter("int_dot")
@@ -59,12 +59,11 @@ def _paging_ok(tables: torch.Tensor | None, slots: torch.Tensor | None, t: int) 
 def batch_supported(batch: ForwardBatch, kv: KVCache) -> bool:
     """Whether this batch and cache can run fused (cheap checks, once per forward)."""
     t = batch.positions.shape[0]
-    window = batch.window_block_tables
     return (t > 0 and batch.positions.dtype == torch.int32 and batch.positions.is_contiguous()
             and batch.positions.device.type == "cpu" and batch.seq_ids.dtype == torch.int32
             and batch.seq_ids.shape == (t,) and batch.seq_ids.is_contiguous()
-            and _paging_ok(batch.block_tables, batch.slot_mapping, t)
-            and (window is None or _paging_ok(window, batch.window_slot_mapping, t)))
+            and 1 <= len(batch.paging) <= 2 and all(_paging_ok(p.block_tables, p.slot_mapping, t) for p in batch.paging)
+            and len(batch.paging) == (2 if any(kv.groups) else 1))  # C: sliding layers use group 1 if any
 
 
 def _pool_ok(t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> bool:
@@ -102,10 +101,11 @@ def _slot_linears(layer: _Layer) -> dict:
     return lins
 
 
-def _rows(batch: ForwardBatch, tables: torch.Tensor, slots: torch.Tensor) -> ops.SSRows:
+def _rows(batch: ForwardBatch, paging: Paging) -> ops.SSRows:
     """SSRows of the batch with one pool's block tables [S, max_blocks] and slots [T]."""
+    tables = paging.block_tables
     return ops.SSRows(batch.positions.shape[0], batch.positions.data_ptr(), batch.seq_ids.data_ptr(),
-                      slots.data_ptr(), tables.data_ptr(), tables.shape[0], tables.shape[1])
+                      paging.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[0], tables.shape[1])
 
 
 class FusedStack:
@@ -182,9 +182,8 @@ class FusedStack:
         if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[1:] == (self.hidden,)):
             raise ValueError(f"fused layers: x must be a contiguous float32 [T, {self.hidden}] tensor")
         layers, pools = self._layer_array(), self._pool_array(kv)
-        rows = _rows(batch, batch.block_tables, batch.slot_mapping)
-        wrows = (None if batch.window_block_tables is None
-                 else _rows(batch, batch.window_block_tables, batch.window_slot_mapping))
+        rows = _rows(batch, batch.paging[0])
+        wrows = _rows(batch, batch.paging[1]) if len(batch.paging) > 1 else None  # the sliding layers' pool
         hidden: dict[int, torch.Tensor] = {}
         start = 0
         for end in sorted({i + 1 for i in batch.hidden_layers if 0 <= i < self.num_layers}):

@@ -91,6 +91,7 @@ class KVCache:
     head_dim: int = 0
     _extra: list[dict] = field(default_factory=list, repr=False)
     states: object = None  # a hybrid model's recurrent states (models.hybrid.RecurrentStates)
+    groups: tuple[int, ...] = ()  # each layer's paged cache group (the batch's paging it uses); () all 0
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_blocks: int, block_size: int,
@@ -106,8 +107,8 @@ class KVCache:
                                  f"(use auto, fp32, bf16 or fp16)")
         D, hkv = cfg.head_dim, cfg.num_kv_heads
         _, store = ops.KV_FORMATS[name]
-        blocks = [0 if cfg.is_linear(i) else window_blocks if window_blocks is not None and cfg.sliding(i)
-                  else num_blocks for i in range(cfg.num_layers)]
+        own = [window_blocks is not None and cfg.sliding(i) and not cfg.is_linear(i) for i in range(cfg.num_layers)]
+        blocks = [0 if cfg.is_linear(i) else window_blocks if own[i] else num_blocks for i in range(cfg.num_layers)]
 
         def pools(tail: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
             return [zeros((nb, block_size, hkv, *tail), dtype, device) for nb in blocks]
@@ -117,7 +118,7 @@ class KVCache:
         sshape = ops.kv_scale_shape(name, D)
         if sshape is not None:
             ks, vs = pools(tuple(sshape), torch.float32), pools(tuple(sshape), torch.float32)
-        return cls(k, v, name, ks, vs, D)
+        return cls(k, v, name, ks, vs, D, groups=tuple(int(o) for o in own) if any(own) else ())
 
     def __post_init__(self) -> None:
         if not self.head_dim and self.k:
@@ -133,6 +134,11 @@ class KVCache:
     @property
     def num_layers(self) -> int:
         return len(self.k)
+
+    def group(self, layer: int) -> int:
+        """The paged cache group of the layer's pool: 0 (the full-attention pool), or 1 for a
+        sliding-window layer whose pool is its own (allocated with window_blocks)."""
+        return self.groups[layer] if self.groups else 0
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the K/V rows k, v [T, Hkv, D] of one layer at the flat slots slot_mapping [T]."""

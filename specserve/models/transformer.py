@@ -26,20 +26,25 @@ from specserve.parallel.group import Op
 from specserve.parallel.shard import vocab_rows
 
 
+@dataclass(frozen=True)
+class Paging:
+    """One paged cache group's part of a forward (engine/cache: group 0 is the full-attention
+    pool; a model whose sliding-window layers have a pool of their own adds group 1)."""
+
+    block_tables: torch.Tensor  # [S, max_blocks] int32, each sequence's block ids
+    slot_mapping: torch.Tensor  # [T] int64, the flat slot each row writes (block * block_size + offset)
+
+
 @dataclass
 class ForwardBatch:
     """Where each token of a forward pass sits. T = tokens in the pass, S = sequences."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int32, absolute position in its sequence
-    seq_ids: torch.Tensor  # [T] int32, row of block_tables
-    block_tables: torch.Tensor  # [S, max_blocks] int32
-    slot_mapping: torch.Tensor  # [T] int64, flat KV slot (block * block_size + offset)
+    seq_ids: torch.Tensor  # [T] int32, row of each group's block_tables
+    paging: tuple[Paging, ...]  # per paged cache group, in group order (KVCache.group(i): layer i's)
     logits_indices: torch.Tensor  # [L] int64, rows whose logits are wanted
     hidden_layers: tuple[int, ...] = ()  # layers whose output hidden states are returned
-    # sliding-window layers' own paging (None: they share block_tables / slot_mapping)
-    window_block_tables: torch.Tensor | None = None  # [S, max_blocks] int32
-    window_slot_mapping: torch.Tensor | None = None  # [T] int64
     # hybrid models' recurrent states (models/hybrid.py; None: the model keeps none)
     state_slots: torch.Tensor | None = None  # [S] int64, each sequence's state slot
     state_read: torch.Tensor | None = None  # [S] int64, the plane its step starts from (-1: zeros)
@@ -52,18 +57,22 @@ class ForwardBatch:
     mm_embeds: torch.Tensor | None = None  # [N, H] float32, those embeddings
     rope_table: object = field(default=None, repr=False, compare=False)  # the forward's M-RoPE rows, built once
 
-    TENSORS = ("input_ids", "positions", "seq_ids", "block_tables", "slot_mapping", "logits_indices",
-               "window_block_tables", "window_slot_mapping", "state_slots", "state_read", "state_write",
+    TENSORS = ("input_ids", "positions", "seq_ids", "logits_indices", "state_slots", "state_read", "state_write",
                "state_ckpt_read", "state_ckpt_write", "rope_positions", "mm_rows", "mm_embeds")
 
     def to_tensors(self) -> list[torch.Tensor | None]:
-        """The batch as tensors (what a tensor-parallel driver sends its workers)."""
-        return [getattr(self, n) for n in self.TENSORS] + [torch.tensor(self.hidden_layers, dtype=torch.int64)]
+        """The batch as tensors (what a tensor-parallel driver sends its workers): the fields of
+        TENSORS, the hidden layers, then each paging group's tables and slots."""
+        paging = [t for p in self.paging for t in (p.block_tables, p.slot_mapping)]
+        return ([getattr(self, n) for n in self.TENSORS] + [torch.tensor(self.hidden_layers, dtype=torch.int64)]
+                + paging)
 
     @classmethod
     def from_tensors(cls, tensors: list[torch.Tensor | None]) -> "ForwardBatch":
-        *fields, hidden = tensors
-        return cls(**dict(zip(cls.TENSORS, fields)), hidden_layers=tuple(hidden.tolist()))
+        n = len(cls.TENSORS)
+        fields, hidden, paging = tensors[:n], tensors[n], tensors[n + 1:]
+        return cls(**dict(zip(cls.TENSORS, fields)), hidden_layers=tuple(hidden.tolist()),
+                   paging=tuple(Paging(t, s) for t, s in zip(paging[::2], paging[1::2])))
 
 
 @dataclass
@@ -289,14 +298,12 @@ class Transformer:
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, kv: KVCache,
                window: int = 0) -> torch.Tensor:
         """Layer i's K/V rows k, v [T, Hkv, D] into the paged cache, then q [T, Hq, D] attending
-        over it -> [T, Hq, D]. A sliding-window layer uses its own pool's paging when it has one."""
-        own = window and batch.window_block_tables is not None
-        slots = batch.window_slot_mapping if own else batch.slot_mapping
-        tables = batch.window_block_tables if own else batch.block_tables
-        kv.write(i, slots, k, v)  # quantized on write for int8 / fp8 / int4 caches
+        over it -> [T, Hq, D], through the paging of the cache group holding layer i's pool."""
+        paging = batch.paging[kv.group(i)]
+        kv.write(i, paging.slot_mapping, k, v)  # quantized on write for int8 / fp8 / int4 caches
         k_pool, v_pool, kv_extra = kv.attention_args(i)
-        return paged_attention(q, k_pool, v_pool, tables, batch.seq_ids, batch.positions, self.cfg.scale, window,
-                               self.cfg.attn_softcap, **kv_extra)
+        return paged_attention(q, k_pool, v_pool, paging.block_tables, batch.seq_ids, batch.positions, self.cfg.scale,
+                               window, self.cfg.attn_softcap, **kv_extra)
 
     def _layer(self, i: int, layer: _Layer, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         cfg = self.cfg
