@@ -135,7 +135,7 @@ def test_queued_context_is_bounded_and_gives_the_eager_block(tiny):
         assert sum(len(p) for _, p in st.pending) <= cfg.context_window + 64  # bounded queue
     torch.testing.assert_close(lazy.block_hidden(seq_l), eager.block_hidden(seq_e), rtol=1e-4, atol=1e-4)
     st = lazy._state(seq_l)
-    assert not st.pending and st.end == T and st.k[0].shape[0] <= cfg.context_window + 64
+    assert not st.pending and st.end == T and len(st.rows) <= cfg.context_window + 64
 
 
 def test_sampling_proposals_carry_probabilities(tiny, tmp_path):

@@ -687,16 +687,17 @@ def _assert_fused_equals_python(model, cfg, scenario: str, hidden_layers=(), kv_
 
 
 @pytest.mark.parametrize("scenario", list(FUSED_SCENARIOS))
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen2_sliding"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen2_sliding", "gemma3"])
 def test_fused_layers_equal_python_tiny(kind, scenario, tiny_models):
-    """Llama, Qwen2 (q/k/v biases), Qwen3 (qk-norm), sliding layers sharing the block tables."""
+    """Llama, Qwen2 (q/k/v biases), Qwen3 (qk-norm), sliding layers sharing the block tables, Gemma 3
+    (sandwich norms, the sliding layers' own rope base, gelu)."""
     lm, _ = tiny_models(kind)
     _assert_fused_equals_python(lm.model, lm.config, scenario)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "qwen2_sliding"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2_sliding", "gemma3"])
 def test_fused_layers_equal_python_window_pools(kind, tiny_models):
-    """Sliding layers with pools and block tables of their own (window_block_tables)."""
+    """Sliding layers with pools and block tables of their own (a second paging group)."""
     lm, _ = tiny_models(kind)
     for scenario in FUSED_SCENARIOS:
         _assert_fused_equals_python(lm.model, lm.config, scenario, window_pool=True)
@@ -751,14 +752,10 @@ def test_fused_layers_hidden_states(tiny_models):
 
 
 def test_fused_layers_fall_back(tiny_models):
-    """Unsupported configurations take the Python path and still give its results: Gemma 3 layers,
-    the torch kernels."""
+    """Unsupported configurations take the Python path and still give its results: the torch kernels."""
     from specserve.kernels import ops
     from specserve.models.fused import unsupported
 
-    gemma, _ = tiny_models("gemma3")
-    assert unsupported(gemma.model) is not None
-    _assert_fused_equals_python(gemma.model, gemma.config, "batch", fused_runs=False)
     qwen, _ = tiny_models("qwen2")
     assert unsupported(qwen.model) is None
     ops.set_default_impl("torch")

@@ -138,10 +138,10 @@ def test_cached_rows_equal_a_full_forward_and_chain(tiny, tmp_path):
     emb = tiny.model.embed(torch.tensor(ids)).float()[None]
     full = drafter.model.train_forward(emb, hn[None], torch.ones(1, T + 1, dtype=torch.bool), 1)[0]
     torch.testing.assert_close(g, full[0, -1], rtol=1e-4, atol=1e-4)
-    assert drafter._state(seq).k.shape[0] == T  # rows 1..T cached; chain rows are not
+    assert len(drafter._state(seq).kv) == T  # rows 1..T cached; chain rows are not
     prop = drafter.propose([seq], [4])[0]
     assert len(prop.token_ids) == 4 and prop.probs is None
-    assert drafter._state(seq).k.shape[0] == T
+    assert len(drafter._state(seq).kv) == T
 
 
 def _engine(target, drafter=None, k: int = 3) -> LLMEngine:

@@ -27,10 +27,13 @@ LIN_SLOTS = ("q", "k", "v", "o", "gate", "up", "down")
 
 class SSLayer(ctypes.Structure):
     """One decoder layer: lin[0] is the fused q|k|v weight when lin[1].n == 0, lin[4] the fused
-    gate|up weight when lin[5].n == 0; q_norm / k_norm are NULL without qk-norm."""
+    gate|up weight when lin[5].n == 0; q_norm / k_norm are NULL without qk-norm, post_attn_norm /
+    post_ffn_norm without sandwich norms (Gemma 3), rope_cos / rope_sin when the layer uses the
+    model's rope table."""
 
     _fields_ = [("lin", SSLin * len(LIN_SLOTS)), ("attn_norm", _vp), ("ffn_norm", _vp), ("q_norm", _vp),
-                ("k_norm", _vp), ("window", _i64)]
+                ("k_norm", _vp), ("window", _i64), ("post_attn_norm", _vp), ("post_ffn_norm", _vp),
+                ("rope_cos", _vp), ("rope_sin", _vp)]
 
 
 class SSKVPool(ctypes.Structure):

@@ -6,12 +6,13 @@ writes; ``run`` executes layers ``l0 .. l1 - 1`` of a forward pass with one ``ss
 call. The C code chains the same kernels the Python path (``Transformer._layer``) calls one by
 one, on the same shapes, so the results are bit-identical to it (tests/test_model_equivalence.py).
 
-Covered: Llama / SmolLM2 / Mistral / Qwen2 (q/k/v biases) / Qwen3 (qk-norm), any weight format,
+Covered: Llama / SmolLM2 / Mistral / Qwen2 (q/k/v biases) / Qwen3 (qk-norm) / Gemma 3, any weight format,
 fused or separate q/k/v and gate/up weights, sliding layers that share the global block tables,
 sliding layers with their own pools (a second ``Paging`` group), every KV cache dtype (the C code
 quantizes a written row to the bits of ``ops.kv_quantize``, the Python path's write). Everything
-else falls back to the Python path (``unsupported`` / ``batch_supported`` say why): Gemma 3
-(sandwich norms, local rope), CUDA, non-fp32 activations, the torch kernel fallback.
+else falls back to the Python path (``unsupported`` / ``batch_supported`` say why): CUDA,
+non-fp32 activations, the torch kernel fallback. Gemma 3 runs fused too: its post-attention and
+post-FFN norms and its sliding layers' own rope base are part of each layer's descriptor.
 
 The descriptors are built on the first fused forward: linears replaced on the layers after that
 need ``model._stack = None``; a switched ``int_dot`` is picked up by itself.
@@ -41,8 +42,6 @@ def unsupported(model: Transformer) -> str | None:
     cfg = model.cfg
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "CPU float32 only"
-    if cfg.sandwich_norms or cfg.rope_theta_local:
-        return "Gemma 3 layers (sandwich norms, local rope)"
     if cfg.activation not in ops.ACTIVATIONS:
         return f"activation {cfg.activation}"
     if cfg.head_dim % 2:
@@ -78,8 +77,9 @@ def _norm_ptr(w: torch.Tensor | None, n: int) -> int | None:
     return w.data_ptr()
 
 
-def _layer_struct(layer: _Layer, cfg, lins: dict) -> ops.SSLayer:
-    """SSLayer of one layer; lins: slot name -> Linear (q holds q|k|v, gate holds gate|up when fused)."""
+def _layer_struct(layer: _Layer, cfg, lins: dict, rope: tuple[int, int] | None) -> ops.SSLayer:
+    """SSLayer of one layer; lins: slot name -> Linear (q holds q|k|v, gate holds gate|up when fused);
+    rope: pointers to the layer's own cos / sin table (None: the model's)."""
     s = ops.SSLayer()
     for j, name in enumerate(ops.LIN_SLOTS):
         if name in lins:
@@ -90,6 +90,11 @@ def _layer_struct(layer: _Layer, cfg, lins: dict) -> ops.SSLayer:
     s.q_norm = _norm_ptr(getattr(layer, "q_norm", None) if cfg.qk_norm else None, d)
     s.k_norm = _norm_ptr(getattr(layer, "k_norm", None) if cfg.qk_norm else None, d)
     s.window = layer.window
+    if cfg.sandwich_norms:
+        s.post_attn_norm = _norm_ptr(layer.post_attn_norm, cfg.hidden_size)
+        s.post_ffn_norm = _norm_ptr(layer.post_ffn_norm, cfg.hidden_size)
+    if rope is not None:
+        s.rope_cos, s.rope_sin = rope
     return s
 
 
@@ -117,6 +122,14 @@ class FusedStack:
         rope = model.rope_global
         cos, sin = rope.cos.contiguous(), rope.sin.contiguous()  # [max_pos, D / 2]
         self._keep = [cos, sin]  # tensors whose pointers the descriptors hold
+        self._ropes = [None] * cfg.num_layers  # per layer: its own rope table's pointers (Gemma 3's local base)
+        if model.rope_local is not model.rope_global:
+            local = model.rope_local.cos.contiguous(), model.rope_local.sin.contiguous()
+            if local[0].shape != cos.shape:
+                raise ValueError("fused layers: the local rope table must have the global one's shape")
+            self._keep += local
+            self._ropes = [(local[0].data_ptr(), local[1].data_ptr()) if cfg.sliding(i) else None
+                           for i in range(cfg.num_layers)]
         self.model_desc = ops.SSModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                       cfg.intermediate_size, cfg.rms_eps, cfg.scale, cfg.attn_softcap,
                                       ops.ACTIVATIONS[cfg.activation], cos.data_ptr(), sin.data_ptr(), cos.shape[0])
@@ -148,7 +161,7 @@ class FusedStack:
         if key != self._layers_key:
             arr = (ops.SSLayer * self.num_layers)()
             for i, (layer, lins) in enumerate(zip(self._model_layers, self._slots)):
-                arr[i] = _layer_struct(layer, self._cfg, lins)
+                arr[i] = _layer_struct(layer, self._cfg, lins, self._ropes[i])
             self._layers, self._layers_key = arr, key
         return self._layers
 

@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specserve.engine.cache.rows import RowCache
 from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
 from specserve.kernels import ops
@@ -301,9 +302,7 @@ def int8_linears(model: DFlashModel) -> DFlashModel:
 
 @dataclass
 class _Ctx:
-    start: int = 0  # position of the first cached context row
-    k: list[torch.Tensor] = field(default_factory=list)  # per layer [n, kvh, D]
-    v: list[torch.Tensor] = field(default_factory=list)
+    rows: RowCache = field(default_factory=RowCache)  # context K of each layer, then V of each: [n, kvh, D]
     pending: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)  # observed, not yet ingested
     pending_rows: int = 0
     vocab_seen: int = 0  # tokens of the sequence already added to the draft vocabulary
@@ -311,8 +310,12 @@ class _Ctx:
     generator: torch.Generator | None = None
 
     @property
+    def start(self) -> int:  # position of the first cached context row
+        return self.rows.start
+
+    @property
     def end(self) -> int:
-        return self.start + (self.k[0].shape[0] if self.k else 0)
+        return self.rows.end
 
 
 class DFlashDrafter(Drafter):
@@ -397,30 +400,17 @@ class DFlashDrafter(Drafter):
     def _ingest(self, seq: Sequence, st: _Ctx, h: torch.Tensor, positions: list[int]) -> None:
         """Append the context K/V of hidden rows h [n, k*H] at positions to the cache."""
         first = positions[0]
-        if st.k and first < st.end:  # recompute after preemption: drop what follows
-            keep = max(first - st.start, 0)
-            st.k = [k[:keep] for k in st.k]
-            st.v = [v[:keep] for v in st.v]
-            if keep == 0:
-                st.k, st.v = [], []
-        if not st.k or first > st.end:  # first rows, or a gap (prefix-cached prompt): start here
-            st.k, st.v, st.start = [], [], first
+        if first < st.end:  # recompute after preemption: drop what follows
+            st.rows.truncate(first)
+        if not len(st.rows) or first > st.end:  # first rows, or a gap (prefix-cached prompt): start here
+            st.rows.reset(first)
             self._restore(seq, st, first)
         pos = torch.tensor(positions, device=h.device)
         kv = self.model.context_kv(self.model.context(h), pos)
-        if not st.k:
-            st.k, st.v = [k for k, _ in kv], [v for _, v in kv]
-        else:
-            st.k = [torch.cat([a, k]) for a, (k, _) in zip(st.k, kv)]
-            st.v = [torch.cat([a, v]) for a, (_, v) in zip(st.v, kv)]
+        st.rows.append([k for k, _ in kv] + [v for _, v in kv])
         self._store_blocks(seq, st)
-        W = self.cfg.context_window
-        n = st.k[0].shape[0]
-        if n > W + CONTEXT_TRIM:
-            drop = n - W
-            st.k = [k[drop:].clone() for k in st.k]
-            st.v = [v[drop:].clone() for v in st.v]
-            st.start += drop
+        if len(st.rows) > self.cfg.context_window + CONTEXT_TRIM:
+            st.rows.drop_front(len(st.rows) - self.cfg.context_window)
 
     def _restore(self, seq: Sequence, st: _Ctx, first: int) -> None:
         """A sequence whose first computed position is ``first`` (> 0: a prefix-cache hit) takes
@@ -431,10 +421,9 @@ class DFlashDrafter(Drafter):
         want = -(-self.cfg.context_window // bs)
         lo, rows = self.store.chain(seq.block_hashes, seq.token_ids, first // bs, want)
         if rows:
-            n = len(self.model.layers)
-            st.k = [torch.cat([r[i] for r in rows]) for i in range(n)]
-            st.v = [torch.cat([r[n + i] for r in rows]) for i in range(n)]
-            st.start = lo * bs
+            st.rows.reset(lo * bs)
+            for r in rows:  # per block: K of each layer, then V of each
+                st.rows.append(list(r))
         st.stored = first // bs
 
     def _store_blocks(self, seq: Sequence, st: _Ctx) -> None:
@@ -446,7 +435,7 @@ class DFlashDrafter(Drafter):
         for i in range(max(st.stored, -(-st.start // bs)), last):
             r = i * bs - st.start
             self.store.put(seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]),
-                           [k[r:r + bs].clone() for k in st.k] + [v[r:r + bs].clone() for v in st.v])
+                           [x[r:r + bs].clone() for x in st.rows.parts()])
         st.stored = max(st.stored, last)
 
     def on_finished(self, seq: Sequence) -> None:
@@ -467,8 +456,9 @@ class DFlashDrafter(Drafter):
         x = self.model.block_input(anchor)[None]  # [1, B, H]
         pos = torch.arange(p, p + self.cfg.block_size, device=dev)[None]
         n = min(st.end, p) - st.start
-        if st.k and n > 0:  # context: the cached positions before the anchor
-            kv = [(k[None, :n], v[None, :n]) for k, v in zip(st.k, st.v)]
+        if len(st.rows) and n > 0:  # context: the cached positions before the anchor
+            parts, layers = st.rows.parts(), len(self.model.layers)
+            kv = [(parts[i][None, :n], parts[layers + i][None, :n]) for i in range(layers)]
         else:  # no context yet (should not happen: the prompt is observed first)
             kv = [(None, None)] * len(self.model.layers)
         return self.model(x, pos, kv, None)[0]

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specserve.engine.cache.rows import RowCache
 from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
 from specserve.models.loader import LoadedModel
@@ -165,22 +166,12 @@ class MTPModel(nn.Module):
 # ---- the drafter ------------------------------------------------------------------------------
 @dataclass
 class _State:
-    h_start: int = 0  # position of hidden[0]
-    hidden: torch.Tensor | None = None  # [n, H] target hidden (after the final norm)
-    k_start: int = 0  # position of the first cached row
-    k: torch.Tensor | None = None  # [r, kvh, D] cached rows
-    v: torch.Tensor | None = None
+    hidden: RowCache = field(default_factory=RowCache)  # [n, H] target hidden (after the final norm)
+    kv: RowCache = field(default_factory=RowCache)  # the head's cached rows: K, V [r, kvh, D] each
+    has_kv: bool = False  # rows were computed since the hidden states (re)started
     generator: torch.Generator | None = None
     stored: int = 0  # leading full blocks whose rows are in the prefix store
     last_h: dict[int, torch.Tensor] = field(default_factory=dict)  # block -> hidden of its last position
-
-    @property
-    def h_end(self) -> int:
-        return self.h_start + (0 if self.hidden is None else self.hidden.shape[0])
-
-    @property
-    def k_end(self) -> int:
-        return self.k_start + (0 if self.k is None else self.k.shape[0])
 
 
 def mtp_model(cfg: MTPConfig, state: dict, target: LoadedModel, where: str) -> MTPModel:
@@ -275,16 +266,15 @@ class MTPDrafter(Drafter):
             bs = self.store.block_size
             for j in range((-first - 1) % bs, len(positions), bs):
                 st.last_h[(first + j + 1) // bs - 1] = h[j].clone()
-        if st.hidden is not None and first < st.h_end:  # recompute (preemption): drop what follows
-            st.hidden = st.hidden[:max(first - st.h_start, 0)]
-            if st.k is not None and st.k_end > first:
-                keep = max(first - st.k_start, 0)
-                st.k, st.v = st.k[:keep], st.v[:keep]
-        if st.hidden is None or st.hidden.shape[0] == 0 or first > st.h_end:  # start, or a gap
-            st.hidden, st.h_start, st.k, st.v = h, first, None, None
+        if first < st.hidden.end:  # recompute (preemption): drop what follows
+            st.hidden.truncate(first)
+            st.kv.truncate(first)
+        if not len(st.hidden) or first > st.hidden.end:  # start, or a gap
+            st.hidden.reset(first, [h])
+            st.has_kv = False
             self._restore(seq, st, first)
             return
-        st.hidden = torch.cat([st.hidden, h])
+        st.hidden.append([h])
 
     def _restore(self, seq: Sequence, st: _State, first: int) -> None:
         """A sequence whose first computed position is ``first`` (> 0: a prefix-cache hit) takes
@@ -295,23 +285,28 @@ class MTPDrafter(Drafter):
         lo, rows = self.store.chain(seq.block_hashes, seq.token_ids, first // bs, -(-self.cfg.context_window // bs))
         st.stored = first // bs
         if rows:
-            st.k, st.v = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
-            st.k_start = max(lo * bs, 1)  # position 0 has no row (no h before it)
-            st.hidden, st.h_start = torch.cat([rows[-1][2][None], st.hidden]), first - 1
+            st.kv.reset(max(lo * bs, 1))  # position 0 has no row (no h before it)
+            for r in rows:
+                st.kv.append([r[0], r[1]])
+            st.has_kv = True
+            h = st.hidden.parts()[0].clone()
+            st.hidden.reset(first - 1, [rows[-1][2][None]])
+            st.hidden.append([h])
 
     def _store_blocks(self, seq: Sequence, st: _State) -> None:
         """Keep the rows of full blocks the target registered in its prefix cache."""
-        if self.store is None or st.k is None:
+        if self.store is None or not st.has_kv:
             return
         bs = self.store.block_size
-        last = min(len(seq.block_hashes), st.k_end // bs)
+        last = min(len(seq.block_hashes), st.kv.end // bs)
+        k, v = st.kv.parts()
         for i in range(st.stored, last):
             lo = max(i * bs, 1)
-            if st.k_start > lo or i not in st.last_h:  # rows missing (a gap start): cannot keep it
+            if st.kv.start > lo or i not in st.last_h:  # rows missing (a gap start): cannot keep it
                 continue
-            r = slice(lo - st.k_start, (i + 1) * bs - st.k_start)
+            r = slice(lo - st.kv.start, (i + 1) * bs - st.kv.start)
             self.store.put(seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]),
-                           [st.k[r].clone(), st.v[r].clone(), st.last_h[i]])
+                           [k[r].clone(), v[r].clone(), st.last_h[i]])
         for i in [i for i in st.last_h if i < last]:
             del st.last_h[i]
         st.stored = max(st.stored, last)
@@ -327,35 +322,35 @@ class MTPDrafter(Drafter):
         return g of the last token's row [H] (the first draft's hidden), or None."""
         st = self._state(seq)
         p = seq.num_tokens - 1  # the last token; its row uses h_{p-1}
-        if st.hidden is None or st.h_end < p or p - 1 < st.h_start:
+        h_start = st.hidden.start
+        if not len(st.hidden) or st.hidden.end < p or p - 1 < h_start:
             return None
-        lo = max(st.k_end if st.k is not None else st.h_start + 1, st.h_start + 1)
+        lo = max(st.kv.end if st.has_kv else h_start + 1, h_start + 1)
         if lo > p:  # already computed (cannot happen in the engine's order, but be safe)
             lo = p
-            st.k, st.v = (st.k[:p - st.k_start], st.v[:p - st.k_start]) if st.k is not None else (None, None)
+            st.kv.truncate(p)
         dev = self.head.model.device
         ids = torch.tensor(seq.token_ids[lo:p + 1], device=dev)
         emb = self.head.embed(ids)[None]
-        prev = st.hidden[lo - 1 - st.h_start:p - st.h_start].float()[None]
+        prev = st.hidden.parts()[0][lo - 1 - h_start:p - h_start].float()[None]
         n = p + 1 - lo
         pos = rope_positions(seq, lo, n, dev)[None]
         causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-        if st.k is not None and st.k.shape[0]:
-            ctx = torch.ones(n, st.k.shape[0], dtype=torch.bool, device=dev)
-            mask = torch.cat([ctx, causal], dim=-1)[None]
-            g, (k, v) = self.model(emb, prev, pos, st.k[None], st.v[None], mask)
-            st.k, st.v = torch.cat([st.k, k[0]]), torch.cat([st.v, v[0]])
+        if st.has_kv and len(st.kv):
+            ck, cv = st.kv.parts()
+            mask = torch.cat([torch.ones(n, len(st.kv), dtype=torch.bool, device=dev), causal], dim=-1)[None]
+            g, (k, v) = self.model(emb, prev, pos, ck[None], cv[None], mask)
+            st.kv.append([k[0], v[0]])
         else:
             g, (k, v) = self.model(emb, prev, pos, None, None, causal[None])
-            st.k, st.v, st.k_start = k[0], v[0], lo
+            st.kv.reset(lo, [k[0], v[0]])
+            st.has_kv = True
         self._store_blocks(seq, st)
-        W = self.cfg.context_window
-        if st.k.shape[0] > W + CONTEXT_TRIM:
-            drop = st.k.shape[0] - W
-            st.k, st.v, st.k_start = st.k[drop:].clone(), st.v[drop:].clone(), st.k_start + drop
-        keep_from = p - 1 - st.h_start  # only h_{p-1} onwards is needed later
+        if len(st.kv) > self.cfg.context_window + CONTEXT_TRIM:
+            st.kv.drop_front(len(st.kv) - self.cfg.context_window)
+        keep_from = p - 1 - h_start  # only h_{p-1} onwards is needed later
         if keep_from > CONTEXT_TRIM:
-            st.hidden, st.h_start = st.hidden[keep_from:].clone(), st.h_start + keep_from
+            st.hidden.drop_front(keep_from)
         return g[0, -1]
 
     @torch.inference_mode()
@@ -365,27 +360,28 @@ class MTPDrafter(Drafter):
         p = seq.num_tokens - 1
         drafts: list[int] = []
         probs: list[torch.Tensor] = []
-        ks, vs = [], []
         cut = False
-        for s in range(k):
-            logits = self.head.logits(self.model.out_norm(g)[None])
-            prop = pick_tokens(seq, logits, generator, earlier=drafts, p_min=self.p_min)
-            if not prop.token_ids:
-                cut = True
-                break  # unsure (p_min): no further chain steps
-            drafts += prop.token_ids
-            if prop.probs is not None:
-                probs.append(prop.probs[0])
-            if s == k - 1:
-                break
-            emb = self.head.embed(torch.tensor([drafts[-1]], device=dev))[None]
-            pos = rope_positions(seq, p + 1 + s, 1, dev)[None]
-            ck = torch.cat([st.k] + ks)[None]
-            cv = torch.cat([st.v] + vs)[None]
-            g2, (nk, nv) = self.model(emb, g[None, None], pos, ck, cv, None)
-            ks.append(nk[0])
-            vs.append(nv[0])
-            g = g2[0, -1]
+        verified_end = st.kv.end  # the draft rows appended below are dropped again at the end
+        try:
+            for s in range(k):
+                logits = self.head.logits(self.model.out_norm(g)[None])
+                prop = pick_tokens(seq, logits, generator, earlier=drafts, p_min=self.p_min)
+                if not prop.token_ids:
+                    cut = True
+                    break  # unsure (p_min): no further chain steps
+                drafts += prop.token_ids
+                if prop.probs is not None:
+                    probs.append(prop.probs[0])
+                if s == k - 1:
+                    break
+                emb = self.head.embed(torch.tensor([drafts[-1]], device=dev))[None]
+                pos = rope_positions(seq, p + 1 + s, 1, dev)[None]
+                ck, cv = st.kv.parts()
+                g2, (nk, nv) = self.model(emb, g[None, None], pos, ck[None], cv[None], None)
+                st.kv.append([nk[0], nv[0]])
+                g = g2[0, -1]
+        finally:
+            st.kv.truncate(verified_end)
         return Proposal(drafts, torch.stack(probs) if probs else None, cut)
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:

@@ -68,7 +68,7 @@
 #define SS_ALIGN __attribute__((aligned(64)))
 #define SS_INLINE static inline __attribute__((always_inline))
 
-#define SS_ABI_VERSION 5
+#define SS_ABI_VERSION 6
 
 /* weight formats (keep in sync with ops.py) */
 enum {

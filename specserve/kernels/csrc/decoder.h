@@ -170,6 +170,8 @@ typedef struct {
     const float *attn_norm, *ffn_norm;  /* [hidden] */
     const float *q_norm, *k_norm;       /* [head_dim] (Qwen3) or NULL */
     int64_t window;                     /* sliding window (0: none) */
+    const float *post_attn_norm, *post_ffn_norm; /* [hidden]: Gemma 3's sandwich norms, or NULL */
+    const float *rope_cos, *rope_sin;   /* this layer's rope table (Gemma 3's local base), or NULL: SSModel's */
 } SSLayer;
 
 /* one layer's KV pools [num_blocks, block_size, Hkv, D] in format fmt (KV_*; int4: D / 2
@@ -257,13 +259,12 @@ static int qkv_to_cache(const SSModel *m, const SSLayer *L, const SSKVPool *kv, 
         }
         q = s->qn, k = kn, ldq = qs, ldk = kvs;
     }
-    if ((rc = ss_rope(q, T, Hq, D, ldq, r->positions, m->rope_cos, m->rope_sin, m->rope_max_pos, s->q, qs,
-                      nthreads)))
-        return rc;
+    const float *cos = L->rope_cos ? L->rope_cos : m->rope_cos, *sin = L->rope_cos ? L->rope_sin : m->rope_sin;
+    if ((rc = ss_rope(q, T, Hq, D, ldq, r->positions, cos, sin, m->rope_max_pos, s->q, qs, nthreads))) return rc;
     for (int64_t t = 0; t < T; t++) { /* K roped, then K and V stored as KVCache.write stores them */
         const int64_t slot = r->slots[t];
-        if ((rc = ss_rope(k + t * ldk, 1, Hkv, D, kvs, r->positions + t, m->rope_cos, m->rope_sin,
-                          m->rope_max_pos, s->kr, kvs, 1)))
+        if ((rc = ss_rope(k + t * ldk, 1, Hkv, D, kvs, r->positions + t, cos, sin, m->rope_max_pos, s->kr, kvs,
+                          1)))
             return rc;
         const float *v = s->qkv + t * ld + qs + kvs;
         for (int64_t h = 0; h < Hkv; h++) {
@@ -283,6 +284,19 @@ static void add_rows(float *x, const float *y, int64_t n) {
     for (; i < n; i++) x[i] = x[i] + y[i];
 }
 
+/* x += (post ? rms_norm(y, post) : y) over T rows of the hidden size; h: scratch for the normed rows */
+static int residual_add(const SSModel *m, float *x, const float *y, const float *post, float *h, int64_t T,
+                        int nthreads) {
+    const int64_t H = m->hidden;
+    if (post) {
+        const int rc = ss_rms_norm(y, T, H, H, post, m->eps, 0, h, H, nthreads);
+        if (rc) return rc;
+        y = h;
+    }
+    add_rows(x, y, T * H);
+    return SS_OK;
+}
+
 /* one decoder layer on x [T, hidden] in place; the order of Transformer._layer */
 static int decoder_layer(const SSModel *m, const SSLayer *L, const SSKVPool *kv, const SSRows *r, float *x,
                          const SSScratch *s, int nthreads) {
@@ -300,14 +314,13 @@ static int decoder_layer(const SSModel *m, const SSLayer *L, const SSKVPool *kv,
         return rc;
     if ((rc = run_lin(&L->lin[LIN_O], s->attn, T, qs, qs, s->o, H, nthreads))) return rc;
     if (m->reduce && m->reduce(s->o, T * H, m->reduce_ctx)) return SS_EREDUCE;
-    add_rows(x, s->o, T * H);
+    if ((rc = residual_add(m, x, s->o, L->post_attn_norm, s->h, T, nthreads))) return rc;
     if ((rc = ss_rms_norm(x, T, H, H, L->ffn_norm, m->eps, 0, s->h, H, nthreads))) return rc;
     if ((rc = run_lins(L, LIN_GATE, 2, s->h, T, H, s->gu, 2 * I, nthreads))) return rc;
     if ((rc = ss_act_mul(s->gu, s->gu + I, T, I, 2 * I, 2 * I, m->act, s->act, I, nthreads))) return rc;
     if ((rc = run_lin(&L->lin[LIN_DOWN], s->act, T, I, I, s->o, H, nthreads))) return rc;
     if (m->reduce && m->reduce(s->o, T * H, m->reduce_ctx)) return SS_EREDUCE;
-    add_rows(x, s->o, T * H);
-    return SS_OK;
+    return residual_add(m, x, s->o, L->post_ffn_norm, s->h, T, nthreads);
 }
 
 /* a pool's format, scales and int4 group are usable for head_dim D */
@@ -317,8 +330,8 @@ static int pool_ok(const SSKVPool *p, int64_t D) {
 
 /*
  * Layers l0 .. l1 - 1 of a model on x [T, hidden] (in place): per layer
- * attn_norm, q|k|v, (qk-norm), rope, KV write, paged attention, o, residual,
- * ffn_norm, gate|up, act_mul, down, residual. layers / pools: arrays over all
+ * attn_norm, q|k|v, (qk-norm), rope, KV write, paged attention, o, (post-attention
+ * norm), residual, ffn_norm, gate|up, act_mul, down, (post-FFN norm), residual. layers / pools: arrays over all
  * layers. rw (or NULL): the rows' slots and block tables in the sliding-window
  * layers' own pools (same T, positions, seq ids as r). Scratch is allocated
  * per call (one block).
