@@ -389,3 +389,33 @@ def test_a_driver_error_inside_a_call_breaks_the_group_at_once(tiny_dir):
         for p in tp.processes.values():
             if p.poll() is None:
                 p.kill()
+
+
+def test_a_rank_that_cannot_hold_its_kv_slice_is_refused_naming_it(one, monkeypatch):
+    """A worker on a machine with less memory (another node) refuses its slice of the pool, and the
+    driver fails start-up naming that rank (on one machine the driver's own check fires first, so
+    both halves are driven here directly)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import specserve.engine.config as engine_config
+    from specserve.parallel import worker
+    from specserve.parallel.group import share_plan
+
+    plan = [8, 16, 0, 0, 0, 0, 0]  # blocks, block size, window blocks, KV dtype (fp32), no recurrent states
+    monkeypatch.setattr(engine_config, "available_memory", lambda device: 1 << 40)
+    assert worker.allocate_kv(one.model, plan) is not None
+    monkeypatch.setattr(engine_config, "available_memory", lambda device: 4096)
+    assert worker.allocate_kv(one.model, plan) is None
+
+    class RefusingGroup:  # the collective's answer when rank 1 flagged its refusal (rank + 1)
+        def lead(self, op, tensors):
+            return contextlib.nullcontext()
+
+        def max_flag(self, flag):
+            return 2
+
+    pool = SimpleNamespace(num_blocks=8, block_size=16, window_blocks=0, kv_dtype="fp32", state_slots=0,
+                           state_planes=0, state_checkpoints=0)
+    with pytest.raises(SpecserveError, match="rank 1: its slice of the KV pool"):
+        share_plan(RefusingGroup(), pool)
