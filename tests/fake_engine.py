@@ -9,8 +9,9 @@ spec_enabled, from_args, start, shutdown, generate, abort, stats), but the
   the text until max_tokens (finish "length");
 - with speculation on, step s verifies ``num_spec_tokens`` drafts and accepts
   ``accept_pattern[s % len]`` of them, so it yields accepted + 1 tokens;
-- stop strings are cut (held-back text that could begin a stop string is not
-  emitted early), max_tokens gives "length";
+- stop strings, held-back text and min_tokens / include_stop_str_in_output are the engine's own
+  (``engine.detokenizer.StopText``), token by token as the engine adds verified tokens;
+  max_tokens gives "length";
 - KV "blocks" are taken as the sequence grows and given back when it ends,
   however it ends; aborts are recorded in ``aborted``;
 - ``gate`` (a threading.Event): when set to one, every request stops after its first output
@@ -25,6 +26,7 @@ import math
 import threading
 from typing import AsyncIterator, Callable
 
+from specserve.engine.detokenizer import StopText
 from specserve.engine.types import EngineStats, RequestOutput, SamplingParams, AcceptanceStats, TokenLogprob
 from specserve.errors import RequestError
 
@@ -170,7 +172,8 @@ class FakeEngine:
     async def _steps(self, prompt_ids, params, request_id) -> AsyncIterator[RequestOutput]:
         script = self._script_ids(prompt_ids, params)
         spec = AcceptanceStats() if self.spec_enabled else None
-        text, emitted, produced, step = "", 0, 0, 0
+        out = StopText(params.stop, params.include_stop_str_in_output)
+        produced, step = 0, 0
         while True:
             await asyncio.sleep(self.step_delay)
             while (step and self.gate is not None and not self.gate.is_set() and self.failed_with is None
@@ -186,36 +189,26 @@ class FakeEngine:
                 accepted = min(self.accept_pattern[step % len(self.accept_pattern)], self.num_spec_tokens)
                 spec.record(self.num_spec_tokens, accepted)
                 n = accepted + 1
-            new_ids = script[produced:produced + min(n, params.max_tokens - produced)]
-            produced += len(new_ids)
+            new_ids, reason = [], None
+            for tok in script[produced:produced + n]:  # as the engine adds verified tokens
+                new_ids.append(tok)
+                produced += 1
+                if out.extend(self.tokenizer.decode([tok]), look=produced >= params.min_tokens):
+                    reason = "stop"
+                elif produced >= params.max_tokens:
+                    reason = "length"
+                elif produced >= len(script):
+                    reason = "stop"  # EOS
+                if reason:
+                    break
             step += 1
-            text += self.tokenizer.decode(new_ids)
-            reason, cut = self._finish(text, emitted, produced, len(script), params)
-            new_text = text[emitted:cut]
-            emitted = cut
+            new_text = out.delta(final=reason is not None)
             lps = [self._logprob(t, params.logprobs) for t in new_ids] if params.logprobs is not None else None
             yield self._out(request_id, new_ids, new_text, lps, reason is not None, reason, len(prompt_ids),
                             produced, spec)
             if reason is not None:
                 self.finished[request_id] = reason
                 return
-
-    @staticmethod
-    def _finish(text: str, emitted: int, produced: int, script_len: int,
-                params: SamplingParams) -> tuple[str | None, int]:
-        """(finish reason or None, how far the text may be emitted)."""
-        hits = [text.find(s, emitted) for s in params.stop]
-        hits = [h for h in hits if h >= 0]
-        if hits:
-            return "stop", min(hits)
-        if produced >= params.max_tokens:
-            return "length", len(text)
-        if produced >= script_len:
-            return "stop", len(text)  # EOS
-        hold = 0
-        for s in params.stop:
-            hold = max(hold, next((k for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), 0))
-        return None, len(text) - hold
 
     def _out(self, request_id, ids, text, lps, finished, reason, prompt_tokens, produced, spec) -> RequestOutput:
         snapshot = None

@@ -1004,3 +1004,26 @@ def test_health_is_503_once_the_engine_cannot_go_on():
         assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"]
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("kw, text", [
+    (dict(stop=("scripted",)), "Hello there! This is a "),
+    (dict(stop=("scripted",), include_stop_str_in_output=True), "Hello there! This is a scripted"),
+    (dict(stop=("Hello",)), ""),
+    (dict(stop=("Hello",), min_tokens=10), SCRIPT),  # the stop string ends before min_tokens: it does not count
+])
+def test_the_scripted_engine_stops_as_the_engine_does(kw, text):
+    """The fake engine cuts stop strings with the engine's own StopText (engine/detokenizer.py)."""
+    import asyncio
+
+    from specserve.engine.types import SamplingParams
+
+    eng = FakeEngine()
+
+    async def run() -> tuple[str, str | None]:
+        out, reason = "", None
+        async for o in eng.generate(eng.tokenizer.encode("hi"), SamplingParams(max_tokens=100, **kw), "r"):
+            out, reason = out + o.new_text, o.finish_reason
+        return out, reason
+
+    assert asyncio.run(run()) == (text, "stop")
