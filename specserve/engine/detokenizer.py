@@ -76,10 +76,6 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         return self.out.text
 
-    @property
-    def stopped(self) -> bool:
-        return self.out.stopped
-
     def add(self, token_id: int) -> bool:
         """Add a token; returns True when a stop string was hit (text is cut before it, or after it
         with include_stop)."""

@@ -38,10 +38,11 @@ class SSLayer(ctypes.Structure):
 
 class SSKVPool(ctypes.Structure):
     """One layer's K / V pools [num_blocks, block_size, Hkv, D] in a KV_FORMATS format, with their
-    scale pools (None for the unscaled formats) and the int4 group."""
+    scale pools (None for the unscaled formats), the int4 group and the paging group the layer's
+    rows go through (KVCache.group: 0 the first rows, 1 the second)."""
 
     _fields_ = [("k", _vp), ("v", _vp), ("k_scales", _vp), ("v_scales", _vp), ("num_blocks", _i64),
-                ("block_size", _i64), ("fmt", ctypes.c_int32), ("group", ctypes.c_int32)]
+                ("block_size", _i64), ("fmt", ctypes.c_int32), ("group", ctypes.c_int32), ("paging", ctypes.c_int32)]
 
 
 # tensor parallel: int reduce(float *x, int64_t n, void *ctx), x summed over the ranks in place

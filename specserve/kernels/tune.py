@@ -64,21 +64,30 @@ def pick(times: dict[str, float]) -> str:
     return best
 
 
+def random_block_weight(qtype: str, n: int, k: int, g=None):
+    """A GGUFBlockWeight [n, k] of random Q4_K or Q6_K blocks with finite scales (0.01: random
+    bytes could be NaN / inf), for timing."""
+    import torch
+
+    from .linear import GGUFBlockWeight
+
+    bb, scale_at = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}[qtype]
+    raw = torch.randint(0, 256, (n, k // 256, bb), dtype=torch.uint8, generator=g)
+    for o in scale_at:
+        raw[:, :, o], raw[:, :, o + 1] = 0x1F, 0x21
+    return GGUFBlockWeight(raw.reshape(n, -1).contiguous(), qtype, n, k)
+
+
 def _workload(impl: str) -> Callable[[], None]:
     """One decode-shaped pass over the hot kernels with the build ``impl`` (c-<variant>)."""
     import torch
 
     from .attention import paged_attention
-    from .linear import GGUFBlockWeight, Int8Weight, linear
+    from .linear import Int8Weight, linear
 
     g = torch.Generator().manual_seed(0)
     weights = [Int8Weight.from_float(torch.randn(1024, 2048, generator=g))]
-    for qtype, bb, scale_at in (("Q4_K", 144, (0, 2)), ("Q6_K", 210, (208,))):
-        n, k = 1024, 2048
-        raw = torch.randint(0, 256, (n, k // 256, bb), dtype=torch.uint8, generator=g)
-        for o in scale_at:  # finite fp16 scales (0.01): random bytes could be NaN / inf
-            raw[:, :, o], raw[:, :, o + 1] = 0x1F, 0x21
-        weights.append(GGUFBlockWeight(raw.reshape(n, -1).contiguous(), qtype, n, k))
+    weights += [random_block_weight(qtype, 1024, 2048, g) for qtype in ("Q4_K", "Q6_K")]
     xs = [torch.randn(m, 2048, generator=g) for m in (1, 8)]
     bs, blocks, hkv, hq, d = 16, 33, 2, 12, 64
     kc = torch.randn(blocks, bs, hkv, d, generator=g)

@@ -62,7 +62,7 @@ def batch_supported(batch: ForwardBatch, kv: KVCache) -> bool:
             and batch.positions.device.type == "cpu" and batch.seq_ids.dtype == torch.int32
             and batch.seq_ids.shape == (t,) and batch.seq_ids.is_contiguous()
             and 1 <= len(batch.paging) <= 2 and all(_paging_ok(p.block_tables, p.slot_mapping, t) for p in batch.paging)
-            and len(batch.paging) == (2 if any(kv.groups) else 1))  # C: sliding layers use group 1 if any
+            and len(batch.paging) == 1 + max(kv.groups, default=0))  # the C call takes one or two groups
 
 
 def _pool_ok(t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> bool:
@@ -185,7 +185,7 @@ class FusedStack:
                                  f"{list(want)} (scales {list(want[:3] + (sshape or ()))})")
             sp = [None if s is None else s.data_ptr() for s in scales]
             arr[i] = ops.SSKVPool(k.data_ptr(), v.data_ptr(), sp[0], sp[1], k.shape[0], k.shape[1], fmt,
-                                  ops.kv_c_group(kv.kv_dtype, d))
+                                  ops.kv_c_group(kv.kv_dtype, d), kv.group(i))
         self._kv_ref, self._pools = weakref.ref(kv), arr
         return arr
 

@@ -181,6 +181,7 @@ typedef struct {
     float *k_scales, *v_scales; /* NULL for fp32 / bf16 / f16 */
     int64_t num_blocks, block_size;
     int32_t fmt, group;         /* group: int4 values per (scale, min) */
+    int32_t paging;             /* the rows this pool is written and read through: 0 r, 1 rw (KVCache.group) */
 } SSKVPool;
 
 /* model-wide sizes and tables */
@@ -332,8 +333,8 @@ static int pool_ok(const SSKVPool *p, int64_t D) {
  * Layers l0 .. l1 - 1 of a model on x [T, hidden] (in place): per layer
  * attn_norm, q|k|v, (qk-norm), rope, KV write, paged attention, o, (post-attention
  * norm), residual, ffn_norm, gate|up, act_mul, down, (post-FFN norm), residual. layers / pools: arrays over all
- * layers. rw (or NULL): the rows' slots and block tables in the sliding-window
- * layers' own pools (same T, positions, seq ids as r). Scratch is allocated
+ * layers. rw (or NULL): the rows' slots and block tables of the pools whose paging is 1 (a
+ * sliding-window pool of their own; same T, positions, seq ids as r). Scratch is allocated
  * per call (one block).
  */
 SS_EXPORT int ss_decoder_layers(const SSModel *m, const SSLayer *layers, const SSKVPool *pools, int64_t l0,
@@ -353,9 +354,10 @@ SS_EXPORT int ss_decoder_layers(const SSModel *m, const SSLayer *layers, const S
     for (int64_t j = 0, off = 0; j < 9; off += al64(T * sizes[j]), j++) p[j] = buf + off;
     const SSScratch s = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8]};
     int rc = SS_OK;
-    for (int64_t i = l0; i < l1 && rc == SS_OK; i++)
-        rc = !pool_ok(pools + i, D) ? SS_EINVAL
-             : decoder_layer(m, layers + i, pools + i, layers[i].window && rw ? rw : r, x, &s, nthreads);
+    for (int64_t i = l0; i < l1 && rc == SS_OK; i++) {
+        const SSRows *rows = pools[i].paging == 0 ? r : pools[i].paging == 1 ? rw : NULL;
+        rc = !pool_ok(pools + i, D) || !rows ? SS_EINVAL : decoder_layer(m, layers + i, pools + i, rows, x, &s, nthreads);
+    }
     free(buf);
     return rc;
 }
