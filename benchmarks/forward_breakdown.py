@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from decode_cost import BLOCK, filled_cache, make_batch  # noqa: E402
 from specserve.engine.builder import set_threads  # noqa: E402
 from specserve.kernels import ops  # noqa: E402
+from specserve.models.layers import Linear  # noqa: E402
 from specserve.models.loader import LoadOptions, load_model  # noqa: E402
 
 KERNELS = ("linear", "paged_attention", "rms_norm", "rope", "act_mul")
@@ -43,9 +44,9 @@ class Timers:
         self.acc: dict[str, float] = defaultdict(float)
         self.roles: dict[int, str] = {}
         for layer in model.layers:
-            for name in ("qkv", "q", "k", "v", "o", "gate_up", "gate", "up", "down"):
-                lin = getattr(layer, name, None)
-                if lin is not None:
+            for name, lin in layer.named_modules():
+                if isinstance(lin, Linear):
+                    name = name.rpartition(".")[2]
                     self.roles[id(lin.weight)] = {"q": "qkv", "k": "qkv", "v": "qkv", "gate": "gate|up",
                                                   "up": "gate|up", "gate_up": "gate|up"}.get(name, name)
         self.roles[id(model.lm_head.weight)] = "lm_head"

@@ -710,12 +710,9 @@ def _split_linear(lin, sizes: list[int], weights) -> list:
     full = lin.weight.dequantize()  # [sum(sizes), K]
     out, start = [], 0
     for n, make in zip(sizes, weights):
-        part = Linear.__new__(Linear)
-        part.out_features, part.in_features, part.device = n, full.shape[1], lin.device
-        part.bias = None if lin.bias is None else lin.bias[start:start + n].contiguous()
-        part.weight = make(full[start:start + n].contiguous())
-        part.format = type(part.weight).__name__
-        out.append(part)
+        weight = make(full[start:start + n].contiguous())
+        bias = None if lin.bias is None else lin.bias[start:start + n].contiguous()
+        out.append(Linear.of_weight(weight, bias, lin.device, type(weight).__name__))
         start += n
     return out
 
@@ -737,8 +734,9 @@ def test_fused_layers_separate_projections_in_mixed_formats(tiny_models):
                                                   formats if i == 0 else formats[::-1])
         layer.qkv = None
     layer = model.layers[1]
-    layer.gate, layer.up = _split_linear(layer.gate_up, [cfg.intermediate_size] * 2, formats[1:])
-    layer.gate_up = None
+    mlp = model.layers[1].mlp
+    mlp.gate, mlp.up = _split_linear(mlp.gate_up, [cfg.intermediate_size] * 2, formats[1:])
+    mlp.gate_up = None
     for scenario in FUSED_SCENARIOS:
         _assert_fused_equals_python(model, cfg, scenario)
 

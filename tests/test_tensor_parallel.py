@@ -136,6 +136,40 @@ def test_mtp_head_under_tensor_parallel(tmp_path, one, tp2):
     assert eng.totals.draft_tokens > 0
 
 
+def test_a_cut_of_the_split_lm_head_gives_the_full_heads_logits_at_its_ids(one, tp2):
+    """A draft vocabulary's cut of the LM head under tensor parallel: each rank keeps its rows of
+    the ids, and the gathered logits are the full head's at those ids, bit for bit (ids on both
+    ranks, on one rank only, a cut that replaces another)."""
+    model = tp2.model
+    h = torch.randn(3, one.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    full = model.logits(h)  # [3, V]
+    start, _ = vocab_rows(one.config.vocab_size, Shard(1, 2))
+    both = torch.tensor([0, 3, 7, start - 1, start, start + 5, one.config.vocab_size - 1])
+    cut = model.cut_head(both)
+    assert cut.counts == [4, 3]
+    assert torch.equal(model.logits(h, cut), full[:, both])
+    second = model.cut_head(torch.arange(start, start + 9), replaces=cut)  # rank 0 holds none of these
+    assert second.counts == [0, 9] and cut.key not in model.head_cuts
+    assert torch.equal(model.logits(h, second), full[:, start:start + 9])
+
+
+def test_a_dflash_draft_vocabulary_is_lossless_under_tensor_parallel(tmp_path, tiny_dir, tp2):
+    """draft_vocab_size with dflash cuts the target's split LM head (it was refused under -tp)."""
+    from specserve.speculative.config import SpeculativeConfig
+    from specserve.speculative.dflash import DFlashConfig, DFlashDrafter, DFlashModel, save_drafter
+
+    m = DFlashModel(DFlashConfig.for_target(tp2, num_layers=1, block_size=4))
+    m.init_weights(1.0, tp2.model.final_norm, 0)
+    save_drafter(m, m.cfg.to_json(), tmp_path / "d")
+    drafter = DFlashDrafter.load(tmp_path / "d", tp2, draft_vocab_size=96)
+    assert drafter.vocab is not None and drafter.vocab.vocab == tp2.config.vocab_size
+    ps = prompts()
+    plain = run_all(engine(tp2), ps, GREEDY)
+    eng = engine(tp2, SpeculativeConfig("dflash", num_speculative_tokens=3, adaptive=False, model="x"), drafter)
+    assert run_all(eng, ps, GREEDY) == plain
+    assert eng.totals.draft_tokens > 0
+
+
 def test_shards_rebuild_the_full_matrices(one, tiny_dir):
     from specserve.models.loader import _read_hf
 

@@ -59,8 +59,9 @@ def build_parts(args: argparse.Namespace) -> EngineParts:
     pin(pcfg.core_sets().get(0))
     try:
         target = load_model(args.model, replace(options, shard=Shard(0, tp_size), mmproj=getattr(args, "mmproj", None)))
+        # the group first: a drafter built on the target (a cut of its LM head) calls into every rank
+        target.model.attach_tensor_parallel(connect(0, pcfg, addr, procs))
         parts = _parts(target, ecfg, spec, options)
-        target.model.tp = connect(0, pcfg, addr, procs)
     except BaseException:
         for p in procs.values():
             p.kill()
@@ -82,9 +83,6 @@ def check_parallel_request(args: argparse.Namespace, spec: SpeculativeConfig | N
     n = args.tensor_parallel_size
     if args.device == "cuda":
         raise SpecserveError(f"--tensor-parallel-size {n}: the CUDA path (NCCL) is not built yet; use --device cpu")
-    if spec is not None and spec.draft_vocab_size and spec.method in ("dflash", "mtp"):
-        raise SpecserveError(f"--tensor-parallel-size {n}: draft_vocab_size cuts the target's LM head, which is "
-                             "split across the ranks; leave it unset")
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:

@@ -3,7 +3,7 @@
 ``FusedStack`` holds, for one :class:`~specserve.models.transformer.Transformer`, the C
 descriptors of its layers (weight pointers, formats, norms, rope tables) and of the KV pools it
 writes; ``run`` executes layers ``l0 .. l1 - 1`` of a forward pass with one ``ss_decoder_layers``
-call. The C code chains the same kernels the Python path (``Transformer._layer``) calls one by
+call. The C code chains the same kernels the Python path (``DecoderLayer.forward``) calls one by
 one, on the same shapes, so the results are bit-identical to it (tests/test_model_equivalence.py).
 
 Covered: Llama / SmolLM2 / Mistral / Qwen2 (q/k/v biases) / Qwen3 (qk-norm) / Gemma 3, any weight format,
@@ -31,7 +31,7 @@ from specserve.kernels import ops
 
 if TYPE_CHECKING:
     from specserve.models.kv_cache import KVCache
-    from specserve.models.transformer import ForwardBatch, Paging, Transformer, _Layer
+    from specserve.models.transformer import ForwardBatch, Paging, Transformer
 
 
 _INT_DOT = attrgetter("int_dot")
@@ -40,6 +40,8 @@ _INT_DOT = attrgetter("int_dot")
 def unsupported(model: Transformer) -> str | None:
     """Why the model's layers cannot run fused (None: they can)."""
     cfg = model.cfg
+    if not all(hasattr(layer, "fused_parts") for layer in model.layers):
+        return "layers the C stack does not know"
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "CPU float32 only"
     if cfg.activation not in ops.ACTIVATIONS:
@@ -77,33 +79,21 @@ def _norm_ptr(w: torch.Tensor | None, n: int) -> int | None:
     return w.data_ptr()
 
 
-def _layer_struct(layer: _Layer, cfg, lins: dict, rope: tuple[int, int] | None) -> ops.SSLayer:
-    """SSLayer of one layer; lins: slot name -> Linear (q holds q|k|v, gate holds gate|up when fused);
-    rope: pointers to the layer's own cos / sin table (None: the model's)."""
+def _layer_struct(parts: dict, cfg, rope: tuple[int, int] | None) -> ops.SSLayer:
+    """SSLayer of one layer from its declared parts (DecoderLayer.fused_parts); rope: pointers to
+    the layer's own cos / sin table (None: the model's)."""
     s = ops.SSLayer()
+    lins = parts["linears"]
     for j, name in enumerate(ops.LIN_SLOTS):
         if name in lins:
             s.lin[j] = ops.lin_struct(lins[name].weight, lins[name].bias)
-    d = cfg.head_dim
-    s.attn_norm = _norm_ptr(layer.attn_norm, cfg.hidden_size)
-    s.ffn_norm = _norm_ptr(layer.ffn_norm, cfg.hidden_size)
-    s.q_norm = _norm_ptr(getattr(layer, "q_norm", None) if cfg.qk_norm else None, d)
-    s.k_norm = _norm_ptr(getattr(layer, "k_norm", None) if cfg.qk_norm else None, d)
-    s.window = layer.window
-    if cfg.sandwich_norms:
-        s.post_attn_norm = _norm_ptr(layer.post_attn_norm, cfg.hidden_size)
-        s.post_ffn_norm = _norm_ptr(layer.post_ffn_norm, cfg.hidden_size)
+    widths = {"q_norm": cfg.head_dim, "k_norm": cfg.head_dim}
+    for name, w in parts["norms"].items():
+        setattr(s, name, _norm_ptr(w, widths.get(name, cfg.hidden_size)))
+    s.window = parts["window"]
     if rope is not None:
         s.rope_cos, s.rope_sin = rope
     return s
-
-
-def _slot_linears(layer: _Layer) -> dict:
-    """SSLayer slot name -> Linear."""
-    lins = {"o": layer.o, "down": layer.down}
-    lins.update({"q": layer.qkv} if layer.qkv is not None else {"q": layer.q, "k": layer.k, "v": layer.v})
-    lins.update({"gate": layer.gate_up} if layer.gate_up is not None else {"gate": layer.gate, "up": layer.up})
-    return lins
 
 
 def _rows(batch: ForwardBatch, paging: Paging) -> ops.SSRows:
@@ -119,34 +109,34 @@ class FusedStack:
     def __init__(self, model: Transformer, lib):
         cfg = model.cfg
         self.lib, self.num_layers, self.hidden = lib, cfg.num_layers, cfg.hidden_size
+        self._parts = [layer.fused_parts() for layer in model.layers]  # the declared stack
         rope = model.rope_global
         cos, sin = rope.cos.contiguous(), rope.sin.contiguous()  # [max_pos, D / 2]
         self._keep = [cos, sin]  # tensors whose pointers the descriptors hold
-        self._ropes = [None] * cfg.num_layers  # per layer: its own rope table's pointers (Gemma 3's local base)
-        if model.rope_local is not model.rope_global:
-            local = model.rope_local.cos.contiguous(), model.rope_local.sin.contiguous()
-            if local[0].shape != cos.shape:
-                raise ValueError("fused layers: the local rope table must have the global one's shape")
-            self._keep += local
-            self._ropes = [(local[0].data_ptr(), local[1].data_ptr()) if cfg.sliding(i) else None
-                           for i in range(cfg.num_layers)]
+        self._ropes = [None if p["rope"] is rope else self._own_rope(p["rope"], cos.shape) for p in self._parts]
         self.model_desc = ops.SSModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                       cfg.intermediate_size, cfg.rms_eps, cfg.scale, cfg.attn_softcap,
                                       ops.ACTIVATIONS[cfg.activation], cos.data_ptr(), sin.data_ptr(), cos.shape[0])
-        self._slots = [_slot_linears(layer) for layer in model.layers]
         # weights with a switchable activation path (int8 / GGUF): their int_dot is part of the key
-        self._dot_weights = [lin.weight for lins in self._slots for lin in lins.values()
+        self._dot_weights = [lin.weight for p in self._parts for lin in p["linears"].values()
                              if hasattr(lin.weight, "int_dot")]
         self._layers_key: tuple | None = None
         self._layers = None
         self._cfg = cfg
-        self._model_layers = model.layers
         self._kv_ref = None
         self._pools = None
         self._reduce_errors: list[BaseException] = []  # (a list, not self: the callback keeps no cycle)
         if model.tp is not None:  # the row-parallel partial sums, summed over the ranks inside the call
             self._reduce = ops.REDUCE_FN(_reduce_callback(model.tp, self._reduce_errors))
             self.model_desc.reduce = self._reduce
+
+    def _own_rope(self, rope, shape) -> tuple[int, int]:
+        """Pointers to a layer's own rope table (Gemma 3's local base), kept alive by the stack."""
+        cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
+        if cos.shape != shape:
+            raise ValueError("fused layers: a layer's own rope table must have the model's shape")
+        self._keep += [cos, sin]
+        return cos.data_ptr(), sin.data_ptr()
 
     def __deepcopy__(self, memo) -> None:
         """A copied model must not reuse raw pointers into the original's tensors: it rebuilds."""
@@ -160,8 +150,8 @@ class FusedStack:
         key = self._act_key()
         if key != self._layers_key:
             arr = (ops.SSLayer * self.num_layers)()
-            for i, (layer, lins) in enumerate(zip(self._model_layers, self._slots)):
-                arr[i] = _layer_struct(layer, self._cfg, lins, self._ropes[i])
+            for i, parts in enumerate(self._parts):
+                arr[i] = _layer_struct(parts, self._cfg, self._ropes[i])
             self._layers, self._layers_key = arr, key
         return self._layers
 

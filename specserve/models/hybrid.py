@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from specserve.errors import ModelLoadError
 from specserve.kernels import ops
@@ -86,12 +87,14 @@ class SeqState:
         return out
 
 
-class GatedAttention:
+class GatedAttention(nn.Module):
     """Full attention with a sigmoid gate on its output (q projection twice as wide, each head's
     query then gate), per-head q/k norms and partial rotary."""
 
     def __init__(self, cfg: ModelConfig, lw: LayerWeights):
-        self.q, self.k, self.v, self.o = lw.lin("q"), lw.lin("k"), lw.lin("v"), lw.lin("o")
+        super().__init__()
+        self.q, self.k, self.v = lw.lin("q", "column"), lw.lin("k", "column"), lw.lin("v", "column")
+        self.o = lw.lin("o", "row")
         if self.q.out_features != 2 * cfg.q_size:
             raise ModelLoadError(f"layer {lw.i}: gated attention wants a q projection of {2 * cfg.q_size} rows "
                                  f"(query and gate per head), the checkpoint has {self.q.out_features}")
@@ -100,8 +103,8 @@ class GatedAttention:
     def linears(self) -> list[Linear]:
         return [self.q, self.k, self.v, self.o]
 
-    def __call__(self, model: "HybridTransformer", i: int, h: torch.Tensor, batch: ForwardBatch, kv: KVCache,
-                 seqs: list["SeqState"]) -> torch.Tensor:
+    def forward(self, model: "HybridTransformer", i: int, h: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+                seqs: list["SeqState"]) -> torch.Tensor:
         cfg, t_len, d = model.cfg, h.shape[0], model.cfg.head_dim
         qg = self.q(h).view(t_len, cfg.num_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(t_len, cfg.q_size)
@@ -113,16 +116,17 @@ class GatedAttention:
         return self.o(ops.sigmoid_mul(gate, attn.reshape(t_len, cfg.q_size)))
 
 
-class GatedDeltaNet:
+class GatedDeltaNet(nn.Module):
     """Linear attention: q/k/v through a causal depthwise conv and SiLU, the gated delta rule
     over a per-sequence state, a gated RMSNorm (norm(o) * w * silu(z)), the output projection."""
 
     def __init__(self, cfg: ModelConfig, lw: LayerWeights):
+        super().__init__()
         dn = self.dn = cfg.deltanet
-        self.in_proj = lw.fuse("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")  # [C | z | b | a]
+        ins = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")
+        self.in_proj = lw.fuse(*ins, parallel="column")  # [C | z | b | a]
         if self.in_proj is None:
-            self.qkv, self.z, self.b, self.a = (lw.lin(n) for n in ("attn_qkv", "attn_gate", "ssm_beta",
-                                                                   "ssm_alpha"))
+            self.qkv, self.z, self.b, self.a = (lw.lin(n, "column") for n in ins)
         self.split = (dn.conv_dim, dn.value_dim, dn.num_v_heads, dn.num_v_heads)
         conv = lw.vec("ssm_conv1d").reshape(dn.conv_dim, -1)  # [C, 1, K] in the file
         if conv.shape[1] != dn.conv_kernel:
@@ -132,7 +136,7 @@ class GatedDeltaNet:
         self.A = lw.vec("ssm_a") if has("ssm_a") else -torch.exp(lw.vec("ssm_a_log"))  # GGUF stores -exp(A_log)
         self.A = self.A.reshape(-1).contiguous()
         self.dt_bias = lw.vec("ssm_dt" if has("ssm_dt") else "ssm_dt_bias").reshape(-1).contiguous()
-        self.norm, self.out = lw.vec("ssm_norm").reshape(-1), lw.lin("ssm_out")
+        self.norm, self.out = lw.vec("ssm_norm").reshape(-1), lw.lin("ssm_out", "row")
         if self.norm.numel() != dn.v_head_dim:
             raise ModelLoadError(f"layer {lw.i}: the gated norm has {self.norm.numel()} weights, the value "
                                  f"heads {dn.v_head_dim} dims")
@@ -163,8 +167,8 @@ class GatedDeltaNet:
             return self.in_proj(h).split(self.split, dim=-1)
         return self.qkv(h), self.z(h), self.b(h), self.a(h)
 
-    def __call__(self, model: "HybridTransformer", i: int, h: torch.Tensor, batch: ForwardBatch, kv: KVCache,
-                 seqs: list["SeqState"]) -> torch.Tensor:
+    def forward(self, model: "HybridTransformer", i: int, h: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+                seqs: list["SeqState"]) -> torch.Tensor:
         dn, t_len = self.dn, h.shape[0]
         qkv, z, b, a = self.project(h)
         core = torch.empty(t_len, dn.num_v_heads, dn.v_head_dim)
@@ -181,23 +185,31 @@ class GatedDeltaNet:
         return self.out(gated.view(t_len, dn.value_dim))
 
 
-class SparseMoE:
+class SparseMoE(nn.Module):
     """Mixture of experts: softmax router, the top k experts of each token (weights renormalised
     with norm_topk_prob), plus a shared expert scaled by sigmoid(shared gate). Each expert runs on
     the rows routed to it through the batch-invariant linears, and a token adds its experts'
-    outputs in expert order, so a row's result does not depend on the other rows."""
+    outputs in expert order, so a row's result does not depend on the other rows.
+
+    Under tensor parallelism each expert's down projection gives a partial sum, and the module
+    sums its whole output over the ranks once ("row")."""
+
+    parallel = "row"
 
     def __init__(self, cfg: ModelConfig, lw: LayerWeights):
-        self.moe, self.router = cfg.moe, lw.lin("router")
-        self.experts = [MLP(lw.part(f"expert{e}."), cfg.activation) for e in range(cfg.moe.num_experts)]
-        self.shared = MLP(lw.part("shexp."), cfg.activation) if cfg.moe.shared_intermediate_size else None
+        super().__init__()
+        self.moe, self.router, self.reduce_group = cfg.moe, lw.lin("router"), None
+        self.experts = nn.ModuleList(MLP(lw.part(f"expert{e}."), cfg.activation, down="row_partial")
+                                     for e in range(cfg.moe.num_experts))
+        self.shared = (MLP(lw.part("shexp."), cfg.activation, down="row_partial")
+                       if cfg.moe.shared_intermediate_size else None)
         self.shared_gate = lw.lin("shexp_gate") if self.shared else None
 
     def linears(self) -> list[Linear]:
         shared = self.shared.linears() + [self.shared_gate] if self.shared else []
         return [self.router] + [lin for e in self.experts for lin in e.linears()] + shared
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weight, groups = route_top_k(self.router(h), self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
         out = torch.zeros_like(h)
         for e, rows, slot in groups:  # experts in ascending order: each row adds its experts in that order
@@ -205,11 +217,12 @@ class SparseMoE:
         if self.shared is not None:
             shared = self.shared(h)
             out += ops.sigmoid_mul(self.shared_gate(h).expand_as(shared).contiguous(), shared)
-        return out
+        return out if self.reduce_group is None else self.reduce_group.all_reduce(out)
 
 
-class HybridLayer:
+class HybridLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, i: int, w: dict[str, RawTensor], quant: str, device, dtype):
+        super().__init__()
         lw = LayerWeights(i, w, quant, device, dtype)
         self.mixer = GatedDeltaNet(cfg, lw) if cfg.is_linear(i) else GatedAttention(cfg, lw)
         self.mlp = SparseMoE(cfg, lw) if cfg.moe and cfg.moe.sparse(i) else MLP(lw, cfg.activation)
@@ -266,8 +279,8 @@ class HybridTransformer(Transformer):
             raise RuntimeError("a hybrid model's forward needs recurrent-state storage (KVCache.states)")
         seqs = SeqState.of(batch)
         for i, layer in enumerate(self.layers):
-            x = x + self.reduce(layer.mixer(self, i, rms_norm(x, layer.attn_norm, eps), batch, kv, seqs))
-            x = x + self.reduce(layer.mlp(rms_norm(x, layer.ffn_norm, eps)))
+            x = x + layer.mixer(self, i, rms_norm(x, layer.attn_norm, eps), batch, kv, seqs)  # summed over ranks
+            x = x + layer.mlp(rms_norm(x, layer.ffn_norm, eps))
             if i in batch.hidden_layers:
                 hidden[i] = x
         return x, hidden

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from specserve.kernels import ops
 from specserve.models.weights import RawTensor
@@ -36,17 +37,23 @@ def cpu_format(raw: RawTensor, quant: str) -> str:
     return "fp32"
 
 
-class Linear:
+class Linear(nn.Module):
     """y = x W^T (+ b) with W kept in one run-time format.
 
     On CPU, int8 and GGUF block weights multiply int8-quantized activations in integer arithmetic
     (the kernels' integer-dot path, see specserve.kernels.ops); fp32 weights use fp32 activations.
+
+    ``parallel`` declares how tensor parallelism splits it: "column" (output rows), "row" (input
+    columns: each rank's output is a partial sum) or "replicated". ``reduce_group``, set by the
+    model's :meth:`attach_tensor_parallel` on the linears whose owner sums their partial outputs
+    here, all-reduces the output (the row-parallel bias is rank 0's only, so it is added once).
     """
 
     def __init__(self, raw: RawTensor, bias: torch.Tensor | None, quant: str, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, parallel: str = "replicated"):
+        super().__init__()
         self.out_features, self.in_features = raw.shape
-        self.device = device
+        self.device, self.parallel, self.reduce_group = device, parallel, None
         self.bias = None if bias is None else bias.to(device=device, dtype=torch.float32 if device.type == "cpu" else dtype)
         kind = cpu_format(raw, quant) if device.type == "cpu" else "device"
         if kind == "device":
@@ -66,8 +73,19 @@ class Linear:
             self.format = "fp32"
 
     @classmethod
+    def of_weight(cls, weight, bias: torch.Tensor | None, device: torch.device, fmt: str,
+                  parallel: str = "replicated") -> "Linear":
+        """A linear over a weight already in its run-time format (a kernel weight or a tensor)."""
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out.out_features, out.in_features = weight.shape
+        out.device, out.parallel, out.reduce_group = device, parallel, None
+        out.weight, out.bias, out.format = weight, bias, fmt
+        return out
+
+    @classmethod
     def fused(cls, raws: list[RawTensor], biases: list[torch.Tensor | None], quant: str, device: torch.device,
-              dtype: torch.dtype) -> "Linear | None":
+              dtype: torch.dtype, parallel: str = "replicated") -> "Linear | None":
         """One linear over several weights with the same input (q|k|v, gate|up), or None.
 
         Each output is reduced on its own, so the fused outputs are bit-identical to separate calls;
@@ -85,22 +103,21 @@ class Linear:
         else:
             raw = RawTensor("fused", (n, raws[0].shape[1]), "torch", torch.cat([r.dequantize() for r in raws]))
         bias = None if biases[0] is None else torch.cat(biases)
-        return cls(raw, bias, quant, device, dtype)
+        return cls(raw, bias, quant, device, dtype, parallel)
 
     def select_rows(self, idx: torch.Tensor) -> "Linear":
         """This layer restricted to the output channels idx [n'] (int64): no re-quantization."""
-        out = object.__new__(Linear)
-        out.__dict__.update(self.__dict__)
-        out.out_features = int(idx.numel())
-        out.bias = None if self.bias is None else self.bias[idx.to(self.bias.device)].contiguous()
+        bias = None if self.bias is None else self.bias[idx.to(self.bias.device)].contiguous()
         w = self.weight
-        out.weight = w[idx.to(w.device)].contiguous() if isinstance(w, torch.Tensor) else w.rows(idx)
-        return out
+        rows = w[idx.to(w.device)].contiguous() if isinstance(w, torch.Tensor) else w.rows(idx)
+        return Linear.of_weight(rows, bias, self.device, self.format, self.parallel)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if self.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
-        return ops.linear(x.contiguous(), self.weight, self.bias)
+            out = F.linear(x, self.weight, self.bias)
+        else:
+            out = ops.linear(x.contiguous(), self.weight, self.bias)
+        return out if self.reduce_group is None else self.reduce_group.all_reduce(out)
 
     def nbytes(self) -> int:
         w = self.weight
@@ -121,10 +138,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (out * weight.float()).to(x.dtype)
 
 
-class Rope:
+class Rope(nn.Module):
     """Half-split rotary embedding (HF's rotate_half layout) from a precomputed table."""
 
     def __init__(self, head_dim: int, theta: float, max_pos: int, device: torch.device, scaling: float = 1.0):
+        super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         inv_freq = inv_freq / scaling
         pos = torch.arange(max_pos, dtype=torch.float32)
@@ -145,10 +163,11 @@ class Rope:
         pos = positions3.long().to(self.cos.device)[:, axis.to(self.cos.device)]  # [T, D/2]
         col = i.to(self.cos.device).expand_as(pos)
         out = Rope.__new__(Rope)
+        nn.Module.__init__(out)
         out.cos, out.sin = self.cos[pos, col].contiguous(), self.sin[pos, col].contiguous()  # [T, D/2]
         return out
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D]; positions: [T] -> rotated x (new tensor). A table narrower than D is
         partial rotary (Qwen3.5): the first dims of each head rotate, the rest pass.
 

@@ -8,9 +8,10 @@ writing the paged KV cache through their block tables.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+from torch import nn
 
 from specserve.errors import ModelLoadError, SpecserveError
 from specserve.kernels import ops
@@ -75,6 +76,16 @@ class ForwardBatch:
                    paging=tuple(Paging(t, s) for t, s in zip(paging[::2], paging[1::2])))
 
 
+@dataclass(frozen=True)
+class HeadCut:
+    """A tensor-parallel rank's part of a cut LM head (``Transformer.cut_head``)."""
+
+    key: int
+    ids: torch.Tensor  # [n] int64 ascending: the cut's vocabulary ids
+    local: Linear | None  # this rank's rows of them (None: none in its part of the vocabulary)
+    counts: list[int]  # how many of the ids each rank holds, in rank order
+
+
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [L, vocab] float32
@@ -92,31 +103,36 @@ class LayerWeights:
     def part(self, prefix: str) -> "LayerWeights":
         return LayerWeights(self.i, self.w, self.quant, self.device, self.dtype, prefix)
 
-    def lin(self, name: str) -> Linear:
+    def lin(self, name: str, parallel: str = "replicated") -> Linear:
         bias = self.w.get(f"{self.prefix}{name}_bias")
         return Linear(self.w[self.prefix + name], None if bias is None else bias.dequantize(), self.quant,
-                      self.device, self.dtype)
+                      self.device, self.dtype, parallel)
 
     def vec(self, name: str) -> torch.Tensor:
         """A norm weight or another per-channel vector, float32 on the device."""
         return self.w[self.prefix + name].dequantize().to(device=self.device, dtype=torch.float32).contiguous()
 
-    def fuse(self, *names: str) -> Linear | None:
+    def fuse(self, *names: str, parallel: str = "replicated") -> Linear | None:
         """One linear over several weights with the same input (None: their formats differ)."""
         biases = [self.w.get(f"{self.prefix}{n}_bias") for n in names]
         return Linear.fused([self.w[self.prefix + n] for n in names],
                             [None if b is None else b.dequantize() for b in biases], self.quant, self.device,
-                            self.dtype)
+                            self.dtype, parallel)
 
 
-class MLP:
-    """The gated MLP of a decoder layer: down(act(gate(h)) * up(h))."""
+class MLP(nn.Module):
+    """The gated MLP of a decoder layer: down(act(gate(h)) * up(h)).
 
-    def __init__(self, lw: LayerWeights, activation: str):
-        self.gate_up, self.activation = lw.fuse("gate", "up"), activation
+    Under tensor parallelism gate / up are column-parallel and down row-parallel: ``down`` sums
+    the ranks' partial outputs itself ("row"), or leaves that to the owner ("row_partial": a
+    mixture of experts sums its experts first)."""
+
+    def __init__(self, lw: LayerWeights, activation: str, down: str = "row"):
+        super().__init__()
+        self.gate_up, self.activation = lw.fuse("gate", "up", parallel="column"), activation
         if self.gate_up is None:
-            self.gate, self.up = lw.lin("gate"), lw.lin("up")
-        self.down = lw.lin("down")
+            self.gate, self.up = lw.lin("gate", "column"), lw.lin("up", "column")
+        self.down = lw.lin("down", down)
 
     def linears(self) -> list[Linear]:
         return ([self.gate_up] if self.gate_up is not None else [self.gate, self.up]) + [self.down]
@@ -127,23 +143,39 @@ class MLP:
             return self.gate_up(h).chunk(2, dim=-1)
         return self.gate(h), self.up(h)
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         return self.down(act_mul(*self.project_gate_up(h), self.activation))
 
 
-def _mlp_attr(name: str) -> property:
-    return property(lambda self: getattr(self.mlp, name), lambda self, value: setattr(self.mlp, name, value))
+def attend(cfg: ModelConfig, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+           kv: KVCache, window: int = 0) -> torch.Tensor:
+    """Layer i's K/V rows k, v [T, Hkv, D] into the paged cache, then q [T, Hq, D] attending
+    over it -> [T, Hq, D], through the paging of the cache group holding layer i's pool."""
+    paging = batch.paging[kv.group(i)]
+    kv.write(i, paging.slot_mapping, k, v)  # quantized on write for int8 / fp8 / int4 caches
+    k_pool, v_pool, kv_extra = kv.attention_args(i)
+    return paged_attention(q, k_pool, v_pool, paging.block_tables, batch.seq_ids, batch.positions, cfg.scale,
+                           window, cfg.attn_softcap, **kv_extra)
 
 
-class _Layer:
-    def __init__(self, cfg: ModelConfig, i: int, w: dict[str, RawTensor], quant: str, device, dtype):
+class DecoderLayer(nn.Module):
+    """One dense decoder layer: pre-norm attention over the paged KV cache (q/k/v biases, qk-norm,
+    sliding window, Gemma's post-norms as the config says) and the gated MLP.
+
+    ``fused_parts`` declares what the fused C path (models/fused.py) runs of it: the linears by
+    slot, the norms, the window and the rope table; the C call is built from that alone."""
+
+    def __init__(self, cfg: ModelConfig, i: int, w: dict[str, RawTensor], quant: str, device, dtype,
+                 rope: Rope):
+        super().__init__()
         lw = LayerWeights(i, w, quant, device, dtype)
-        self.qkv = lw.fuse("q", "k", "v")
+        self.cfg, self.i, self.rope = cfg, i, rope
+        self.qkv = lw.fuse("q", "k", "v", parallel="column")
         self.split_qkv = (cfg.q_size, cfg.kv_size, cfg.kv_size)
         if self.qkv is None:
-            self.q, self.k, self.v = lw.lin("q"), lw.lin("k"), lw.lin("v")
+            self.q, self.k, self.v = lw.lin("q", "column"), lw.lin("k", "column"), lw.lin("v", "column")
         self.mlp = MLP(lw, cfg.activation)
-        self.o = lw.lin("o")
+        self.o = lw.lin("o", "row")
         self.attn_norm, self.ffn_norm = lw.vec("attn_norm"), lw.vec("ffn_norm")
         if cfg.qk_norm:
             self.q_norm, self.k_norm = lw.vec("q_norm"), lw.vec("k_norm")
@@ -151,12 +183,23 @@ class _Layer:
             self.post_attn_norm, self.post_ffn_norm = lw.vec("post_attn_norm"), lw.vec("post_ffn_norm")
         self.window = cfg.sliding_window if cfg.sliding(i) else 0
 
-    # the MLP's linears as attributes of the layer (the fused C stack and drafters use them)
-    gate_up, gate, up, down = (_mlp_attr(n) for n in ("gate_up", "gate", "up", "down"))
-
     def linears(self) -> list[Linear]:
         qkv = [self.qkv] if self.qkv is not None else [self.q, self.k, self.v]
         return qkv + [self.o] + self.mlp.linears()
+
+    def fused_parts(self) -> dict:
+        """The layer as the fused C path takes it: linears by SSLayer slot (q holds q|k|v, gate
+        holds gate|up when fused), norms by SSLayer field (None: absent), window, rope table."""
+        mlp = self.mlp
+        lins = {"o": self.o, "down": mlp.down}
+        lins.update({"q": self.qkv} if self.qkv is not None else {"q": self.q, "k": self.k, "v": self.v})
+        lins.update({"gate": mlp.gate_up} if mlp.gate_up is not None else {"gate": mlp.gate, "up": mlp.up})
+        sandwich, qk = self.cfg.sandwich_norms, self.cfg.qk_norm
+        norms = {"attn_norm": self.attn_norm, "ffn_norm": self.ffn_norm,
+                 "q_norm": self.q_norm if qk else None, "k_norm": self.k_norm if qk else None,
+                 "post_attn_norm": self.post_attn_norm if sandwich else None,
+                 "post_ffn_norm": self.post_ffn_norm if sandwich else None}
+        return {"linears": lins, "norms": norms, "window": self.window, "rope": self.rope}
 
     def project_qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h: [T, H] -> q [T, q_size], k [T, kv_size], v [T, kv_size]."""
@@ -164,9 +207,31 @@ class _Layer:
             return self.qkv(h).split(self.split_qkv, dim=-1)
         return self.q(h), self.k(h), self.v(h)
 
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:  # [T, H] -> [T, H]
+        cfg, t_len = self.cfg, x.shape[0]
+        h = rms_norm(x, self.attn_norm, cfg.rms_eps)
+        q, k, v = self.project_qkv(h)
+        q = q.reshape(t_len, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t_len, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(t_len, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q.reshape(-1, cfg.head_dim), self.q_norm, cfg.rms_eps).view_as(q)
+            k = rms_norm(k.reshape(-1, cfg.head_dim), self.k_norm, cfg.rms_eps).view_as(k)
+        q, k = self.rope(q, batch.positions), self.rope(k, batch.positions)
+        a = attend(cfg, self.i, q, k, v, batch, kv, self.window)  # [T, Hq, D]
+        o = self.o(a.reshape(t_len, cfg.q_size))  # summed over the ranks under tensor parallelism
+        if cfg.sandwich_norms:
+            o = rms_norm(o, self.post_attn_norm, cfg.rms_eps)
+        x = x + o
+        m = self.mlp(rms_norm(x, self.ffn_norm, cfg.rms_eps))
+        if cfg.sandwich_norms:
+            m = rms_norm(m, self.post_ffn_norm, cfg.rms_eps)
+        return x + m
 
-class Transformer:
-    """Weights plus the forward pass. Build with :meth:`from_tensors`.
+
+class Transformer(nn.Module):
+    """Weights plus the forward pass: a declared stack of layer modules (``layers``), the token
+    embedding, the final norm and the LM head.
 
     ``fused`` (default True): on CPU, run the decoder layers through one C call per forward
     (models/fused.py; bit-identical to the per-op Python path) whenever the model, the batch and
@@ -175,23 +240,25 @@ class Transformer:
     def __init__(self, cfg: ModelConfig, tensors: dict[str, RawTensor], quant: str, device: torch.device,
                  dtype: torch.dtype, norm_offset: float = 0.0, fused: bool = True,
                  norm_offset_skip: tuple[str, ...] = ()):
+        super().__init__()
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.fused = fused
         self._stack: FusedStack | None = None
         # tensor parallel (specserve/parallel): this rank's group and its shard; None on one device
         self.tp, self.shard = None, None
+        self.head_cuts: dict[int, HeadCut] = {}  # tensor parallel: cuts of the LM head by key
         tensors = _check_and_offset(tensors, self.required_tensors(cfg), norm_offset, norm_offset_skip)
-        self.layers = self.build_layers(cfg, tensors, quant, device, dtype)
-        embed = tensors["embed"]
-        head = tensors.get("lm_head") if not cfg.tie_embeddings or "lm_head" in tensors else None
-        self.lm_head = Linear(head or embed, None, quant, device, dtype)
-        # [V, H], dequantized per row; tied: the head's blocks
-        self.token_embedding = TokenEmbedding(embed, device, dtype, None if head else self.lm_head.weight)
-        self.final_norm = tensors["norm"].dequantize().to(device=device, dtype=torch.float32)
         max_pos, rotary = cfg.max_position + 64, cfg.rotary_dim or cfg.head_dim
         self.rope_global = Rope(rotary, cfg.rope_theta, max_pos, device, cfg.rope_scaling_factor)
         self.rope_local = (Rope(rotary, cfg.rope_theta_local, max_pos, device)
                            if cfg.rope_theta_local else self.rope_global)
+        self.layers = nn.ModuleList(self.build_layers(cfg, tensors, quant, device, dtype))
+        embed = tensors["embed"]
+        head = tensors.get("lm_head") if not cfg.tie_embeddings or "lm_head" in tensors else None
+        self.lm_head = Linear(head or embed, None, quant, device, dtype, "vocab")
+        # [V, H], dequantized per row; tied: the head's blocks
+        self.token_embedding = TokenEmbedding(embed, device, dtype, None if head else self.lm_head.weight)
+        self.final_norm = tensors["norm"].dequantize().to(device=device, dtype=torch.float32)
 
     # ---- what a model class declares -------------------------------------------------------
     @staticmethod
@@ -201,7 +268,18 @@ class Transformer:
 
     def build_layers(self, cfg: ModelConfig, tensors: dict[str, RawTensor], quant: str, device: torch.device,
                      dtype: torch.dtype) -> list:
-        return [_Layer(cfg, i, tensors, quant, device, dtype) for i in range(cfg.num_layers)]
+        return [DecoderLayer(cfg, i, tensors, quant, device, dtype, self.rope_local if cfg.sliding(i)
+                             else self.rope_global) for i in range(cfg.num_layers)]
+
+    def attach_tensor_parallel(self, tp) -> None:
+        """The tensor-parallel hook: this rank's process group (parallel/group.py) joins the
+        model; every module declared "row" (a row-parallel linear, a mixture of experts) sums its
+        output over the ranks with it, and embedding, LM head and the fused stack use it.
+        None detaches it."""
+        self.tp, self._stack = tp, None
+        for module in self.modules():
+            if getattr(module, "parallel", None) == "row":
+                module.reduce_group = tp
 
     # ---- pieces drafters reuse -------------------------------------------------------------
     def mirrored(self, op: int, tensors):
@@ -229,18 +307,58 @@ class Transformer:
             x[batch.mm_rows] = batch.mm_embeds.to(x.dtype)
         return x
 
-    def logits(self, h: torch.Tensor, head: Linear | None = None) -> torch.Tensor:
-        """[L, H] normed -> [L, V] float32 (with ``head``: that head's rows, e.g. a draft vocabulary)."""
-        with self.mirrored(Op.LOGITS, lambda: [h.float()]):
-            out = (head or self.lm_head)(h).float()
-            if self.tp is not None:
-                if head is not None:
-                    raise SpecserveError("a draft vocabulary over a tensor-parallel LM head is not supported")
-                out = self._gather_vocab(out)
+    @property
+    def head_size(self) -> int:
+        """Rows of the whole LM head (under tensor parallelism each rank holds a part of them)."""
+        return self.cfg.vocab_size if self.tp is not None else self.lm_head.out_features
+
+    def cut_head(self, ids: torch.Tensor, replaces: "Linear | HeadCut | None" = None,
+                 key: int | None = None) -> "Linear | HeadCut":
+        """The LM head restricted to vocabulary ids [n] (int64, ascending), for ``logits(h, cut)``
+        (a draft vocabulary). One device: the selected rows. Tensor parallel: every rank keeps the
+        rows of ids in its part of the vocabulary (the call is mirrored; the driver numbers the
+        cut, ``key`` is that number on a worker); ``replaces``: an earlier cut every rank drops."""
+        if self.tp is None:
+            return self.lm_head.select_rows(ids)
+        if key is None:
+            key = max(self.head_cuts, default=-1) + 1
+        drop = replaces.key if isinstance(replaces, HeadCut) else -1
+        with self.mirrored(Op.CUT_HEAD, lambda: [torch.tensor([key, drop]), ids]):
+            self.head_cuts.pop(drop, None)
+            parts = [vocab_rows(self.cfg.vocab_size, replace(self.shard, rank=r)) for r in range(self.tp.world)]
+            counts = [int(((ids >= a) & (ids < a + n)).sum()) for a, n in parts]
+            start, rows = parts[self.shard.rank]
+            mine = ids[(ids >= start) & (ids < start + rows)]
+            local = self.lm_head.select_rows(mine - start) if mine.numel() else None
+            self.head_cuts[key] = HeadCut(key, ids, local, counts)
+        return self.head_cuts[key]
+
+    def logits(self, h: torch.Tensor, head: "Linear | HeadCut | None" = None) -> torch.Tensor:
+        """[L, H] normed -> [L, V] float32 (with ``head``: a cut of the head, ``cut_head``: [L, n])."""
+        cut = head if isinstance(head, HeadCut) else None
+        with self.mirrored(Op.LOGITS, lambda: [h.float(), None if cut is None else torch.tensor([cut.key])]):
+            if cut is not None:
+                out = self._gather_cut(h, cut)
+            else:
+                out = (self.lm_head if head is None else head)(h).float()
+                if self.tp is not None:
+                    if head is not None:
+                        raise SpecserveError("a tensor-parallel LM head is cut with cut_head")
+                    out = self._gather_vocab(out)
         if self.cfg.final_softcap:
             c = self.cfg.final_softcap
             out = torch.tanh(out / c) * c
         return out
+
+    def _gather_cut(self, h: torch.Tensor, cut: "HeadCut") -> torch.Tensor:  # [L, H] -> [L, n]
+        """Each rank's logits of its rows of the cut, gathered in id order (the ranks' parts of
+        the vocabulary are ascending runs, so rank order is id order)."""
+        width = max(cut.counts)
+        out = h.new_zeros((h.shape[0], width), dtype=torch.float32)
+        if cut.local is not None:
+            out[:, :cut.local.out_features] = cut.local(h).float()
+        parts = self.tp.all_gather_cat(out).split(width, dim=-1)
+        return torch.cat([p[:, :n] for p, n in zip(parts, cut.counts)], dim=-1)
 
     def _gather_vocab(self, out: torch.Tensor) -> torch.Tensor:  # [L, V / world] -> [L, V]
         per = -(-self.cfg.vocab_size // self.tp.world)
@@ -266,10 +384,6 @@ class Transformer:
             logits = self.logits(h[batch.logits_indices])
         return ForwardOutput(logits, hidden, h)
 
-    def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """A row-parallel linear's partial sums [T, H] -> their sum over the ranks."""
-        return x if self.tp is None else self.tp.all_reduce(x)
-
     def run_layers(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, dict]:
         """The decoder layers over x [T, H] -> (x, hidden states of batch.hidden_layers)."""
         stack = self.fused_stack(batch, kv)
@@ -277,7 +391,7 @@ class Transformer:
             return x, stack.run(x, batch, kv)  # x updated in place
         hidden = {}
         for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, batch, kv)
+            x = layer(x, batch, kv)
             if i in batch.hidden_layers:
                 hidden[i] = x
         return x, hidden
@@ -297,37 +411,8 @@ class Transformer:
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, kv: KVCache,
                window: int = 0) -> torch.Tensor:
-        """Layer i's K/V rows k, v [T, Hkv, D] into the paged cache, then q [T, Hq, D] attending
-        over it -> [T, Hq, D], through the paging of the cache group holding layer i's pool."""
-        paging = batch.paging[kv.group(i)]
-        kv.write(i, paging.slot_mapping, k, v)  # quantized on write for int8 / fp8 / int4 caches
-        k_pool, v_pool, kv_extra = kv.attention_args(i)
-        return paged_attention(q, k_pool, v_pool, paging.block_tables, batch.seq_ids, batch.positions, self.cfg.scale,
-                               window, self.cfg.attn_softcap, **kv_extra)
-
-    def _layer(self, i: int, layer: _Layer, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        cfg = self.cfg
-        t_len = x.shape[0]
-        h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
-        q, k, v = layer.project_qkv(h)
-        q = q.reshape(t_len, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(t_len, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(t_len, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q.reshape(-1, cfg.head_dim), layer.q_norm, cfg.rms_eps).view_as(q)
-            k = rms_norm(k.reshape(-1, cfg.head_dim), layer.k_norm, cfg.rms_eps).view_as(k)
-        rope = self.rope_local if cfg.sliding(i) else self.rope_global
-        q, k = rope(q, batch.positions), rope(k, batch.positions)
-        attn = self.attend(i, q, k, v, batch, kv, layer.window)  # [T, Hq, D]
-        o = self.reduce(layer.o(attn.reshape(t_len, cfg.q_size)))
-        if cfg.sandwich_norms:
-            o = rms_norm(o, layer.post_attn_norm, cfg.rms_eps)
-        x = x + o
-        h = rms_norm(x, layer.ffn_norm, cfg.rms_eps)
-        m = self.reduce(layer.mlp(h))
-        if cfg.sandwich_norms:
-            m = rms_norm(m, layer.post_ffn_norm, cfg.rms_eps)
-        return x + m
+        """Layer i's attention over the paged cache (see :func:`attend`)."""
+        return attend(self.cfg, i, q, k, v, batch, kv, window)
 
 
 def _check_and_offset(tensors: dict[str, RawTensor], needed: list[str], norm_offset: float,

@@ -44,6 +44,7 @@ class Op(enum.IntEnum):
     LOGITS = 3
     INIT_KV = 4
     STOP = 5
+    CUT_HEAD = 6  # a draft vocabulary's cut of the LM head (Transformer.cut_head)
 
 
 class TensorParallel:

@@ -2,7 +2,7 @@
 
 Started by the driver (parallel/launch.py), never by hand. It loads its shard, joins the group,
 allocates its slice of the KV pool when the driver sends the memory plan, then runs every call
-the driver makes (forward, embed, logits) until told to stop. It exits non-zero when the group
+the driver makes (forward, embed, logits, a cut of the LM head) until told to stop. It exits non-zero when the group
 breaks (the driver died, a collective timed out), so nothing is left running.
 """
 
@@ -64,8 +64,11 @@ def serve(model, tp) -> int:
                 model.forward(ForwardBatch.from_tensors(t), kv)
             elif op == Op.EMBED:
                 model.embed(t[0])
-            elif op == Op.LOGITS:
-                model.logits(t[0])
+            elif op == Op.LOGITS:  # [h, the cut's key or None]
+                model.logits(t[0], None if len(t) < 2 or t[1] is None else model.head_cuts[int(t[1])])
+            elif op == Op.CUT_HEAD:  # [(key, key dropped or -1), ids]
+                key, drop = t[0].tolist()
+                model.cut_head(t[1], model.head_cuts.get(drop), key)
             elif op == Op.INIT_KV:
                 kv = allocate_kv(model, t[0].tolist())
                 tp.max_flag(0 if kv is not None else tp.rank + 1)
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpecserveError as exc:
         print(f"specserve tensor-parallel rank {args.rank}: error: {exc}", file=sys.stderr)
         return 2
-    target.model.tp = tp
+    target.model.attach_tensor_parallel(tp)
     with torch.inference_mode():
         return serve(target.model, tp)
 

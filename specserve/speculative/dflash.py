@@ -348,7 +348,7 @@ class DFlashDrafter(Drafter):
         cfg = model.cfg
         if target.model.device.type == "cpu" and weights == "int8":
             int8_linears(model)
-        vocab, full = None, target.model.lm_head.out_features
+        vocab, full = None, target.model.head_size
         # the speculative config's draft_vocab_size (the vocabulary's size: the full head) wins over the
         # drafter config's default
         size = head_cut(draft_vocab_size, full) if draft_vocab_size else cfg.draft_vocab_size

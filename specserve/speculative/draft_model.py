@@ -1,8 +1,10 @@
 """A separate small model with the same tokenizer, drafting k tokens autoregressively.
 
-It keeps its own paged KV cache. Per sequence it tracks how many of the sequence's tokens
-its cache holds; after verification the rejected draft positions are released by
-bookkeeping (the count goes back, surplus blocks return to the pool), never by copying.
+It keeps its own paged KV cache, managed by a cache coordinator of its own over the draft
+model's layer cache specs (the engine's machinery, engine/cache/). Per sequence it tracks how
+many of the sequence's tokens its cache holds; after verification the rejected draft positions
+are released by bookkeeping (the count goes back, surplus blocks return to the pool), never by
+copying.
 With prefix caching on, its cache is reused in step with the target's: full blocks of verified
 tokens are registered under the same chained hash (salted with the draft model's identity), and
 a new sequence starts from the longest cached prefix instead of re-running the draft model on it.
@@ -15,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.engine.block_manager import BlockManager, BlockTable
+from specserve.engine.block_manager import BlockManager
+from specserve.engine.cache import CacheCoordinator, SequenceCache, layer_cache_specs
 from specserve.engine.config import EngineConfig, kv_bytes_per_token
 from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
@@ -33,7 +36,10 @@ DRAFT_POOL_CAP = 1 << 30
 
 @dataclass
 class _State:
-    table: BlockTable = field(default_factory=BlockTable)
+    """A sequence as the draft model's cache coordinator sees it."""
+
+    cache: SequenceCache = field(default_factory=SequenceCache)  # its tables in the draft's groups
+    cache_keys: list[int] = field(default_factory=list)  # the tokens a commit / prefix match hashes
     num_computed: int = 0  # tokens of the sequence (plus drafts) whose K/V this cache holds
     base: int = 0  # sequence length when the last proposal was made
     drafts: list[int] = field(default_factory=list)  # the last proposal
@@ -52,7 +58,12 @@ class DraftModelDrafter(Drafter):
         self.model = draft.model
         self.vocab = vocab  # None: the full LM head
         self.kv = KVCache.allocate(draft.config, num_blocks, block_size, self.model.dtype, self.model.device)
-        self.blocks = BlockManager(num_blocks, block_size, prefix_caching, salt=draft.identity)
+        specs = layer_cache_specs(draft.config, block_size, kv_bytes_per_token(draft.config, self.model.dtype, 1),
+                                  window_paged=False)  # one pool (a sliding layer's window: in the kernel)
+        if len(specs) != 1:
+            raise SpecserveError(f"draft model {draft.name}: only attention-only models can draft (its layers "
+                                 f"keep {', '.join(sp.kind for sp in specs)})")
+        self.cache = CacheCoordinator.build(specs, (num_blocks,), prefix_caching, salt=draft.identity)
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size) + 2
         self.cost = CostModel()  # seconds per draft forward, by width
@@ -73,6 +84,11 @@ class DraftModelDrafter(Drafter):
         return cls(draft, int(num_blocks), ecfg.block_size, max_model_len, ecfg.enable_prefix_caching, vocab,
                    spec.draft_p_min)
 
+    @property
+    def blocks(self) -> BlockManager:
+        """The draft's block pool (the coordinator's growing group)."""
+        return self.cache.main.pool
+
     def weight_bytes(self) -> int:
         return self.model.weight_bytes()
 
@@ -83,7 +99,8 @@ class DraftModelDrafter(Drafter):
         st = seq.drafter_state.get(self.name)
         if st is None:
             st = self.seq_state(seq, _State)
-            st.num_computed = st.num_cached = self.blocks.match_prefix(st.table, seq.token_ids)
+            st.cache_keys = seq.token_ids
+            st.num_computed = st.num_cached = self.cache.match_prefix(st)
         return st
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
@@ -121,8 +138,8 @@ class DraftModelDrafter(Drafter):
         entries, last = [], []
         for seq, toks in rows:
             st = self._state(seq)
-            self.blocks.ensure_capacity(st.table, st.num_computed + len(toks))
-            entries.append(BatchEntry(toks, st.num_computed, [st.table.blocks]))
+            self.cache.reserve(st, st.num_computed + len(toks))
+            entries.append(BatchEntry(toks, st.num_computed, self.cache.block_tables(st)))
             st.num_computed += len(toks)
             last.append(sum(len(e.tokens) for e in entries) - 1)
         wanted = [] if self.vocab is not None else last  # a draft vocabulary: logits from its own heads
@@ -140,15 +157,16 @@ class DraftModelDrafter(Drafter):
         if st.drafts:  # without drafts (none asked this step, e.g. another drafter of a chain proposed) the
             # cache holds verified tokens only, and a roll-back to the last proposal's base would drop some
             st.num_computed = min(st.num_computed, st.base + num_accepted)
-            self.blocks.truncate(st.table, st.num_computed)
+            self.cache.rollback(st)
         # every position left is a verified token: the sequence so far plus the accepted drafts
-        self.blocks.commit(st.table, seq.token_ids + st.drafts[:num_accepted], st.num_computed)
+        st.cache_keys = seq.token_ids + st.drafts[:num_accepted]
+        self.cache.commit(st)
         st.drafts = []
 
     def on_finished(self, seq: Sequence) -> None:
         st = seq.drafter_state.pop(self.name, None)
         if st is not None:
-            self.blocks.free(st.table)
+            self.cache.free(st)
 
     def warm_up(self, make_seq) -> None:
         for _ in range(3):  # the first forward catches up on the scratch prompt, the rest are single tokens

@@ -113,12 +113,11 @@ class DraftVocab:
 
     def __init__(self, model: Transformer, ids: torch.Tensor):
         self.model = model
-        self.full = model.lm_head
-        self.vocab = self.full.out_features
+        self.vocab = model.head_size
         self.member = torch.zeros(self.vocab, dtype=torch.bool)  # [V]
         self.member[ids] = True
         self.ids = [ids]  # ids of each head, in order: [n_0], [n_1], ...
-        self.heads = [self.full.select_rows(ids)]
+        self.heads = [model.cut_head(ids)]  # (tensor parallel: each rank's rows of them)
         self.pending: set[int] = set()
 
     @property
@@ -138,7 +137,8 @@ class DraftVocab:
         self.pending.clear()
         self.member[new] = True
         extra = new if len(self.ids) == 1 else torch.cat([self.ids[1], new])
-        self.ids[1:], self.heads[1:] = [extra], [self.full.select_rows(extra)]
+        head = self.model.cut_head(extra, replaces=self.heads[1] if len(self.heads) > 1 else None)
+        self.ids[1:], self.heads[1:] = [extra], [head]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [L, H] after the final norm -> [L, V] float32, -inf outside the set."""

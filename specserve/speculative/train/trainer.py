@@ -384,13 +384,14 @@ def copy_target_layers(model: DFlashModel, target) -> None:
             q, k, v = src.qkv.float_weight().cpu().split(src.split_qkv)
         else:
             q, k, v = (x.float_weight().cpu() for x in (src.q, src.k, src.v))
-        if src.gate_up is not None:
-            gate, up = src.gate_up.float_weight().cpu().chunk(2)
+        mlp = src.mlp
+        if mlp.gate_up is not None:
+            gate, up = mlp.gate_up.float_weight().cpu().chunk(2)
         else:
-            gate, up = src.gate.float_weight().cpu(), src.up.float_weight().cpu()
+            gate, up = mlp.gate.float_weight().cpu(), mlp.up.float_weight().cpu()
         with torch.no_grad():
             for lin, w in ((mine.q, q), (mine.k, k), (mine.v, v), (mine.o, src.o.float_weight().cpu()),
-                           (mine.gate, gate), (mine.up, up), (mine.down, src.down.float_weight().cpu())):
+                           (mine.gate, gate), (mine.up, up), (mine.down, mlp.down.float_weight().cpu())):
                 lin.weight.copy_(w)
             mine.attn_norm.copy_(src.attn_norm.float().cpu())
             mine.ffn_norm.copy_(src.ffn_norm.float().cpu())
