@@ -146,6 +146,8 @@ class MLP(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         return self.down(act_mul(*self.project_gate_up(h), self.activation))
 
+    __call__ = forward  # (as Linear: no hook dispatch)
+
 
 def attend(cfg: ModelConfig, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
            kv: KVCache, window: int = 0) -> torch.Tensor:
@@ -227,6 +229,8 @@ class DecoderLayer(nn.Module):
         if cfg.sandwich_norms:
             m = rms_norm(m, self.post_ffn_norm, cfg.rms_eps)
         return x + m
+
+    __call__ = forward  # (as Linear: no hook dispatch)
 
 
 class Transformer(nn.Module):
