@@ -1,36 +1,49 @@
-"""A deterministic stand-in for specserve.engine.async_engine.AsyncEngine.
+"""The server tests' engine: specserve's own AsyncEngine and LLMEngine over a scripted "model".
 
-Same interface as the real engine (tokenizer, model_name, max_model_len,
-spec_enabled, from_args, start, shutdown, generate, abort, stats), but the
-"model" emits a scripted text with a char-level tokenizer:
+Everything between the HTTP layer and the model is the real thing: the request queue and the
+step thread, the scheduler, the paged KV cache with prefix caching, the sampler and logprobs,
+speculative verification and its counters, the detokenizer with its stop rules, aborts and
+failures. Only the network is replaced, so a test knows the text a request gets:
 
-- ``responder(prompt_text, params) -> str`` decides the text (default: SCRIPT);
-  the end of the text is EOS (finish "stop") unless ignore_eos, which cycles
-  the text until max_tokens (finish "length");
-- with speculation on, step s verifies ``num_spec_tokens`` drafts and accepts
-  ``accept_pattern[s % len]`` of them, so it yields accepted + 1 tokens;
-- stop strings, held-back text and min_tokens / include_stop_str_in_output are the engine's own
-  (``engine.detokenizer.StopText``), token by token as the engine adds verified tokens;
-  max_tokens gives "length";
-- KV "blocks" are taken as the sequence grows and given back when it ends,
-  however it ends; aborts are recorded in ``aborted``;
-- ``gate`` (a threading.Event): when set to one, every request stops after its first output
-  until the gate opens; ``fail_all(exc)`` ends every request (and every later one) with exc.
+- ``responder(prompt_text, params) -> str`` decides a request's text (default: SCRIPT), one
+  token per character (``CharTokenizer``); after it the model puts its mass on EOS, unless
+  ignore_eos, where the text repeats until max_tokens;
+- ``ScriptedModel`` reads each row's context (the token ids) back from the KV cache through the
+  row's block table, as attention reads keys, and gives the next character of the text a logit
+  of 30 (every other token 0): chunked prefill, prefix-cache hits and rollbacks all run through
+  the engine's own paths;
+- with speculation on, ``ScriptedDrafter`` proposes the draft length the engine asks for, of
+  which the first ``accept_pattern[step % len]`` tokens are the text's next ones and the rest a
+  wrong token: verification decides what is kept;
+- ``gate`` (a threading.Event): while set to one that is shut, the engine does not step once every
+  sequence has had an output and none waits (requests stay in flight, whatever the machine's
+  speed); ``step_delay`` seconds of sleep before each step; ``fail_next``: raised by the next
+  generate(); ``prompts`` / ``requests`` / ``finished`` / ``aborted`` record what came and how it ended.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import threading
+import time
 from typing import AsyncIterator, Callable
 
-from specserve.engine.detokenizer import StopText
-from specserve.engine.types import EngineStats, RequestOutput, SamplingParams, AcceptanceStats, TokenLogprob
-from specserve.errors import RequestError
+import torch
+
+from specserve.engine.async_engine import AsyncEngine
+from specserve.engine.config import EngineConfig, kv_bytes_per_token
+from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.sequence import Sequence
+from specserve.engine.types import RequestOutput, SamplingParams
+from specserve.models.config import ModelConfig
+from specserve.models.loader import LoadedModel
+from specserve.models.transformer import ForwardBatch, ForwardOutput, KVCache
+from specserve.speculative.config import SpeculativeConfig
+from specserve.speculative.drafter import Drafter, Proposal
 
 SCRIPT = "Hello there! This is a scripted answer from the fake engine."
+SCRIPT_TOKENS = len(SCRIPT) + 1  # its completion tokens: one per character, and EOS (counted, as vLLM does)
 
 # <|role|>content per message; echoes template kwargs so tests can see them
 FAKE_TEMPLATE = (
@@ -38,6 +51,22 @@ FAKE_TEMPLATE = (
     "{% if greeting is defined %}[greeting={{ greeting }}]{% endif %}"
     "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking %}<think>\n{% endif %}{% endif %}"
 )
+
+CHARS = 0x3000  # characters with a token of their own (U+0000 .. U+2FFF); any other encodes as "?"
+SURE = 30.0  # the scripted token's logit (every other token: 0)
+
+
+def _char_backend():
+    """A `tokenizers` Tokenizer over the same ids (the engine's incremental detokenizer decodes
+    through it): one word per character, fused back without spaces."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    vocab = {s: i for i, s in enumerate(CharTokenizer.SPECIALS)}
+    vocab.update({chr(c): c + CharTokenizer.OFFSET for c in range(CHARS)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens([AddedToken(s, special=True) for s in CharTokenizer.SPECIALS])
+    return backend
 
 
 class CharTokenizer:
@@ -51,8 +80,11 @@ class CharTokenizer:
         self.bos_token = "<s>"
         self.eos_token = "</s>"
         self.add_bos = True
-        self.vocab_size = self.OFFSET + 0x110000
+        self.vocab_size = self.OFFSET + CHARS
         self.eos_id = 2
+        self.eos_token_ids = frozenset({2})
+        self.bos_token_id = 1
+        self.backend = _char_backend()
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         ids, i = [], 0
@@ -63,7 +95,7 @@ class CharTokenizer:
                     i += len(special)
                     break
             else:
-                ids.append(ord(text[i]) + self.OFFSET)
+                ids.append((ord(text[i]) if ord(text[i]) < CHARS else ord("?")) + self.OFFSET)
                 i += 1
         return ([1] + ids) if add_special_tokens and self.add_bos else ids
 
@@ -73,148 +105,171 @@ class CharTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join("" if (i < self.OFFSET and skip_special_tokens) else self.id_to_token(i) for i in ids)
 
+    def vocab_fingerprint(self) -> list[str]:
+        return [self.id_to_token(i) for i in range(self.vocab_size)]
 
-class FakeEngine:
+
+class Scripts:
+    """Each prompt's scripted continuation (token ids): what the model and the drafter read."""
+
+    def __init__(self, eos_id: int):
+        self.eos_id = eos_id
+        self.by_len: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        self.lock = threading.Lock()
+
+    def add(self, prompt: list[int], script: list[int]) -> None:
+        with self.lock:
+            self.by_len.setdefault(len(prompt), {})[tuple(prompt)] = script
+
+    def next_tokens(self, context: list[int], n: int) -> list[int]:
+        """The n tokens that follow ``context`` (a prompt and what came after it): the script's
+        continuation while the context follows the script, EOS after it or off it."""
+        with self.lock:
+            for length in sorted(self.by_len, reverse=True):
+                script = self.by_len[length].get(tuple(context[:length])) if len(context) >= length else None
+                if script is not None:
+                    done = context[length:]
+                    if script[:len(done)] != done:
+                        return [self.eos_id] * n
+                    tail = script[len(done):len(done) + n]
+                    return tail + [self.eos_id] * (n - len(tail))
+        return [self.eos_id] * n
+
+
+class ScriptedModel(torch.nn.Module):
+    """A one-layer "model" whose KV cache holds the token ids: a row's logits peak at the next
+    token of its context's script. K row of a token = (token id, 0), V row = zeros."""
+
+    def __init__(self, scripts: Scripts, vocab: int, max_len: int):
+        super().__init__()
+        self.scripts = scripts
+        self.cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=2, intermediate_size=2, num_layers=1,
+                               num_heads=1, num_kv_heads=1, head_dim=2, rms_eps=1e-6, rope_theta=10000.0,
+                               max_position=max_len)
+        self.device, self.dtype, self.tp, self.fused = torch.device("cpu"), torch.float32, None, False
+
+    def weight_bytes(self) -> int:
+        return 0
+
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> ForwardOutput:
+        paging = batch.paging[0]
+        k = torch.zeros(batch.input_ids.shape[0], 1, 2)
+        k[:, 0, 0] = batch.input_ids.float()  # ids < 2**24: exact in float32
+        kv.write(0, paging.slot_mapping, k, torch.zeros_like(k))
+        pool = kv.k[0].reshape(-1, 2)[:, 0]  # [slots]: the token id at each slot
+        bs = kv.k[0].shape[1]
+        rows = batch.logits_indices.tolist()
+        logits = torch.zeros(len(rows), self.cfg.vocab_size)
+        for j, r in enumerate(rows):
+            pos = torch.arange(int(batch.positions[r]) + 1)
+            table = paging.block_tables[int(batch.seq_ids[r])].long()
+            context = pool[table[pos // bs] * bs + pos % bs].long().tolist()
+            logits[j, self.scripts.next_tokens(context, 1)[0]] = SURE
+        return ForwardOutput(logits)
+
+
+class ScriptedDrafter(Drafter):
+    """Drafts whose first ``accept_pattern[step % len]`` tokens are the script's next ones."""
+
+    name = "scripted"
+
+    def __init__(self, scripts: Scripts, accept_pattern: tuple[int, ...], wrong: int):
+        self.scripts, self.accept_pattern, self.wrong = scripts, accept_pattern, wrong
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
+        out = []
+        for seq, k in zip(seqs, num_tokens):
+            step = seq.drafter_state.get(self.name, 0)
+            seq.drafter_state[self.name] = step + 1
+            right = self.scripts.next_tokens(seq.token_ids, k)
+            good = min(self.accept_pattern[step % len(self.accept_pattern)], k)
+            out.append(Proposal(right[:good] + [self.wrong if t != self.wrong else self.wrong + 1
+                                                for t in right[good:]]))
+        return out
+
+
+class FakeEngine(AsyncEngine):
     def __init__(self, *, model_name: str = "fake-model", chat_template: str | None = FAKE_TEMPLATE,
                  max_model_len: int = 512, spec: bool = True, num_spec_tokens: int = 4,
                  accept_pattern: tuple[int, ...] = (2, 0, 4, 1, 3), step_delay: float = 0.0,
                  kv_blocks: int = 256, block_size: int = 16,
                  responder: Callable[[str, SamplingParams], str] | None = None):
-        self.tokenizer = CharTokenizer(chat_template)
-        self.model_name = model_name
-        self.max_model_len = max_model_len
-        self.spec_enabled = spec
-        self.num_spec_tokens = num_spec_tokens
-        self.accept_pattern = accept_pattern
-        self.step_delay = step_delay
-        self.block_size = block_size
-        self.kv_blocks_total = kv_blocks
-        self.kv_blocks_free = kv_blocks
+        tokenizer = CharTokenizer(chat_template)
+        self.scripts = Scripts(tokenizer.eos_id)
+        model = ScriptedModel(self.scripts, tokenizer.vocab_size, max_model_len)
+        target = LoadedModel(model_name, None, model.cfg, model, tokenizer, "scripted")
+        per_token = kv_bytes_per_token(model.cfg, "fp32")
+        ecfg = EngineConfig(max_model_len=max_model_len, block_size=block_size,
+                            kv_cache_memory=kv_blocks * block_size * per_token, kv_cache_dtype="fp32")
+        speculative, drafter = None, None
+        if spec:
+            speculative = SpeculativeConfig("ngram", num_speculative_tokens=num_spec_tokens, adaptive=False)
+            drafter = ScriptedDrafter(self.scripts, accept_pattern, tokenizer.encode("#")[0])
+        super().__init__(LLMEngine(target, ecfg, speculative, drafter), model_name)
         self.responder = responder or (lambda prompt, params: SCRIPT)
+        self.step_delay = step_delay
+        self.gate: threading.Event | None = None
         self.fail_next: BaseException | None = None  # raised by the next generate() before its first output
         self.prompts: list[str] = []  # decoded prompts, in arrival order
         self.requests: list[tuple[str, SamplingParams]] = []
         self.aborted: list[str] = []
         self.finished: dict[str, str] = {}
-        self.started = False
-        self.gate: threading.Event | None = None
-        self.failed_with: BaseException | None = None
-        self._running: set[str] = set()
-        self._abort_flags: set[str] = set()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, own_thread: bool = True) -> "FakeEngine":
         return cls(spec=bool(getattr(args, "speculative_config", None)))
 
-    async def start(self) -> None:
-        self.started = True
+    @property
+    def failed_with(self) -> BaseException | None:
+        return self._closed
 
-    async def shutdown(self) -> None:
-        self.started = False
+    @property
+    def accept_pattern(self) -> tuple[int, ...]:
+        return self.engine.drafter.accept_pattern
 
-    def abort(self, request_id: str) -> None:
-        if request_id in self._running:
-            self._abort_flags.add(request_id)
-
-    def fail_all(self, exc: BaseException) -> None:
-        self.failed_with = exc
-
-    def stats(self) -> EngineStats:
-        return EngineStats(num_running=len(self._running), num_waiting=0, kv_blocks_total=self.kv_blocks_total,
-                           kv_blocks_free=self.kv_blocks_free)
-
-    # ------------------------------------------------------------ generation
-
-    def _logprob(self, token_id: int, k: int) -> TokenLogprob:
-        lp = -0.25 * (token_id % 4 + 1)
-        return TokenLogprob(token_id, lp, [(token_id + j, lp - j) for j in range(k)])
+    @accept_pattern.setter
+    def accept_pattern(self, pattern: tuple[int, ...]) -> None:
+        self.engine.drafter.accept_pattern = pattern
 
     def _script_ids(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         text = self.responder(self.tokenizer.decode(prompt_ids, skip_special_tokens=False), params)
         ids = self.tokenizer.encode(text)
         if params.ignore_eos:
-            ids = (ids or [ord(".") + 3]) * math.ceil(params.max_tokens / max(1, len(ids)))
+            ids = (ids or self.tokenizer.encode(".")) * math.ceil(params.max_tokens / max(1, len(ids) or 1))
         return ids
 
-    def _grow(self, held: int, tokens: int) -> int:
-        need = math.ceil(tokens / self.block_size)
-        take = min(need - held, self.kv_blocks_free)
-        self.kv_blocks_free -= take
-        return held + take
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str, images: list | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       images: list | None = None) -> AsyncIterator[RequestOutput]:
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc
-        if self.failed_with is not None:
-            raise self.failed_with
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise RequestError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds "
-                               f"max_model_len ({self.max_model_len})", param="max_tokens")
+        self.engine.validate(prompt_ids, params)
+        self.scripts.add(list(prompt_ids), self._script_ids(prompt_ids, params))
         self.prompts.append(self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
         self.requests.append((request_id, params))
-        self._running.add(request_id)
-        held = self._grow(0, len(prompt_ids))
-        finished = False
+        ended = False
         try:
-            async for out in self._steps(prompt_ids, params, request_id):
-                held = self._grow(held, len(prompt_ids) + out.completion_tokens)
-                finished = out.finished and out.finish_reason != "abort"
+            async for out in super().generate(prompt_ids, params, request_id, images):
+                if out.finished and out.finish_reason != "abort":
+                    ended = True
+                    self.finished[request_id] = out.finish_reason
                 yield out
         finally:
-            self._running.discard(request_id)
-            self._abort_flags.discard(request_id)
-            self.kv_blocks_free += held
-            if not finished:
+            if not ended:
                 self.aborted.append(request_id)
 
-    async def _steps(self, prompt_ids, params, request_id) -> AsyncIterator[RequestOutput]:
-        script = self._script_ids(prompt_ids, params)
-        spec = AcceptanceStats() if self.spec_enabled else None
-        out = StopText(params.stop, params.include_stop_str_in_output)
-        produced, step = 0, 0
-        while True:
-            await asyncio.sleep(self.step_delay)
-            while (step and self.gate is not None and not self.gate.is_set() and self.failed_with is None
-                   and request_id not in self._abort_flags):
-                await asyncio.sleep(0.01)
-            if self.failed_with is not None:
-                raise self.failed_with
-            if request_id in self._abort_flags:
-                yield self._out(request_id, [], "", None, True, "abort", len(prompt_ids), produced, spec)
-                return
-            n = 1
-            if spec is not None:
-                accepted = min(self.accept_pattern[step % len(self.accept_pattern)], self.num_spec_tokens)
-                spec.record(self.num_spec_tokens, accepted)
-                n = accepted + 1
-            new_ids, reason = [], None
-            for tok in script[produced:produced + n]:  # as the engine adds verified tokens
-                new_ids.append(tok)
-                produced += 1
-                if out.extend(self.tokenizer.decode([tok]), look=produced >= params.min_tokens):
-                    reason = "stop"
-                elif produced >= params.max_tokens:
-                    reason = "length"
-                elif produced >= len(script):
-                    reason = "stop"  # EOS
-                if reason:
-                    break
-            step += 1
-            new_text = out.delta(final=reason is not None)
-            lps = [self._logprob(t, params.logprobs) for t in new_ids] if params.logprobs is not None else None
-            yield self._out(request_id, new_ids, new_text, lps, reason is not None, reason, len(prompt_ids),
-                            produced, spec)
-            if reason is not None:
-                self.finished[request_id] = reason
-                return
+    def _step_once(self) -> None:
+        eng = self.engine
+        if self._held():
+            self._drain(block=False)
+            time.sleep(0.01)
+            return
+        if self.step_delay and eng.has_work():
+            time.sleep(self.step_delay)
+        super()._step_once()
 
-    def _out(self, request_id, ids, text, lps, finished, reason, prompt_tokens, produced, spec) -> RequestOutput:
-        snapshot = None
-        if spec is not None:
-            snapshot = AcceptanceStats(spec.steps, spec.draft_tokens, spec.accepted_tokens, list(spec.accepted_per_pos))
-        return RequestOutput(request_id=request_id, new_token_ids=list(ids), new_text=text, new_logprobs=lps,
-                             finished=finished, finish_reason=reason, prompt_tokens=prompt_tokens,
-                             completion_tokens=produced, cached_tokens=0, acceptance=snapshot,
-                             first_token_latency=None, prefill_time=0.001, decode_time=0.001 * max(1, produced))
+    def _held(self) -> bool:
+        """The gate is shut and every sequence has had an output (none waits)."""
+        eng = self.engine
+        return (self.gate is not None and not self.gate.is_set() and self._closed is None and eng.running
+                and not eng.waiting and all(s.output_ids for s in eng.running))

@@ -108,7 +108,7 @@ class Client(threading.Thread):
 
 
 def _in_flight(s: DrainServer, n: int, clients: list[Client]) -> None:
-    _until(lambda: len(s.engine._running) == n and all(c.events for c in clients if c.stream),
+    _until(lambda: len(s.engine.engine.running) == n and all(c.events for c in clients if c.stream),
            "requests not running")
 
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from fake_engine import SCRIPT
+from fake_engine import SCRIPT, SCRIPT_TOKENS
 from test_server import CALL, MSGS, TOOL_TEMPLATE, extra, make_server, wait_for
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
@@ -60,12 +60,12 @@ def test_create_renders_as_chat_and_reports_chat_usage(srv, engine):
     chat = c.chat.completions.create(model="fake-model", temperature=0,
                                      messages=[{"role": "system", "content": "Be brief."}, *MSGS])
     assert engine.prompts[-1] == prompt == "system: Be brief.user: Hiassistant:"  # TOOL_TEMPLATE: no BOS, no newlines
-    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == len(SCRIPT)
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == SCRIPT_TOKENS
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     assert r.usage.input_tokens_details.cached_tokens == 0 and r.usage.output_tokens_details.reasoning_tokens == 0
     assert extra(r.usage, "speculative") == extra(chat.usage, "speculative")  # the same numbers, same code
     timings = extra(r, "timings")
-    assert timings["predicted_n"] == len(SCRIPT) and timings["draft_n"] == extra(chat.usage, "speculative")[
+    assert timings["predicted_n"] == SCRIPT_TOKENS and timings["draft_n"] == extra(chat.usage, "speculative")[
         "draft_tokens"]
     assert r.instructions == "Be brief." and r.temperature == 0 and r.store is True and r.tools == []
 

@@ -23,7 +23,7 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from fake_engine import SCRIPT, FakeEngine
+from fake_engine import SCRIPT, SCRIPT_TOKENS, FakeEngine
 from specserve.errors import RequestError, SpecserveError
 from specserve.server.app import create_app
 from specserve.server.config import ServerConfig
@@ -121,7 +121,7 @@ def test_chat_non_streaming(srv, engine):
     assert choice.finish_reason == "stop"
     assert engine.prompts[-1] == "<s><|user|>Hi\n<|assistant|>"  # template's BOS, no second one
     assert resp.usage.prompt_tokens == len("<|user|>Hi\n<|assistant|>") + 1
-    assert resp.usage.completion_tokens == len(SCRIPT)
+    assert resp.usage.completion_tokens == SCRIPT_TOKENS
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
     assert resp.usage.prompt_tokens_details.cached_tokens == 0
     spec = extra(resp.usage, "speculative")
@@ -130,7 +130,19 @@ def test_chat_non_streaming(srv, engine):
                                                           abs=1e-5)
     timings = extra(resp, "timings")
     assert timings["draft_n"] == spec["draft_tokens"] and timings["draft_n_accepted"] == spec["accepted_tokens"]
-    assert timings["predicted_n"] == len(SCRIPT) and timings["predicted_per_second"] > 0
+    assert timings["predicted_n"] == SCRIPT_TOKENS and timings["predicted_per_second"] > 0
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(srv, engine):
+    """The scripted engine is the real engine: a second identical prompt reuses the first's
+    cached blocks (usage reports them) and gets the same answer."""
+    msgs = [{"role": "user", "content": "a prompt of several blocks " * 4}]
+    first, second = (srv.client().chat.completions.create(model="fake-model", messages=msgs, temperature=0)
+                     for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < second.usage.prompt_tokens and cached % 16 == 0
+    assert second.choices[0].message.content == first.choices[0].message.content == SCRIPT
 
 
 def test_chat_length_and_max_completion_tokens(srv, engine):
@@ -235,8 +247,8 @@ def test_chat_stream_include_usage(srv, engine):
     finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     assert finishes == ["stop"]
     last = chunks[-1]
-    assert last.choices == [] and last.usage.completion_tokens == len(SCRIPT)
-    assert extra(last.usage, "speculative")["steps"] > 0 and extra(last, "timings")["predicted_n"] == len(SCRIPT)
+    assert last.choices == [] and last.usage.completion_tokens == SCRIPT_TOKENS
+    assert extra(last.usage, "speculative")["steps"] > 0 and extra(last, "timings")["predicted_n"] == SCRIPT_TOKENS
     assert all(ch.usage is None for ch in chunks[:-1])
     assert len({ch.id for ch in chunks}) == 1
 
@@ -370,8 +382,9 @@ ERROR_CASES = [
      "response_format.type", None),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
      "response_format.json_schema.schema", None),
-    # structured outputs need the model's tokenizer.json, which the fake engine's char tokenizer is not
-    # (tests/test_structured_server.py runs them on real models)
+    # structured outputs need a tokenizer llguidance can read, which the fake engine's char tokenizer
+    # (one word per character, fused) is not: a 400, not a 500 (tests/test_structured_server.py runs
+    # them on real models)
     ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_object"}}, 400,
      "response_format", None),
     ("/v1/chat/completions", {"messages": MSGS, "guided_json": {"type": "object"}}, 400, "guided_json", None),
@@ -1013,7 +1026,8 @@ def test_health_is_503_once_the_engine_cannot_go_on():
     (dict(stop=("Hello",), min_tokens=10), SCRIPT),  # the stop string ends before min_tokens: it does not count
 ])
 def test_the_scripted_engine_stops_as_the_engine_does(kw, text):
-    """The fake engine cuts stop strings with the engine's own StopText (engine/detokenizer.py)."""
+    """The scripted engine is the real engine: stop strings, held-back text and min_tokens are cut by
+    its detokenizer (engine/detokenizer.py), with drafts accepted several at a time."""
     import asyncio
 
     from specserve.engine.types import SamplingParams
@@ -1021,9 +1035,13 @@ def test_the_scripted_engine_stops_as_the_engine_does(kw, text):
     eng = FakeEngine()
 
     async def run() -> tuple[str, str | None]:
+        await eng.start()
         out, reason = "", None
-        async for o in eng.generate(eng.tokenizer.encode("hi"), SamplingParams(max_tokens=100, **kw), "r"):
-            out, reason = out + o.new_text, o.finish_reason
+        try:
+            async for o in eng.generate(eng.tokenizer.encode("hi"), SamplingParams(max_tokens=100, **kw), "r"):
+                out, reason = out + o.new_text, o.finish_reason
+        finally:
+            await eng.shutdown()
         return out, reason
 
     assert asyncio.run(run()) == (text, "stop")

@@ -14,6 +14,7 @@ import json
 
 from specserve.commands.args import add_engine_args, parse_bytes
 from specserve.errors import SpecserveError
+from specserve.server.fingerprint import weight_formats
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("plan", help="print the memory budget: weights, KV per token, pool, context, concurrency",
@@ -84,7 +85,7 @@ def compute_plan(args: argparse.Namespace) -> tuple[object, dict]:
     parts = build_parts(args)
     target, spec, model = parts.target, parts.speculative, parts.target.model
     plan = plan_for(target, parts.ecfg, spec, parts.drafter, total_memory=args.memory)
-    formats = sorted({lin.format for layer in model.layers for lin in layer.linears()} | {model.lm_head.format})
+    formats = weight_formats(model)
     extra = {"model": target.name, "device": str(model.device), "weight_format": ",".join(formats),
              "speculative_method": spec.method if spec else None, "model_max_len": target.config.max_position,
              "memory": args.memory}

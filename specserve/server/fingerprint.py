@@ -29,13 +29,20 @@ def describe(engine: Any, chat_template: str | None = None) -> dict[str, Any]:
     if core is None:
         return out
     model = core.model
-    formats = {lin.format for layer in model.layers for lin in layer.linears()} | {model.lm_head.format}
+    formats = weight_formats(model)
     out.update(weights=core.target.identity, device=core.device.type, dtype=str(model.dtype),
-               weight_formats=sorted(formats), kv_cache_dtype=core.plan.kv_dtype,
+               weight_formats=formats, kv_cache_dtype=core.plan.kv_dtype,
                engine=dataclasses.asdict(core.ecfg),
                speculative=dataclasses.asdict(core.speculative) if core.speculative is not None else None,
                drafter=_drafter_identity(core.drafter))
     return out
+
+
+def weight_formats(model) -> list[str]:
+    """The run-time formats of the model's linears (its LM head included)."""
+    from specserve.models.layers import Linear
+
+    return sorted({m.format for m in model.modules() if isinstance(m, Linear)})
 
 
 def _drafter_identity(drafter: Any) -> str | None:

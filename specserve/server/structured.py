@@ -404,8 +404,11 @@ def build_tokenizer(tokenizer) -> tuple[Any, tuple[int, ...]]:
     backend = getattr(tokenizer, "backend", None)
     if backend is None or not hasattr(backend, "to_str"):
         raise RequestError("structured outputs need the model's tokenizer (a tokenizer.json); this one has none")
-    lltok = llguidance.LLTokenizer(backend.to_str(), n_vocab=tokenizer.vocab_size,
-                                   eos_token=sorted(tokenizer.eos_token_ids))
+    try:
+        lltok = llguidance.LLTokenizer(backend.to_str(), n_vocab=tokenizer.vocab_size,
+                                       eos_token=sorted(tokenizer.eos_token_ids))
+    except ValueError as exc:  # a tokenizer.json llguidance cannot read: the request's error, not a 500
+        raise RequestError(f"structured outputs cannot use this model's tokenizer: {exc}") from None
     think = backend.token_to_id("<think>")
     return lltok, (() if think is None else (think,))
 
