@@ -86,13 +86,11 @@ def test_the_tensor_parallel_hook_reduces_each_row_parallel_output_once(tmp_path
 
 
 def _one_row_batch(model):
+    from specserve.engine.model_runner import BatchEntry, build_forward_batch
     from specserve.models.kv_cache import KVCache
-    from specserve.models.transformer import ForwardBatch, Paging
 
     kv = KVCache.allocate(model.cfg, 4, 16, "fp32")
-    batch = ForwardBatch(torch.tensor([7]), torch.tensor([0], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
-                         (Paging(torch.zeros(1, 4, dtype=torch.int32), torch.tensor([0])),), torch.tensor([0]))
-    return batch, kv
+    return build_forward_batch([BatchEntry([7], 0, [[0]])], 16, 4, [0], model.device), kv
 
 
 def test_a_mixture_of_experts_sums_its_experts_before_the_one_reduce(tmp_path):
