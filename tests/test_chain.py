@@ -120,6 +120,43 @@ def test_first_drafter_with_a_proposal_wins_per_sequence():
             ("verified", "new", 1), ("finished", "new")]
 
 
+def test_a_drafter_seldom_right_for_a_sequence_yields_to_the_next():
+    """A first drafter whose drafts verification keeps rejecting is skipped for that sequence
+    (the next drafter proposes), asked again every PROBE_EVERY-th step, and back in front once
+    its drafts are accepted; other sequences keep their own record."""
+    from specserve.speculative.chain import MIN_ACCEPT, PROBE_EVERY
+
+    first, second = Recording(NgramDrafter(1, 3)), Recording(SuffixDrafter(max_cached_requests=0))
+    chain = ChainDrafter([first, second], [3, 3])
+    code = list(range(100, 130))
+    seq, other = _seq(code + [1] + code[:8], rid="a"), _seq(code + [1] + code[:8], rid="b")
+    asked_first = []
+    for step in range(3 * PROBE_EVERY):
+        first.calls.clear()
+        chain.propose([seq], [3])
+        asked_first.append(bool(first.calls))
+        chain.on_verified(seq, 0)  # every draft rejected
+    assert asked_first[:4] == [True] * 4  # until its accepted share falls under MIN_ACCEPT
+    later = asked_first[PROBE_EVERY:]
+    assert later.count(True) == 2 and all(later[k] == (k % PROBE_EVERY == 0) for k in range(len(later)))
+    assert chain.wins[1] > 0 and seq.drafter_state["chain"].accept[0] < MIN_ACCEPT
+    first.calls.clear()
+    chain.propose([other], [3])
+    assert first.calls  # a new sequence starts with the first drafter in front
+    st = seq.drafter_state["chain"]
+    while st.steps % PROBE_EVERY:
+        chain.propose([seq], [3])
+        chain.on_verified(seq, 0)
+    for _ in range(4):  # probes whose drafts are all accepted bring it back
+        chain.propose([seq], [3])
+        chain.on_verified(seq, 3)
+    first.calls.clear()
+    chain.propose([seq], [3])
+    assert first.calls and st.accept[0] >= MIN_ACCEPT
+    chain.on_finished(seq)
+    assert "chain" not in seq.drafter_state
+
+
 def test_chain_cost_is_what_runs():
     """draft_cost weights each drafter's cost by how often some sequence falls through to it."""
 
