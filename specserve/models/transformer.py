@@ -239,7 +239,7 @@ class Transformer(nn.Module):
 
     ``fused`` (default True): on CPU, run the decoder layers through one C call per forward
     (models/fused.py; bit-identical to the per-op Python path) whenever the model, the batch and
-    the KV cache allow it; False always takes the Python path (``_layer``)."""
+    the KV cache allow it; False always takes the Python path (``DecoderLayer.forward``)."""
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, RawTensor], quant: str, device: torch.device,
                  dtype: torch.dtype, norm_offset: float = 0.0, fused: bool = True,

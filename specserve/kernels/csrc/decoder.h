@@ -298,7 +298,7 @@ static int residual_add(const SSModel *m, float *x, const float *y, const float 
     return SS_OK;
 }
 
-/* one decoder layer on x [T, hidden] in place; the order of Transformer._layer */
+/* one decoder layer on x [T, hidden] in place; the order of DecoderLayer.forward (models/transformer.py) */
 static int decoder_layer(const SSModel *m, const SSLayer *L, const SSKVPool *kv, const SSRows *r, float *x,
                          const SSScratch *s, int nthreads) {
     const int64_t T = r->T, H = m->hidden, I = m->inter;
