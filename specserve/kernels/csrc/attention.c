@@ -102,8 +102,11 @@ static void item_setup(AttItem *it, int fmt, const float *q, float *out, const v
         first = start < first ? start : first;
         last = pos > last ? pos : last;
     }
-    for (int64_t p = first; p <= last; p++)
-        off[p - first] = (((int64_t)bt[p / BS] * BS + p % BS) * Hkv + kvh) * (fmt == KV_F32 ? D : 1);
+    const int64_t mul = fmt == KV_F32 ? D : 1;
+    for (int64_t p = first; p <= last;) { /* block by block: one division per block, not per key */
+        const int64_t b = p / BS, end = (b + 1) * BS <= last ? (b + 1) * BS : last + 1;
+        for (int64_t slot = (int64_t)bt[b] * BS + p % BS; p < end; p++, slot++) off[p - first] = (slot * Hkv + kvh) * mul;
+    }
     *it = (AttItem){.fmt = fmt, .nv = (int)(nt * nh), .D = (int)D, .kc = kc, .vc = vc, .ksc = ksc, .vsc = vsc,
                     .G = G, .off = off, .scale = scale, .softcap = softcap};
     it->mx = acc + (int64_t)it->nv * D, it->sum = it->mx + it->nv;
