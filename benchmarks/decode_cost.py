@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from specserve.engine.builder import set_threads  # noqa: E402
+from specserve.models.layers import linears  # noqa: E402
 from specserve.models.loader import LoadOptions, load_model  # noqa: E402
 from specserve.engine.model_runner import BatchEntry, build_forward_batch  # noqa: E402
 from specserve.models.transformer import ForwardBatch, KVCache  # noqa: E402
@@ -71,7 +72,7 @@ def filled_cache(cfg, num_blocks: int, kv_dtype: str) -> KVCache:
 
 def set_int_dot(model, on: bool) -> None:
     """Switch every int8 / GGUF linear weight between the two activation paths (benchmark only)."""
-    for lin in [lin for layer in model.layers for lin in layer.linears()] + [model.lm_head]:
+    for lin in linears(model):
         if hasattr(lin.weight, "int_dot"):
             lin.weight.int_dot = on
 

@@ -35,6 +35,7 @@ from specserve.engine.config import kv_bytes_per_token  # noqa: E402
 from specserve.models.chat_template import ChatTemplate  # noqa: E402
 from specserve.models.kv_cache import KV_DTYPES, KVCache  # noqa: E402
 from specserve.models.loader import LoadOptions, load_model  # noqa: E402
+from specserve.server.fingerprint import weight_formats  # noqa: E402
 from specserve.engine.model_runner import BatchEntry, build_forward_batch  # noqa: E402
 
 BLOCK = 16
@@ -97,8 +98,7 @@ def run_model(name: str, a: argparse.Namespace) -> list[dict]:
     tok = lm.tokenizer
     tmpl = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
     prompts = [tok.encode(tmpl.render([{"role": "user", "content": t}])) for t in bench_texts(a.prompts_per_suite)]
-    fmt = ",".join(sorted({lin.format for layer in lm.model.layers for lin in layer.linears()}
-                          | {lm.model.lm_head.format}))
+    fmt = ",".join(weight_formats(lm.model))
     print(f"{name}: loaded in {time.perf_counter() - t0:.1f}s (weights {fmt}), {len(prompts)} prompts", flush=True)
     ref = Runner(lm, prompts, a.tokens, "fp32").generate()
     rows = []

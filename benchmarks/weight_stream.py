@@ -57,10 +57,11 @@ def synthetic(rounds: int) -> list[tuple[str, float]]:
 
 
 def model_pass(name: str):
+    from specserve.models.layers import linears
     from specserve.models.loader import LoadOptions, load_model
 
     lm = load_model(name, LoadOptions("cpu", "auto", "auto"))
-    lins = [lin for layer in lm.model.layers for lin in layer.linears()] + [lm.model.lm_head]
+    lins = linears(lm.model)
     xs = {lin.in_features: torch.randn(1, lin.in_features) for lin in lins}
     nbytes = sum(lin.nbytes() for lin in lins)
 

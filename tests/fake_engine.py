@@ -105,9 +105,6 @@ class CharTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join("" if (i < self.OFFSET and skip_special_tokens) else self.id_to_token(i) for i in ids)
 
-    def vocab_fingerprint(self) -> list[str]:
-        return [self.id_to_token(i) for i in range(self.vocab_size)]
-
 
 class Scripts:
     """Each prompt's scripted continuation (token ids): what the model and the drafter read."""
@@ -146,7 +143,7 @@ class ScriptedModel(torch.nn.Module):
         self.cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=2, intermediate_size=2, num_layers=1,
                                num_heads=1, num_kv_heads=1, head_dim=2, rms_eps=1e-6, rope_theta=10000.0,
                                max_position=max_len)
-        self.device, self.dtype, self.tp, self.fused = torch.device("cpu"), torch.float32, None, False
+        self.device, self.dtype, self.tp = torch.device("cpu"), torch.float32, None
 
     def weight_bytes(self) -> int:
         return 0

@@ -30,6 +30,7 @@ from specserve.engine.llm_engine import LLMEngine, plan_for  # noqa: E402
 from specserve.engine.types import SamplingParams  # noqa: E402
 from specserve.errors import ModelLoadError  # noqa: E402
 from specserve.kernels import ops  # noqa: E402
+from specserve.models.layers import linears  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
 from specserve.speculative.config import SpeculativeConfig  # noqa: E402
 from specserve.speculative.drafter import Drafter, Proposal  # noqa: E402
@@ -385,7 +386,7 @@ def test_gguf_q8_0_loads_and_stays_lossless(hybrid):
     (both quantize activations to 8 bits, not identically, and a random model's greedy path is
     full of near-ties), and speculation is lossless on it."""
     ours = load_model(str(DATA / "tiny-qwen35-q8_0.gguf"))  # default CPU weights: the file's Q8_0 blocks
-    assert any(lin.format == "Q8_0" for lin in ours.model.layers[0].linears())
+    assert any(lin.format == "Q8_0" for lin in linears(ours.model.layers[0]))
     ref = LLAMA_CPP["files"]["tiny-qwen35-q8_0.gguf"]
     prompts = LLAMA_CPP["prompts"]
     plain = _greedy(_engine(ours, max_num_seqs=4), prompts, LLAMA_CPP["tokens"])

@@ -40,6 +40,7 @@ from specserve.speculative.config import parse_speculative_config  # noqa: E402
 from specserve.speculative.registry import build_drafter  # noqa: E402
 from specserve.models.catalog import resolve_model  # noqa: E402
 from specserve.models.gguf_fields import GGUFArrayReader  # noqa: E402
+from specserve.models.layers import linears  # noqa: E402
 from specserve.models.loader import LoadedModel, LoadOptions, load_model  # noqa: E402
 from specserve.models.transformer import ForwardBatch, KVCache  # noqa: E402
 
@@ -481,7 +482,7 @@ def smollm2_quantized():
 @pytest.mark.parametrize("quant", ["q4", "int8"])
 def test_paged_attention_equals_dense_smollm2_quantized(smollm2_quantized, quant):
     lm = smollm2_quantized(quant)
-    lin = lm.model.layers[0].linears()[0]
+    lin = linears(lm.model.layers[0])[0]
     assert lin.format in (("Q4_1", "Q4_0", "Q4_K", "Q6_K", "Q8_0") if quant == "q4" else ("int8",))
     assert lin.weight.act_block == 32  # the integer-dot path (int8 activations) is what runs
     tok = lm.tokenizer
@@ -528,7 +529,7 @@ def test_quantized_formats_track_fp32(smollm2, smollm2_quantized):
 
 
 def _set_int_dot(lm: LoadedModel, on: bool) -> None:
-    for lin in [lin for layer in lm.model.layers for lin in layer.linears()] + [lm.model.lm_head]:
+    for lin in linears(lm.model):
         lin.weight.int_dot = on
 
 
@@ -785,7 +786,7 @@ def test_fused_layers_equal_python_smollm2(smollm2_quantized, quant):
         _assert_fused_equals_python(lm.model, lm.config, scenario)
     _assert_fused_equals_python(lm.model, lm.config, "verify", kv_dtype="int8")
     if quant == "q4":  # switching the weights to fp32 activations at run time reaches the fused path
-        weights = [lin.weight for layer in lm.model.layers for lin in layer.linears()]
+        weights = [lin.weight for layer in lm.model.layers for lin in linears(layer)]
         try:
             for w in weights:
                 w.int_dot = False

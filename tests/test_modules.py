@@ -100,7 +100,8 @@ def test_a_mixture_of_experts_sums_its_experts_before_the_one_reduce(tmp_path):
     declared = {name: lin.parallel for name, lin in _linears(model).items()}
     experts = {n for n in declared if ".experts." in n and n.endswith(".down")}
     assert experts and all(declared[n] == "row_partial" for n in experts)
-    assert all(declared[n] == "row" for n in declared if n.endswith("mixer.out") or n.endswith("mixer.o"))
+    outs = [n for n in declared if n.endswith(("mixer.out", "mixer.o"))]  # DeltaNet's and gated attention's
+    assert len(outs) == len(model.layers) and all(declared[n] == "row" for n in outs)
     group = IdentityGroup()
     model.attach_tensor_parallel(group)
     try:
@@ -109,6 +110,31 @@ def test_a_mixture_of_experts_sums_its_experts_before_the_one_reduce(tmp_path):
         assert all(_linears(model)[n].reduce_group is None for n in experts)
     finally:
         model.attach_tensor_parallel(None)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_next"])
+def test_the_declared_splits_are_the_shard_plans(tmp_path, kind):
+    """What each Linear declares is what parallel/shard.py does to its checkpoint tensors: rank 0
+    of 2 keeps fewer output rows of a "column" or "vocab" linear, fewer input columns of a "row" or
+    "row_partial" one, and all of a "replicated" one."""
+    from dataclasses import replace
+
+    from tiny_models import FP32
+    from specserve.models.loader import load_model
+
+    if kind == "llama":
+        make_tiny_target(tmp_path)
+    else:
+        make_tiny_qwen3_next(tmp_path)
+    whole = _linears(load_model(str(tmp_path), FP32).model)
+    part = _linears(load_model(str(tmp_path), replace(FP32, shard=Shard(0, 2))).model)
+    assert whole.keys() == part.keys()
+    for name, lin in whole.items():
+        got, cut = (part[name].out_features, part[name].in_features), (lin.out_features, lin.in_features)
+        want = {"column": (got[0] < cut[0], got[1] == cut[1]), "vocab": (got[0] < cut[0], got[1] == cut[1]),
+                "row": (got[0] == cut[0], got[1] < cut[1]), "row_partial": (got[0] == cut[0], got[1] < cut[1]),
+                "replicated": (got == cut, True)}[lin.parallel]
+        assert all(want), f"{name} declared {lin.parallel}: {cut} -> {got}"
 
 
 def test_the_fused_stack_is_built_from_the_declared_parts(tmp_path):

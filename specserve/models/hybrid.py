@@ -22,8 +22,8 @@ from torch import nn
 from specserve.errors import ModelLoadError
 from specserve.kernels import ops
 from specserve.models.config import ModelConfig
-from specserve.models.layers import Linear, Rope, act_mul, rms_norm, route_top_k
-from specserve.models.transformer import MLP, ForwardBatch, KVCache, LayerWeights, Transformer
+from specserve.models.layers import Rope, act_mul, rms_norm, route_top_k
+from specserve.models.transformer import MLP, ForwardBatch, KVCache, LayerWeights, Transformer, attend
 from specserve.models.weights import RawTensor
 
 ATTN_TENSORS = ("attn_norm", "q", "k", "v", "o", "q_norm", "k_norm")
@@ -100,9 +100,6 @@ class GatedAttention(nn.Module):
                                  f"(query and gate per head), the checkpoint has {self.q.out_features}")
         self.q_norm, self.k_norm = lw.vec("q_norm"), lw.vec("k_norm")
 
-    def linears(self) -> list[Linear]:
-        return [self.q, self.k, self.v, self.o]
-
     def forward(self, model: "HybridTransformer", i: int, h: torch.Tensor, batch: ForwardBatch, kv: KVCache,
                 seqs: list["SeqState"]) -> torch.Tensor:
         cfg, t_len, d = model.cfg, h.shape[0], model.cfg.head_dim
@@ -112,7 +109,7 @@ class GatedAttention(nn.Module):
         k = rms_norm(self.k(h).reshape(-1, d), self.k_norm, cfg.rms_eps).view(t_len, cfg.num_kv_heads, d)
         v = self.v(h).view(t_len, cfg.num_kv_heads, d)
         rope, pos = model.rope_of(batch)  # partial rotary: its table covers cfg.rotary_dim dims
-        attn = model.attend(i, rope(q, pos), rope(k, pos), v, batch, kv)  # [T, Hq, D]
+        attn = attend(cfg, i, rope(q, pos), rope(k, pos), v, batch, kv)  # [T, Hq, D]
         return self.o(ops.sigmoid_mul(gate, attn.reshape(t_len, cfg.q_size)))
 
     __call__ = forward  # (as Linear: no hook dispatch)
@@ -142,10 +139,6 @@ class GatedDeltaNet(nn.Module):
         if self.norm.numel() != dn.v_head_dim:
             raise ModelLoadError(f"layer {lw.i}: the gated norm has {self.norm.numel()} weights, the value "
                                  f"heads {dn.v_head_dim} dims")
-
-    def linears(self) -> list[Linear]:
-        ins = [self.in_proj] if self.in_proj is not None else [self.qkv, self.z, self.b, self.a]
-        return ins + [self.out]
 
     @staticmethod
     def state_io(i: int, st: RecurrentStates, q: "SeqState"):
@@ -209,10 +202,6 @@ class SparseMoE(nn.Module):
                        if cfg.moe.shared_intermediate_size else None)
         self.shared_gate = lw.lin("shexp_gate") if self.shared else None
 
-    def linears(self) -> list[Linear]:
-        shared = self.shared.linears() + [self.shared_gate] if self.shared else []
-        return [self.router] + [lin for e in self.experts for lin in e.linears()] + shared
-
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weight, groups = route_top_k(self.router(h), self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
         out = torch.zeros_like(h)
@@ -233,9 +222,6 @@ class HybridLayer(nn.Module):
         self.mixer = GatedDeltaNet(cfg, lw) if cfg.is_linear(i) else GatedAttention(cfg, lw)
         self.mlp = SparseMoE(cfg, lw) if cfg.moe and cfg.moe.sparse(i) else MLP(lw, cfg.activation)
         self.attn_norm, self.ffn_norm = lw.vec("attn_norm"), lw.vec("ffn_norm")
-
-    def linears(self) -> list[Linear]:
-        return self.mixer.linears() + self.mlp.linears()
 
 
 class HybridTransformer(Transformer):
@@ -264,9 +250,6 @@ class HybridTransformer(Transformer):
                     raise ModelLoadError(f"checkpoint is missing tensor layers.{i}.{names[0]} "
                                          f"({'A_log' if names[0] == 'ssm_a' else 'dt_bias'})")
         return [HybridLayer(cfg, i, tensors, quant, device, dtype) for i in range(cfg.num_layers)]
-
-    def fused_stack(self, batch, kv):
-        return None  # the fused C stack runs dense layers only
 
     def rope_of(self, batch: ForwardBatch) -> tuple[Rope, torch.Tensor]:
         """The rotary table and positions of this forward: with images, a per-row M-RoPE table

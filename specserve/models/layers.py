@@ -43,10 +43,13 @@ class Linear(nn.Module):
     On CPU, int8 and GGUF block weights multiply int8-quantized activations in integer arithmetic
     (the kernels' integer-dot path, see specserve.kernels.ops); fp32 weights use fp32 activations.
 
-    ``parallel`` declares how tensor parallelism splits it: "column" (output rows), "row" (input
-    columns: each rank's output is a partial sum) or "replicated". ``reduce_group``, set by the
-    model's :meth:`attach_tensor_parallel` on the linears whose owner sums their partial outputs
-    here, all-reduces the output (the row-parallel bias is rank 0's only, so it is added once).
+    ``parallel`` declares how tensor parallelism splits it (parallel/shard.py cuts the checkpoint
+    the same way; tests/test_modules.py checks that they agree): "column" (output rows), "row"
+    (input columns: each rank's output is a partial sum, summed here), "row_partial" (the same
+    split, summed by the owner: a mixture's experts), "vocab" (the LM head's vocabulary rows) or
+    "replicated". ``reduce_group``, set on the "row" ones by the model's
+    :meth:`attach_tensor_parallel`, all-reduces the output (the row-parallel bias is rank 0's
+    only, so it is added once).
     """
 
     def __init__(self, raw: RawTensor, bias: torch.Tensor | None, quant: str, device: torch.device,
@@ -119,10 +122,10 @@ class Linear(nn.Module):
             out = ops.linear(x.contiguous(), self.weight, self.bias)
         return out if self.reduce_group is None else self.reduce_group.all_reduce(out)
 
-    # A call goes straight to forward, past nn.Module's hook dispatch: the per-op path makes tens of
-    # module calls per layer, and the dispatch cost ~15 us a layer (+15% on smollm2-135m's per-op
-    # forward). So forward hooks do not fire on the model's modules; torch.compile and sharding
-    # take them as any module.
+    # A call goes straight to forward, past nn.Module's hook dispatch: the per-op path makes about
+    # ten module calls per layer, and with the dispatch smollm2-135m's per-op forward took ~1.5 ms
+    # more (decode_cost, README "The model as torch modules"). So forward hooks do not fire on the
+    # model's modules; torch.compile and sharding take them as any module.
     __call__ = forward
 
     def nbytes(self) -> int:
@@ -133,6 +136,12 @@ class Linear(nn.Module):
         """The weight as a float32 [out, in] tensor on its device (dequantized if packed)."""
         w = self.weight
         return (w if isinstance(w, torch.Tensor) else w.dequantize()).float()
+
+
+def linears(module: nn.Module) -> list[Linear]:
+    """The Linear modules under ``module`` (a layer, a model: its LM head included), in
+    registration order."""
+    return [m for m in module.modules() if isinstance(m, Linear)]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -21,7 +21,7 @@ from specserve.models.fused import FusedStack
 from specserve.models.fused import batch_supported as fused_batch_supported
 from specserve.models.fused import unsupported as fused_unsupported
 from specserve.models.kv_cache import KVCache  # noqa: F401  (re-exported: the paged KV cache)
-from specserve.models.layers import Linear, Rope, act_mul, paged_attention, rms_norm
+from specserve.models.layers import Linear, Rope, act_mul, linears, paged_attention, rms_norm
 from specserve.models.weights import RawTensor
 from specserve.parallel.group import Op
 from specserve.parallel.shard import vocab_rows
@@ -81,7 +81,6 @@ class HeadCut:
     """A tensor-parallel rank's part of a cut LM head (``Transformer.cut_head``)."""
 
     key: int
-    ids: torch.Tensor  # [n] int64 ascending: the cut's vocabulary ids
     local: Linear | None  # this rank's rows of them (None: none in its part of the vocabulary)
     counts: list[int]  # how many of the ids each rank holds, in rank order
 
@@ -134,9 +133,6 @@ class MLP(nn.Module):
             self.gate, self.up = lw.lin("gate", "column"), lw.lin("up", "column")
         self.down = lw.lin("down", down)
 
-    def linears(self) -> list[Linear]:
-        return ([self.gate_up] if self.gate_up is not None else [self.gate, self.up]) + [self.down]
-
     def project_gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, H] -> gate, up: [T, intermediate] each."""
         if self.gate_up is not None:
@@ -184,10 +180,6 @@ class DecoderLayer(nn.Module):
         if cfg.sandwich_norms:
             self.post_attn_norm, self.post_ffn_norm = lw.vec("post_attn_norm"), lw.vec("post_ffn_norm")
         self.window = cfg.sliding_window if cfg.sliding(i) else 0
-
-    def linears(self) -> list[Linear]:
-        qkv = [self.qkv] if self.qkv is not None else [self.q, self.k, self.v]
-        return qkv + [self.o] + self.mlp.linears()
 
     def fused_parts(self) -> dict:
         """The layer as the fused C path takes it: linears by SSLayer slot (q holds q|k|v, gate
@@ -334,7 +326,7 @@ class Transformer(nn.Module):
             start, rows = parts[self.shard.rank]
             mine = ids[(ids >= start) & (ids < start + rows)]
             local = self.lm_head.select_rows(mine - start) if mine.numel() else None
-            self.head_cuts[key] = HeadCut(key, ids, local, counts)
+            self.head_cuts[key] = HeadCut(key, local, counts)
         return self.head_cuts[key]
 
     def logits(self, h: torch.Tensor, head: "Linear | HeadCut | None" = None) -> torch.Tensor:
@@ -371,8 +363,7 @@ class Transformer(nn.Module):
         return self.tp.all_gather_cat(out)[:, :self.cfg.vocab_size]
 
     def weight_bytes(self) -> int:
-        linears = [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
-        return sum(lin.nbytes() for lin in linears) + self.token_embedding.nbytes()
+        return sum(lin.nbytes() for lin in linears(self)) + self.token_embedding.nbytes()
 
     @property
     def embed_table(self) -> torch.Tensor:  # [V, H]: the whole table, dequantized (training reads it)
@@ -412,11 +403,6 @@ class Transformer(nn.Module):
                 return None
             self._stack = FusedStack(self, lib)
         return self._stack
-
-    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, kv: KVCache,
-               window: int = 0) -> torch.Tensor:
-        """Layer i's attention over the paged cache (see :func:`attend`)."""
-        return attend(self.cfg, i, q, k, v, batch, kv, window)
 
 
 def _check_and_offset(tensors: dict[str, RawTensor], needed: list[str], norm_offset: float,

@@ -65,7 +65,7 @@ def serve(model, tp) -> int:
             elif op == Op.EMBED:
                 model.embed(t[0])
             elif op == Op.LOGITS:  # [h, the cut's key or None]
-                model.logits(t[0], None if len(t) < 2 or t[1] is None else model.head_cuts[int(t[1])])
+                model.logits(t[0], None if t[1] is None else model.head_cuts[int(t[1])])
             elif op == Op.CUT_HEAD:  # [(key, key dropped or -1), ids]
                 key, drop = t[0].tolist()
                 model.cut_head(t[1], model.head_cuts.get(drop), key)

@@ -40,9 +40,9 @@ def describe(engine: Any, chat_template: str | None = None) -> dict[str, Any]:
 
 def weight_formats(model) -> list[str]:
     """The run-time formats of the model's linears (its LM head included)."""
-    from specserve.models.layers import Linear
+    from specserve.models.layers import linears
 
-    return sorted({m.format for m in model.modules() if isinstance(m, Linear)})
+    return sorted({lin.format for lin in linears(model)})
 
 
 def _drafter_identity(drafter: Any) -> str | None:

@@ -74,7 +74,7 @@ class ChainDrafter(Drafter):
         states = {i: self._state(seqs[i]) for i in todo}
         last = len(self.drafters) - 1
         for j, (drafter, cap) in enumerate(zip(self.drafters, self.caps)):
-            skip = [i for i in todo if j < last and states[i].yields(j)]  # seldom right here: the next one
+            skip = {i for i in todo if j < last and states[i].yields(j)}  # seldom right here: the next one
             ask = [i for i in todo if i not in skip]
             self.rates[j] += RATE_ALPHA * (bool(ask) - self.rates[j])
             props = drafter.propose([seqs[i] for i in ask], [min(num_tokens[i], cap) for i in ask]) if ask else []
