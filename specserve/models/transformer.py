@@ -238,7 +238,6 @@ class Transformer(nn.Module):
                  norm_offset_skip: tuple[str, ...] = ()):
         super().__init__()
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.fused = fused
         self._stack: FusedStack | None = None
         # tensor parallel (specserve/parallel): this rank's group and its shard; None on one device
         self.tp, self.shard = None, None
@@ -249,6 +248,8 @@ class Transformer(nn.Module):
         self.rope_local = (Rope(rotary, cfg.rope_theta_local, max_pos, device)
                            if cfg.rope_theta_local else self.rope_global)
         self.layers = nn.ModuleList(self.build_layers(cfg, tensors, quant, device, dtype))
+        # layers the C stack cannot run (a hybrid model's): no fused check on each forward
+        self.fused = fused and all(hasattr(layer, "fused_parts") for layer in self.layers)
         embed = tensors["embed"]
         head = tensors.get("lm_head") if not cfg.tie_embeddings or "lm_head" in tensors else None
         self.lm_head = Linear(head or embed, None, quant, device, dtype, "vocab")
