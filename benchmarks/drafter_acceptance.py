@@ -41,7 +41,7 @@ from specserve.models.catalog import drafter_location  # noqa: E402
 from specserve.models.chat_template import ChatTemplate  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
 from specserve.speculative.config import SpeculativeConfig  # noqa: E402
-from specserve.speculative.dflash import DFlashDrafter  # noqa: E402
+from specserve.speculative.dflash import DFlashDrafter, DFlashModel, load_dflash_model  # noqa: E402
 from specserve.speculative.prefix_store import PrefixStore  # noqa: E402
 from specserve.speculative.train import data as tdata  # noqa: E402
 from specserve.speculative.train.trainer import FrozenTarget, HParams, Trainer, split  # noqa: E402
@@ -63,12 +63,13 @@ def bench_answers(target, tokens: int, per_suite: int) -> list[tdata.Answer]:
 
 
 @torch.inference_mode()
-def teacher_forced_blocks(drafter: DFlashDrafter, target, ids: list[int], anchors: list[int]) -> list[list[int]]:
+def teacher_forced_blocks(model: DFlashModel, drafter: DFlashDrafter, target, ids: list[int],
+                          anchors: list[int]) -> list[list[int]]:
     """The drafter's greedy block at each anchor from the target's hidden states of ids (full head)."""
     h = tdata.capture_hidden(target, [ids], tuple(drafter.cfg.target_layer_ids))[0]  # [T, k*H]
     a = torch.tensor(anchors)
     emb = drafter.head.embed(torch.tensor(ids)[a])
-    out = drafter.model.train_forward(h[None], emb[None], a[None])[0, :, 1:]  # [m, B-1, H]
+    out = model.train_forward(h[None], emb[None], a[None])[0, :, 1:]  # [m, B-1, H]
     return drafter.head.logits(out.reshape(-1, out.shape[-1])).argmax(-1).view(len(anchors), -1).tolist()
 
 
@@ -90,6 +91,7 @@ def decode_check(where: str, target, answers: list[tdata.Answer]) -> dict:
         return props
 
     drafter.propose = logged
+    model = load_dflash_model(Path(where), target)  # the teacher-forced reference, float32 as trained
     out: dict[str, dict] = {}
     for run in (1, 2):
         for i, a in enumerate(answers):
@@ -99,7 +101,7 @@ def decode_check(where: str, target, answers: list[tdata.Answer]) -> dict:
             got = [t for o in eng.generate(prompt, params, request_id=f"check-{run}-{i}")
                    for t in o.new_token_ids]
             assert got == a.ids[a.prompt_len:], "decoding with the drafter must equal plain greedy"
-            tf = teacher_forced_blocks(drafter, target, a.ids, [p for p, _ in log])
+            tf = teacher_forced_blocks(model, drafter, target, a.ids, [p for p, _ in log])
             r = out.setdefault(a.source, {"steps": 0, "accepted": 0, "equal_to_teacher_forced": 0})
             for (p, d), t in zip(log, tf):
                 lead = 0
@@ -122,11 +124,12 @@ def held_out(path: Path, per_source: int) -> list[tdata.Answer]:
     return [a for lst in by.values() for a in lst[:per_source]]
 
 
-def acceptance(drafter: DFlashDrafter, target, answers: list[tdata.Answer]) -> dict:
-    layers = tuple(drafter.cfg.target_layer_ids)
+def acceptance(model: DFlashModel, target, answers: list[tdata.Answer]) -> dict:
+    """Teacher-forced acceptance of the trained (float32) drafter on answers."""
+    layers = tuple(model.cfg.target_layer_ids)
     ex = tdata.examples_from_answers(target, answers, layers=layers, final_norm=False)
     cpu = torch.device("cpu")
-    tr = Trainer("dflash", drafter.model, FrozenTarget.from_target(target, cpu), ex, ex,
+    tr = Trainer("dflash", model, FrozenTarget.from_target(target, cpu), ex, ex,
                  HParams(batch=8, seq_len=2048, val_anchors=32), Path("/nonexistent"), cpu)
     out = {}
     for source in sorted({e.source for e in ex}):
@@ -149,12 +152,12 @@ def main() -> int:
     where = drafter_location(a.drafter)
     cfg = json.loads((Path(where) / "config.json").read_text())
     target = load_model(cfg["target"]["name"])
-    drafter = DFlashDrafter.load(where, target, weights="float32")  # the weights as trained
+    model = load_dflash_model(Path(where), target)  # the weights as trained
     bench = bench_answers(target, a.tokens, a.prompts_per_suite)
-    report = {"drafter": a.drafter, "bench": acceptance(drafter, target, bench),
+    report = {"drafter": a.drafter, "bench": acceptance(model, target, bench),
               "bench_decoding": decode_check(where, target, bench)}
     if a.answers:
-        report["held-out"] = acceptance(drafter, target, held_out(Path(a.answers), a.per_source))
+        report["held-out"] = acceptance(model, target, held_out(Path(a.answers), a.per_source))
     for source, r in report["bench_decoding"].items():
         print(f"decoding  {source:9s} mean acceptance length {r['mean_acceptance_length']:.2f}  proposals equal "
               f"to teacher-forced {r['equal_to_teacher_forced']}/{r['steps']}")

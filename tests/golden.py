@@ -98,7 +98,7 @@ def _prompt_ids(engine, model: str, n: int) -> list[list[int]]:
 
 def _mtp_args(tmp: Path, seed: int) -> tuple[str, ...]:
     from specserve.models.loader import load_model
-    from specserve.speculative.dflash import save_drafter
+    from specserve.speculative.drafter_files import save_drafter
     from specserve.speculative.train.trainer import make_model
 
     head = make_model("mtp", load_model(SMOL), seed=seed)  # random-init head: drafts, mostly rejected

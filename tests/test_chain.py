@@ -183,7 +183,7 @@ def test_chain_cost_is_what_runs():
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     from test_dflash import make_tiny_target, random_drafter
-    from specserve.speculative.dflash import save_drafter
+    from specserve.speculative.drafter_files import save_drafter
 
     tiny = make_tiny_target(tmp_path_factory.mktemp("tiny_chain"))
     draft = make_tiny_target(tmp_path_factory.mktemp("tiny_chain_draft"), seed=1, layers=1)

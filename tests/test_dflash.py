@@ -12,9 +12,12 @@ from specserve.engine.config import EngineConfig
 from specserve.engine.llm_engine import LLMEngine
 from specserve.engine.sequence import Sequence
 from specserve.engine.types import SamplingParams
+from specserve.models.layers import linears
 from specserve.models.loader import load_model
+from specserve.models.transformer import DecoderLayer
 from specserve.speculative.config import SpeculativeConfig
-from specserve.speculative.dflash import DFlashConfig, DFlashDrafter, DFlashModel, save_drafter
+from specserve.speculative.dflash import DFlashConfig, DFlashDrafter, DFlashModel
+from specserve.speculative.drafter_files import save_drafter
 from tiny_models import CHAT_TEMPLATE, FP32, TINY_VOCAB, make_tiny_target, write_byte_tokenizer  # noqa: F401
 
 @pytest.fixture(scope="module")
@@ -107,7 +110,7 @@ def test_inference_block_equals_training_block(tiny, tmp_path):
     anchor = torch.tensor([[T]])
     emb = tiny.model.embed(torch.tensor([ids[T]])).float()[None]
     hid_full = torch.cat([hid, torch.zeros(1, k * H)])[None]  # position T's hidden is never visible
-    want = drafter.model.train_forward(hid_full, emb, anchor)[0, 0]
+    want = m.train_forward(hid_full, emb, anchor)[0, 0]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # re-observing from an earlier position (recompute after preemption) truncates the cache
     drafter.observe(seq, {kk: v[20:] for kk, v in layer_h.items()}, list(range(20, T)))
@@ -347,7 +350,7 @@ def test_drafts_are_distributed_as_their_returned_probabilities(tiny, tmp_path):
 def test_draft_vocabulary_cuts_the_head_and_stays_lossless(tiny, tmp_path):
     """A dflash drafter with a draft vocabulary ranked by its token counts proposes only tokens of
     that set or of the request, gives the full head's logits on the set, and stays lossless."""
-    from specserve.speculative.dflash import TOKEN_COUNTS, save_token_counts
+    from specserve.speculative.drafter_files import TOKEN_COUNTS, save_token_counts
 
     m = random_drafter(tiny, block_size=4)
     save_drafter(m, m.cfg.to_json(), tmp_path / "d")
@@ -393,14 +396,14 @@ def test_draft_vocab_size_above_the_vocabulary_is_an_error(tiny, tmp_path):
 def test_int8_drafter_weights_are_lossless(tiny, tmp_path):
     """"quantization": "int8" runs the drafter's linears in the CPU kernels' int8 format: close to
     the float32 block, lossless in the engine, and any other format is a clear error."""
-    from specserve.speculative.dflash import KernelLinear
     from specserve.speculative.registry import build_drafter
 
     m = random_drafter(tiny, block_size=4)
     save_drafter(m, m.cfg.to_json(), tmp_path / "d")
     spec = SpeculativeConfig("dflash", model=str(tmp_path / "d"), quantization="int8", num_speculative_tokens=3)
     d8 = build_drafter(spec, tiny, FP32, EngineConfig(), 256)
-    assert isinstance(d8.model.layers[0].q, KernelLinear) and isinstance(d8.model.fc, KernelLinear)
+    assert {lin.format for lin in linears(d8.net)} == {"int8"}  # the family's layer modules, in int8
+    assert isinstance(d8.net.stack.layers[0], DecoderLayer)
     assert d8.weight_bytes() < DFlashDrafter.load(tmp_path / "d", tiny).weight_bytes() / 3
     prompt = list(range(40, 60))
     blocks = []
@@ -425,7 +428,7 @@ def test_int8_export_rebuilds_the_int8_inference_weights(tiny, tmp_path):
     weights within half a step of the originals, and the int8 inference path rebuilds exactly
     the int8 values it would have made from the float weights."""
     from specserve.kernels import ops
-    from specserve.speculative.dflash import load_state
+    from specserve.speculative.drafter_files import load_state
 
     m = random_drafter(tiny, block_size=4)
     save_drafter(m, m.cfg.to_json(), tmp_path / "f")
@@ -436,7 +439,8 @@ def test_int8_export_rebuilds_the_int8_inference_weights(tiny, tmp_path):
         step = w.abs().amax(dim=-1, keepdim=True) / 127 if w.dim() == 2 else 0.0
         assert state[name].shape == w.shape and ((state[name] - w).abs() <= step / 2 + 1e-7).all(), name
     d8 = DFlashDrafter.load(tmp_path / "q", tiny, weights="int8")
-    assert torch.equal(d8.model.layers[0].gate.weight_q.q, ops.Int8Weight.from_float(m.layers[0].gate.weight).q)
+    gate = d8.net.stack.layers[0].mlp.gate_up.weight  # gate|up fused, rows of each quantized alone
+    assert torch.equal(gate.q[:m.cfg.intermediate_size], ops.Int8Weight.from_float(m.layers[0].gate.weight).q)
 
 
 def test_pick_tokens_p_min_stops_at_the_first_unsure_draft():

@@ -82,3 +82,16 @@ def test_a_draft_model_vocab_size_above_its_vocabulary_is_an_error():
     spec = SpeculativeConfig("draft_model", model="smollm2-135m", quantization="q4_0", draft_vocab_size=60000)
     with pytest.raises(SpecserveError, match="draft_vocab_size 60000 is larger .*49152 tokens"):
         build_drafter(spec, target, LoadOptions("cpu", "auto", "q4_0"), EngineConfig(), 256)
+
+
+def test_draft_vocab_size_applies_to_model_drafters_only():
+    import pytest
+
+    from specserve.errors import SpecserveError
+    from specserve.speculative.config import SpeculativeConfig
+
+    for method in ("draft_model", "dflash", "mtp"):
+        assert SpeculativeConfig(method, model="x", draft_vocab_size=4096).draft_vocab_size == 4096
+    for method in ("ngram", "suffix"):
+        with pytest.raises(SpecserveError, match='applies to methods "draft_model", "dflash" and "mtp" only'):
+            SpeculativeConfig(method, draft_vocab_size=4096)

@@ -16,7 +16,8 @@ from specserve.engine.llm_engine import LLMEngine, plan_for
 from specserve.engine.types import SamplingParams
 from specserve.speculative.chain import ChainDrafter
 from specserve.speculative.config import SpeculativeConfig
-from specserve.speculative.dflash import DFlashDrafter, save_drafter
+from specserve.speculative.dflash import DFlashDrafter
+from specserve.speculative.drafter_files import save_drafter
 from specserve.speculative.draft_model import DraftModelDrafter
 from specserve.speculative.mtp import MTPDrafter
 from specserve.speculative.ngram import NgramDrafter

@@ -472,7 +472,7 @@ def test_checkpoint_mtp_head_matches_transformers_modules(hybrid, qwen3_next, so
         hf, ckpt, target = hybrid[1], DATA / "hf", load_model(str(DATA / source), FP32)
     ids = _prompt(7, 30)
     ref = _reference_mtp_logits(hf, ids, ckpt)
-    head = MTPDrafter.load(None, target).model
+    head = MTPDrafter.load(None, target).net  # the family's gated-attention layer (and MoE) in float32
     assert head.cfg.output_gate and head.cfg.rotary_dim == 8
     eng = _engine(target)
     eng.add_request("a", ids, SamplingParams(max_tokens=1))
@@ -481,11 +481,9 @@ def test_checkpoint_mtp_head_matches_transformers_modules(hybrid, qwen3_next, so
     batch = eng.runner.batch(rows)
     hidden = target.model.forward(batch, eng.kv).final_hidden  # [T, H] after the final norm
     with torch.no_grad():
-        emb = target.model.embed(torch.tensor(ids[1:]))[None]
-        n = len(ids) - 1
-        causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
-        g, _ = head(emb, hidden[None, :-1], torch.arange(1, len(ids))[None], None, None, causal)
-        got = target.model.logits(head.out_norm(g)[0])
+        emb = target.model.embed(torch.tensor(ids[1:]))
+        g, _ = head(emb, hidden[:-1], torch.arange(1, len(ids)), None, None, causal=True)
+        got = target.model.logits(head.out_norm(g))
     assert (got - ref).abs().max() <= RTOL * ref.abs().max()
 
 

@@ -11,9 +11,10 @@ import torch
 from specserve.engine.config import EngineConfig
 from specserve.engine.llm_engine import LLMEngine
 from specserve.engine.types import SamplingParams
+from specserve.models.layers import linears
 from specserve.models.loader import load_model
 from specserve.speculative.config import SpeculativeConfig
-from specserve.speculative.dflash import save_drafter
+from specserve.speculative.drafter_files import save_drafter
 from specserve.speculative.mtp import MTPConfig, MTPDrafter, MTPModel, read_checkpoint_mtp
 from test_dflash import FP32, TINY_VOCAB, _seq, check_prefix_hits_keep_context, make_tiny_target
 
@@ -77,8 +78,10 @@ def test_loads_mtp_head_shipped_in_a_safetensors_checkpoint(tiny, tmp_path, styl
     save_file(tensors, str(d / "mtp.safetensors"))
     target = load_model(str(d), FP32)  # the target still loads (MTP tensors are not its layers)
     drafter = MTPDrafter.load(None, target)  # no "model": the head comes from the target's checkpoint
+    state, _ = read_checkpoint_mtp(d)
     for k, v in sd.items():
-        assert torch.equal(drafter.model.state_dict()[k], v), k
+        assert torch.equal(state[k], v), k
+    _assert_net_holds(drafter, sd)
     assert drafter.hidden_layers == (tiny.config.num_layers - 1,)
 
 
@@ -111,7 +114,16 @@ def test_loads_gguf_nextn_tensors(tiny, tmp_path):
     for k, v in sd.items():
         assert torch.equal(state[k], v), k
     drafter = MTPDrafter.load(str(path), tiny)
-    assert torch.equal(drafter.model.eh_proj.weight, sd["eh_proj.weight"])
+    _assert_net_holds(drafter, sd)
+
+
+def _assert_net_holds(drafter: MTPDrafter, sd: dict) -> None:
+    """The drafter runs the head's weights (float32) in the family's layer module."""
+    layer = drafter.net.stack.layers[0]
+    assert torch.equal(drafter.net.eh_proj.float_weight(), sd["eh_proj.weight"])
+    assert torch.equal(layer.o.float_weight(), sd["layer.o.weight"])
+    assert torch.equal(layer.k.float_weight(), sd["layer.k.weight"])
+    assert torch.equal(drafter.net.norm, sd["norm"]) and torch.equal(layer.attn_norm, sd["layer.attn_norm"])
 
 
 def test_no_mtp_head_is_a_clear_error(tiny):
@@ -136,7 +148,7 @@ def test_cached_rows_equal_a_full_forward_and_chain(tiny, tmp_path):
 
     hn = rms(hid, tiny.model.final_norm, tiny.config.rms_eps)
     emb = tiny.model.embed(torch.tensor(ids)).float()[None]
-    full = drafter.model.train_forward(emb, hn[None], torch.ones(1, T + 1, dtype=torch.bool), 1)[0]
+    full = head.train_forward(emb, hn[None], torch.ones(1, T + 1, dtype=torch.bool), 1)[0]
     torch.testing.assert_close(g, full[0, -1], rtol=1e-4, atol=1e-4)
     assert len(drafter._state(seq).kv) == T  # rows 1..T cached; chain rows are not
     prop = drafter.propose([seq], [4])[0]
@@ -178,6 +190,39 @@ def test_tiny_greedy_lossless_and_sampling_probs(tiny, tmp_path):
     prop = d.propose([seq], [3])[0]
     assert prop.probs.shape == (3, TINY_VOCAB)
     torch.testing.assert_close(prop.probs.sum(-1), torch.ones(3))
+
+
+def test_draft_vocabulary_and_int8_head(tiny, tmp_path):
+    """draft_vocab_size cuts the LM head an MTP chain drafts from (ranked by the directory's token
+    counts; the request's tokens join): every draft is in the set, greedy stays lossless, the
+    head's linears run in int8 through the registry's default, and the size is checked."""
+    from engine_utils import run_all
+    from specserve.speculative.drafter_files import save_token_counts
+    from specserve.speculative.registry import build_drafter
+
+    head = random_head(tiny, seed=6)
+    save_drafter(head, head.cfg.to_json(), tmp_path / "h")
+    counts = torch.zeros(TINY_VOCAB, dtype=torch.int64)
+    counts[64:] = torch.arange(TINY_VOCAB - 64, 0, -1)  # ids 0..63 never seen in "training"
+    save_token_counts(counts, tmp_path / "h")
+    spec = SpeculativeConfig("mtp", model=str(tmp_path / "h"), num_speculative_tokens=3, adaptive=False)
+    assert {lin.format for lin in linears(build_drafter(spec, tiny, FP32, EngineConfig(), 256).net)} == {"int8"}
+
+    def load():  # (the config's floor of 256 is over this vocabulary's 258: the drafter's own call)
+        return MTPDrafter.load(str(tmp_path / "h"), tiny, weights="int8", draft_vocab_size=128)
+
+    d = load()
+    assert d.vocab.size == 128 and not d.vocab.member[:64].any()
+    seq = _seq(list(range(70, 90)) + [5, 6], 22)
+    d.observe(seq, {tiny.config.num_layers - 1: torch.randn(22, 64)}, list(range(22)))
+    drafts = d.propose([seq], [3])[0].token_ids
+    assert d.vocab.member[[5, 6]].all() and drafts and all(d.vocab.member[t] for t in drafts)
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 30)]
+    greedy = SamplingParams(max_tokens=30, ignore_eos=True)
+    eng = _engine(tiny, load())
+    assert run_all(eng, prompts, greedy) == run_all(_engine(tiny), prompts, greedy) and eng.totals.draft_tokens > 0
+    with pytest.raises(Exception, match="draft_vocab_size 1000 is larger"):
+        MTPDrafter.load(str(tmp_path / "h"), tiny, draft_vocab_size=1000)
 
 
 def test_lossless_greedy_smollm2_mtp(tmp_path):

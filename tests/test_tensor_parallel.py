@@ -120,7 +120,7 @@ def test_mtp_head_under_tensor_parallel(tmp_path, one, tp2):
     """A (random) MTP head reads the target's last hidden state and its embedding / LM head,
     both split over the ranks: the driver's calls into them run on every rank."""
     from specserve.speculative.config import SpeculativeConfig
-    from specserve.speculative.dflash import save_drafter
+    from specserve.speculative.drafter_files import save_drafter
     from specserve.speculative.registry import build_drafter
     from specserve.speculative.train.trainer import make_model
     from specserve.models.loader import LoadOptions
@@ -156,7 +156,8 @@ def test_a_cut_of_the_split_lm_head_gives_the_full_heads_logits_at_its_ids(one, 
 def test_a_dflash_draft_vocabulary_is_lossless_under_tensor_parallel(tmp_path, tiny_dir, tp2):
     """draft_vocab_size with dflash cuts the target's split LM head (it was refused under -tp)."""
     from specserve.speculative.config import SpeculativeConfig
-    from specserve.speculative.dflash import DFlashConfig, DFlashDrafter, DFlashModel, save_drafter
+    from specserve.speculative.dflash import DFlashConfig, DFlashDrafter, DFlashModel
+    from specserve.speculative.drafter_files import save_drafter
 
     m = DFlashModel(DFlashConfig.for_target(tp2, num_layers=1, block_size=4))
     m.init_weights(1.0, tp2.model.final_norm, 0)

@@ -173,7 +173,7 @@ def test_answers_resume_and_training_on_saved_answers(tiny, tmp_path):
     missing ones; --use-saved-answers trains on them without the prompt sources, within a time
     budget whose schedule ends on time, and writes the token counts of the training answers."""
     from specserve.cli import main
-    from specserve.speculative.dflash import TOKEN_COUNTS, load_token_counts
+    from specserve.speculative.drafter_files import TOKEN_COUNTS, load_token_counts
 
     prompts = tprompts.load_prompts("math:12", seed=0)
     path, meta = tmp_path / "answers.pt", {"k": 1}
@@ -275,7 +275,7 @@ def test_init_from_fine_tunes_a_trained_drafter(tiny, tmp_path, capsys):
     import shutil
 
     from specserve.cli import main
-    from specserve.speculative.dflash import load_state, load_token_counts
+    from specserve.speculative.drafter_files import load_state, load_token_counts
     from specserve.speculative.train.trainer import model_from_drafter
 
     def argv(out, *extra):

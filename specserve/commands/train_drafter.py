@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
     from specserve.engine.builder import set_threads
     from specserve.models.loader import LoadOptions, load_model
     from specserve.models.catalog import drafter_location
-    from specserve.speculative.dflash import load_token_counts, save_token_counts, target_identity
+    from specserve.speculative.drafter_files import load_token_counts, save_token_counts
+    from specserve.speculative.layers import target_identity
     from specserve.speculative.train import data as tdata
     from specserve.speculative.train.trainer import (FrozenTarget, HParams, Trainer, make_model, model_from_checkpoint,
                                               model_from_drafter, split)
@@ -211,9 +212,9 @@ def run(args: argparse.Namespace) -> int:
         trainer.state.log.append({"step": trainer.state.step, "final": True, **ev})
         say(f"final validation mean acceptance length {ev['mean_acceptance_length']:.3f} "
             f"(per position {', '.join(f'{x:.2f}' for x in ev['accept_rate_per_pos'])})")
-    if args.method == "dflash":
-        if args.draft_vocab_size is not None:  # else a fine-tuned drafter's own default stays
-            model.cfg.draft_vocab_size = args.draft_vocab_size
+    if args.method == "dflash" and args.draft_vocab_size is not None:  # else a fine-tuned drafter's default stays
+        model.cfg.draft_vocab_size = args.draft_vocab_size
+    if args.method in ("dflash", "mtp"):  # the counts that rank a draft vocabulary (draft_vocab_size)
         V = target.config.vocab_size
         answer_ids = torch.cat([e.ids[e.prompt_len:] for e in examples]).clamp(max=V - 1)
         counts = torch.bincount(answer_ids, minlength=V)  # one op: cheap on any machine

@@ -102,14 +102,21 @@ class GatedAttention(nn.Module):
 
     def forward(self, model: "HybridTransformer", i: int, h: torch.Tensor, batch: ForwardBatch, kv: KVCache,
                 seqs: list["SeqState"]) -> torch.Tensor:
-        cfg, t_len, d = model.cfg, h.shape[0], model.cfg.head_dim
+        def paged(q, k, v):
+            return attend(model.cfg, i, q, k, v, batch, kv)
+
+        return self.run(model.cfg, h, *model.rope_of(batch), paged)  # partial rotary: the table covers rotary_dim
+
+    def run(self, cfg: ModelConfig, h: torch.Tensor, rope: Rope, positions: torch.Tensor, attention) -> torch.Tensor:
+        """h [T, H] (normed) -> [T, H], with attention(q [T, Hq, D], k, v [T, Hkv, D]) -> [T, Hq, D]
+        given: the paged cache (``forward``) or a drafter's own rows (speculative/family_layer.py)."""
+        t_len, d = h.shape[0], cfg.head_dim
         qg = self.q(h).view(t_len, cfg.num_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(t_len, cfg.q_size)
         q = rms_norm(q.reshape(-1, d).contiguous(), self.q_norm, cfg.rms_eps).view(t_len, cfg.num_heads, d)
         k = rms_norm(self.k(h).reshape(-1, d), self.k_norm, cfg.rms_eps).view(t_len, cfg.num_kv_heads, d)
         v = self.v(h).view(t_len, cfg.num_kv_heads, d)
-        rope, pos = model.rope_of(batch)  # partial rotary: its table covers cfg.rotary_dim dims
-        attn = attend(cfg, i, rope(q, pos), rope(k, pos), v, batch, kv)  # [T, Hq, D]
+        attn = attention(rope(q, positions), rope(k, positions), v)  # [T, Hq, D]
         return self.o(ops.sigmoid_mul(gate, attn.reshape(t_len, cfg.q_size)))
 
     __call__ = forward  # (as Linear: no hook dispatch)
@@ -222,6 +229,14 @@ class HybridLayer(nn.Module):
         self.mixer = GatedDeltaNet(cfg, lw) if cfg.is_linear(i) else GatedAttention(cfg, lw)
         self.mlp = SparseMoE(cfg, lw) if cfg.moe and cfg.moe.sparse(i) else MLP(lw, cfg.activation)
         self.attn_norm, self.ffn_norm = lw.vec("attn_norm"), lw.vec("ffn_norm")
+        self.cfg = cfg
+
+    def run(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, attention) -> torch.Tensor:
+        """A gated-attention layer over x [T, H] with the attention given (see GatedAttention.run);
+        the model's forward runs its layers through ``HybridTransformer.run_layers``."""
+        eps = self.cfg.rms_eps
+        x = x + self.mixer.run(self.cfg, rms_norm(x, self.attn_norm, eps), rope, positions, attention)
+        return x + self.mlp(rms_norm(x, self.ffn_norm, eps))
 
 
 class HybridTransformer(Transformer):

@@ -195,6 +195,13 @@ class DecoderLayer(nn.Module):
                  "post_ffn_norm": self.post_ffn_norm if sandwich else None}
         return {"linears": lins, "norms": norms, "window": self.window, "rope": self.rope}
 
+    def unfuse_qkv(self) -> None:
+        """Separate q, k, v linears (the fused one's rows, not re-quantized)."""
+        if self.qkv is not None:
+            cuts = torch.tensor((0, *self.split_qkv)).cumsum(0).tolist()
+            self.q, self.k, self.v = (self.qkv.select_rows(torch.arange(a, b)) for a, b in zip(cuts, cuts[1:]))
+            self.qkv = None
+
     def project_qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h: [T, H] -> q [T, q_size], k [T, kv_size], v [T, kv_size]."""
         if self.qkv is not None:
@@ -202,17 +209,20 @@ class DecoderLayer(nn.Module):
         return self.q(h), self.k(h), self.v(h)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:  # [T, H] -> [T, H]
+        def paged(q, k, v):
+            return attend(self.cfg, self.i, q, k, v, batch, kv, self.window)
+
+        return self.run(x, self.rope, batch.positions, paged)
+
+    def run(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, attention) -> torch.Tensor:
+        """The layer with attention(q [T, Hq, D], k, v [T, Hkv, D]) -> [T, Hq, D] given: the paged
+        cache (``forward``) or a drafter's own rows (speculative/family_layer.py). x: [T, H]."""
         cfg, t_len = self.cfg, x.shape[0]
         h = rms_norm(x, self.attn_norm, cfg.rms_eps)
         q, k, v = self.project_qkv(h)
-        q = q.reshape(t_len, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(t_len, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(t_len, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q.reshape(-1, cfg.head_dim), self.q_norm, cfg.rms_eps).view_as(q)
-            k = rms_norm(k.reshape(-1, cfg.head_dim), self.k_norm, cfg.rms_eps).view_as(k)
-        q, k = self.rope(q, batch.positions), self.rope(k, batch.positions)
-        a = attend(cfg, self.i, q, k, v, batch, kv, self.window)  # [T, Hq, D]
+        q = self._head_norm(q.reshape(t_len, cfg.num_heads, cfg.head_dim), "q_norm")
+        k = self._head_norm(k.reshape(t_len, cfg.num_kv_heads, cfg.head_dim), "k_norm")
+        a = attention(rope(q, positions), rope(k, positions), v.reshape(t_len, cfg.num_kv_heads, cfg.head_dim))
         o = self.o(a.reshape(t_len, cfg.q_size))  # summed over the ranks under tensor parallelism
         if cfg.sandwich_norms:
             o = rms_norm(o, self.post_attn_norm, cfg.rms_eps)
@@ -221,6 +231,20 @@ class DecoderLayer(nn.Module):
         if cfg.sandwich_norms:
             m = rms_norm(m, self.post_ffn_norm, cfg.rms_eps)
         return x + m
+
+    def _head_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:  # [T, heads, D], qk-norm if any
+        if not self.cfg.qk_norm:
+            return x
+        return rms_norm(x.reshape(-1, self.cfg.head_dim), getattr(self, name), self.cfg.rms_eps).view_as(x)
+
+    def keys_values(self, h: torch.Tensor, rope: Rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values of already-normed rows h [T, H] -> [T, Hkv, D] each, without
+        the queries (a dflash drafter's context rows; with q|k|v fused the queries are computed
+        and dropped, so such a drafter calls ``unfuse_qkv`` first)."""
+        cfg, t_len = self.cfg, h.shape[0]
+        k, v = (self.project_qkv(h)[1:] if self.qkv is not None else (self.k(h), self.v(h)))  # (see unfuse_qkv)
+        k = self._head_norm(k.reshape(t_len, cfg.num_kv_heads, cfg.head_dim), "k_norm")
+        return rope(k, positions), v.reshape(t_len, cfg.num_kv_heads, cfg.head_dim)
 
     __call__ = forward  # (as Linear: no hook dispatch)
 

@@ -25,7 +25,7 @@ class SpeculativeConfig:
     model: str | None = None  # draft model (draft_model) or drafter directory (dflash, mtp)
     adaptive: bool = True  # adapt the draft length to acceptance and verification cost
     quantization: str | None = None  # draft model weight format (default: the target's)
-    draft_vocab_size: int | None = None  # draft_model / dflash: cut the draft's LM head to this many tokens
+    draft_vocab_size: int | None = None  # draft_model / dflash / mtp: cut the draft's LM head to this many tokens
     draft_p_min: float = 0.0  # draft_model / dflash / mtp: stop the draft at a token the draft gives less
     # suffix (vLLM's names; None: the defaults in spec/suffix.py)
     suffix_decoding_max_tree_depth: int | None = None  # longest context + draft the trees index
@@ -50,9 +50,9 @@ class SpeculativeConfig:
             raise SpecserveError(f"speculative config: quantization {self.quantization!r} is not one of "
                                  f"{', '.join(QUANTIZATIONS)}")
         if self.draft_vocab_size is not None:
-            if self.method not in ("draft_model", "dflash"):
-                raise SpecserveError("speculative config: draft_vocab_size applies to methods \"draft_model\" and "
-                                     "\"dflash\" only")
+            if self.method not in ("draft_model", "dflash", "mtp"):
+                raise SpecserveError("speculative config: draft_vocab_size applies to methods \"draft_model\", "
+                                     "\"dflash\" and \"mtp\" only")
             if self.draft_vocab_size < 256:
                 raise SpecserveError(f"speculative config: draft_vocab_size must be >= 256, got {self.draft_vocab_size}")
         if self.draft_p_min:

@@ -44,7 +44,6 @@ layer ids, block size, ...) and ``model.safetensors``.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -56,14 +55,16 @@ from torch import nn
 from specserve.engine.cache.rows import RowCache
 from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
-from specserve.kernels import ops
 from specserve.models.catalog import cache_root
+from specserve.models.layers import linears, rms_norm
 from specserve.models.loader import LoadedModel
 from specserve.speculative.draft_vocab import DraftVocab, frequent_ids, head_cut
 from specserve.speculative.drafter import Drafter, Proposal, pick_tokens
+from specserve.speculative.drafter_files import load_state, load_token_counts
+from specserve.speculative.family_layer import DrafterLayers, LayerShape, linear, sub_state, weight_format
 from specserve.speculative.prefix_store import PrefixStore
-from specserve.speculative.layers import (DecoderLayer, TargetHead, apply_rope, check_target, head_logits,  # noqa: F401
-                                          rms, rope_tables, spread_layers, target_identity, vocab_hash)
+from specserve.speculative.layers import (TargetHead, TrainableLayer, check_target, head_logits,  # noqa: F401
+                                          rms, spread_layers, target_identity)
 
 CONTEXT_TRIM = 64  # the per-sequence context cache is trimmed in chunks of this many positions
 
@@ -122,7 +123,7 @@ class DFlashModel(nn.Module):
         self.fc = nn.Linear(k * H, H, bias=False)
         self.hidden_norm = nn.Parameter(torch.ones(H))
         self.mask_embedding = nn.Parameter(torch.zeros(H))
-        self.layers = nn.ModuleList(DecoderLayer(H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        self.layers = nn.ModuleList(TrainableLayer(H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                                  cfg.intermediate_size, cfg.rms_eps, cfg.rope_theta, cfg.qk_norm)
                                     for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(H))
@@ -202,61 +203,6 @@ class DFlashModel(nn.Module):
         return torch.cat([ctx_ok, same], dim=-1)
 
 
-INT8_SCALE = ":scale"  # suffix of the per-row scale of a matrix stored in int8
-
-
-def save_drafter(model: nn.Module, cfg_json: dict, out: Path, dtype: torch.dtype = torch.float32) -> None:
-    """config.json + model.safetensors. dtype torch.int8: every matrix as symmetric per-row int8
-    (``name`` int8 [N, K] + ``name:scale`` float32 [N], the CPU kernels' Int8Weight layout, so
-    the int8 inference path rebuilds the same weights); vectors stay float32."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for k, v in model.state_dict().items():
-        v = v.detach().float()
-        if dtype == torch.int8 and v.dim() == 2:
-            w8 = ops.Int8Weight.from_float(v)
-            tensors[k], tensors[k + INT8_SCALE] = w8.q, w8.scale
-        else:
-            tensors[k] = v.to(torch.float32 if dtype == torch.int8 else dtype).contiguous()
-    save_file(tensors, str(out / "model.safetensors"))
-    (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600
-    (out / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
-
-
-TOKEN_COUNTS = "token_counts.safetensors"
-
-
-def save_token_counts(counts: torch.Tensor, out: Path) -> None:
-    """[V] counts of the answer tokens a drafter was trained on (ranks its draft vocabulary; int32)."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({"counts": counts.to(torch.int32).contiguous()}, str(out / TOKEN_COUNTS))
-    (out / TOKEN_COUNTS).chmod(0o644)
-
-
-def load_token_counts(directory: Path) -> torch.Tensor | None:
-    from safetensors.torch import load_file
-
-    path = directory / TOKEN_COUNTS
-    return load_file(str(path))["counts"].to(torch.int64) if path.is_file() else None
-
-
-def load_state(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    cfg_path = directory / "config.json"
-    if not cfg_path.is_file() or not (directory / "model.safetensors").is_file():
-        raise SpecserveError(f"{directory} is not a drafter directory (needs config.json and model.safetensors)")
-    cfg = json.loads(cfg_path.read_text())
-    raw = load_file(str(directory / "model.safetensors"))
-    state = {k: ops.Int8Weight(v, raw[k + INT8_SCALE]).dequantize() if k + INT8_SCALE in raw else v.float()
-             for k, v in raw.items() if not k.endswith(INT8_SCALE)}
-    return cfg, state
-
-
 def load_dflash_model(directory: Path, target: LoadedModel) -> DFlashModel:
     """The float32 DFlashModel a drafter directory holds (int8 exports dequantized), checked
     against ``target`` (vocabulary, hidden size, layers it reads)."""
@@ -277,27 +223,44 @@ def load_dflash_model(directory: Path, target: LoadedModel) -> DFlashModel:
 
 
 # ---- the drafter ------------------------------------------------------------------------------
-class KernelLinear(nn.Module):
-    """Inference stand-in for an nn.Linear: the CPU kernels' int8 weight format (a quarter of the
-    float32 bytes; activations quantized per row, as the target's linears do). Deterministic and
-    batch invariant; drafts need nothing more, verification keeps the output exact."""
+class DFlashNet(nn.Module):
+    """A trained DFlashModel at inference: its layers as the target family's modules
+    (speculative/family_layer.py), its projection as the family's Linear, over rows of one
+    sequence ([T, H], not batched). quant: "int8" (the CPU default: a quarter of the float32
+    bytes, activations quantized per row as the target's) or "none" (float32)."""
 
-    def __init__(self, lin: nn.Linear):
+    def __init__(self, model: DFlashModel, target: LoadedModel, quant: str):
         super().__init__()
-        self.weight_q = ops.Int8Weight.from_float(lin.weight.detach().float().contiguous())
-        self.bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
+        cfg, state, device = model.cfg, model.state_dict(), target.model.device
+        self.cfg = cfg
+        shape = LayerShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                           cfg.rms_eps, cfg.rope_theta, cfg.qk_norm)
+        self.fc = linear(state["fc.weight"], quant, device)
+        self.hidden_norm, self.norm = (state[n].float().to(device) for n in ("hidden_norm", "norm"))
+        self.mask_embedding = state["mask_embedding"].float().to(device)
+        self.stack = DrafterLayers(shape, target.config, [sub_state(state, f"layers.{i}.")
+                                                           for i in range(cfg.num_layers)], quant, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        return ops.linear(x.float().contiguous(), self.weight_q, self.bias)
+    def context(self, hidden_cat: torch.Tensor) -> torch.Tensor:
+        """[n, k*H] concatenated target hidden states -> [n, H] context features."""
+        return rms_norm(self.fc(hidden_cat.float().contiguous()), self.hidden_norm, self.cfg.rms_eps)
 
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (k, v) [n, kvh, D] of context features ctx [n, H] at positions [n]."""
+        return [self.stack.keys_values(i, ctx, positions) for i in range(self.cfg.num_layers)]
 
-def int8_linears(model: DFlashModel) -> DFlashModel:
-    """Swap every linear of the drafter for a KernelLinear (CPU inference)."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, KernelLinear(child))
-    return model
+    def block_input(self, anchor_emb: torch.Tensor) -> torch.Tensor:
+        """anchor_emb [H] -> [B, H]: the anchor token then B-1 mask embeddings."""
+        masks = self.mask_embedding.expand(self.cfg.block_size - 1, -1)
+        return torch.cat([anchor_emb[None].float(), masks])
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                ctx_kv: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> torch.Tensor:
+        """x: [B, H] block inputs; ctx_kv per layer [C, kvh, D] (or Nones) -> [B, H] final-normed;
+        the block attends to the context and to the whole block."""
+        for i, (ck, cv) in enumerate(ctx_kv):
+            x = self.stack.run(i, x, positions, self.stack.attention(ck, cv))
+        return rms_norm(x, self.norm, self.cfg.rms_eps)
 
 
 @dataclass
@@ -323,8 +286,11 @@ class DFlashDrafter(Drafter):
     has_cost = True
 
     def __init__(self, model: DFlashModel, target: LoadedModel, vocab: DraftVocab | None = None,
-                 store: PrefixStore | None = None, p_min: float = 0.0):
-        self.model = model.eval().requires_grad_(False).to(target.model.device)
+                 store: PrefixStore | None = None, p_min: float = 0.0, weights: str = "float32"):
+        """model: the trained (float32) drafter; it runs as a DFlashNet in ``weights`` ("int8" on
+        CPU: the kernels' int8 format; "float32")."""
+        cpu_int8 = target.model.device.type == "cpu" and weights == "int8"
+        self.net = DFlashNet(model, target, "int8" if cpu_int8 else "none")
         self.p_min = p_min  # proposals stop at the first unsure draft (see pick_tokens)
         self.cfg = model.cfg
         self.head = TargetHead(target)
@@ -346,8 +312,6 @@ class DFlashDrafter(Drafter):
         directory = Path(directory).expanduser()
         model = load_dflash_model(directory, target)
         cfg = model.cfg
-        if target.model.device.type == "cpu" and weights == "int8":
-            int8_linears(model)
         vocab, full = None, target.model.head_size
         # the speculative config's draft_vocab_size (the vocabulary's size: the full head) wins over the
         # drafter config's default
@@ -355,11 +319,10 @@ class DFlashDrafter(Drafter):
         if size and size < full:
             vocab = DraftVocab(target.model, frequent_ids(target.tokenizer, size, cache_root(),
                                                           load_token_counts(directory)))
-        return cls(model, target, vocab, store, p_min)
+        return cls(model, target, vocab, store, p_min, weights)
 
     def weight_bytes(self) -> int:
-        packed = sum(m.weight_q.nbytes for m in self.model.modules() if isinstance(m, KernelLinear))
-        return self.module_bytes(self.model) + packed
+        return sum(lin.nbytes() for lin in linears(self.net))  # (norm vectors: a few KB)
 
     def kv_bytes(self) -> int:
         """The prefix store at capacity: per token, every layer's context k and v (float32)."""
@@ -406,7 +369,7 @@ class DFlashDrafter(Drafter):
             st.rows.reset(first)
             self._restore(seq, st, first)
         pos = torch.tensor(positions, device=h.device)
-        kv = self.model.context_kv(self.model.context(h), pos)
+        kv = self.net.context_kv(self.net.context(h), pos)
         st.rows.append([k for k, _ in kv] + [v for _, v in kv])
         self._store_blocks(seq, st)
         if len(st.rows) > self.cfg.context_window + CONTEXT_TRIM:
@@ -453,15 +416,15 @@ class DFlashDrafter(Drafter):
         p = seq.num_tokens - 1
         dev = self.head.model.device
         anchor = self.head.embed(torch.tensor([seq.token_ids[-1]], device=dev))[0]
-        x = self.model.block_input(anchor)[None]  # [1, B, H]
-        pos = torch.arange(p, p + self.cfg.block_size, device=dev)[None]
-        n = min(st.end, p) - st.start
+        x = self.net.block_input(anchor)  # [B, H]
+        pos = torch.arange(p, p + self.cfg.block_size, device=dev)
+        n, layers = min(st.end, p) - st.start, self.cfg.num_layers
         if len(st.rows) and n > 0:  # context: the cached positions before the anchor
-            parts, layers = st.rows.parts(), len(self.model.layers)
-            kv = [(parts[i][None, :n], parts[layers + i][None, :n]) for i in range(layers)]
+            parts = st.rows.parts()
+            kv = [(parts[i][:n], parts[layers + i][:n]) for i in range(layers)]
         else:  # no context yet (should not happen: the prompt is observed first)
-            kv = [(None, None)] * len(self.model.layers)
-        return self.model(x, pos, kv, None)[0]
+            kv = [(None, None)] * layers
+        return self.net(x, pos, kv)
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
         out = []
@@ -496,9 +459,6 @@ def build(spec, target: LoadedModel, options, ecfg, max_model_len: int) -> DFlas
     from specserve.models.catalog import drafter_location
 
     where = drafter_location(spec.model)
-    if spec.quantization not in (None, "none", "int8"):
-        raise SpecserveError(f'speculative config: a dflash drafter runs in "int8" (the CPU default) or '
-                             f'"none" (float32), not {spec.quantization!r}')
-    weights = "float32" if spec.quantization == "none" else "int8"
+    weights = weight_format(spec.quantization, "dflash")
     return DFlashDrafter.load(where, target, spec.draft_vocab_size, weights, PrefixStore.for_engine(ecfg),
                               spec.draft_p_min)

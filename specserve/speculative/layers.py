@@ -1,5 +1,8 @@
-"""Building blocks the drafters share (dflash, the MTP head): RMSNorm, rope, a decoder layer
-in torch, the target's LM head, and the identity checks of a drafter against its target."""
+"""Building blocks the drafters share (dflash, the MTP head) for training: RMSNorm, rope and a
+decoder layer in differentiable, batched torch; the target's LM head; the identity checks of a
+drafter against its target. At inference a drafter's layers are the target family's own modules
+(speculative/family_layer.py), built from a ``TrainableLayer``'s weights under the family's names;
+tests/test_family_layer.py checks that both compute the same function."""
 
 from __future__ import annotations
 
@@ -77,8 +80,9 @@ class MoEMLP(nn.Module):
         return out.view_as(h)
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP; attention over (extra keys/values ++ own rows) with a mask.
+class TrainableLayer(nn.Module):
+    """A drafter's layer in training: pre-norm attention + SwiGLU MLP; attention over (extra
+    keys/values ++ own rows) with a mask, batched [b, T, H].
 
     output_gate (Qwen3.5's gated attention): the q projection gives each head its query then a
     gate, and the attention output is multiplied by sigmoid(gate); rotary_dim: rope on the first

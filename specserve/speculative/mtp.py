@@ -50,8 +50,14 @@ from torch import nn
 from specserve.engine.cache.rows import RowCache
 from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
+from specserve.models.catalog import cache_root
+from specserve.models.layers import linears, rms_norm
 from specserve.models.loader import LoadedModel
-from specserve.speculative.dflash import CONTEXT_TRIM, DecoderLayer, TargetHead, check_target, load_state, rms, target_identity
+from specserve.speculative.dflash import CONTEXT_TRIM
+from specserve.speculative.draft_vocab import DraftVocab, frequent_ids, head_cut
+from specserve.speculative.drafter_files import TOKEN_COUNTS, load_state, load_token_counts
+from specserve.speculative.family_layer import DrafterLayers, LayerShape, linear, sub_state, weight_format
+from specserve.speculative.layers import TargetHead, TrainableLayer, check_target, rms, target_identity
 from specserve.speculative.drafter import Drafter, Proposal, pick_tokens
 from specserve.speculative.mtp_checkpoint import config_from_state, read_checkpoint_mtp
 from specserve.speculative.prefix_store import PrefixStore
@@ -103,7 +109,7 @@ class MTPModel(nn.Module):
         self.enorm = nn.Parameter(torch.ones(H))
         self.hnorm = nn.Parameter(torch.ones(H))
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
-        self.layer = DecoderLayer(H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+        self.layer = TrainableLayer(H, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                                   cfg.rms_eps, cfg.rope_theta, cfg.qk_norm, cfg.qkv_bias, cfg.output_gate,
                                   cfg.rotary_dim, tuple(cfg.moe) if cfg.moe else None,
                                   tuple(cfg.mrope_section or ()))
@@ -164,6 +170,39 @@ class MTPModel(nn.Module):
 
 
 # ---- the drafter ------------------------------------------------------------------------------
+class MTPNet(nn.Module):
+    """A loaded MTPModel at inference: its layer as the target family's module
+    (speculative/family_layer.py: gated attention and MoE for a Qwen3.5 / Qwen3-Next head), its
+    eh_proj as the family's Linear, over rows of one sequence ([T, H]). quant: "int8" (the CPU
+    default) or "none" (float32)."""
+
+    def __init__(self, model: MTPModel, target: LoadedModel, quant: str):
+        super().__init__()
+        c, state, device = model.cfg, model.state_dict(), target.model.device
+        self.cfg = c
+        shape = LayerShape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_eps,
+                           c.rope_theta, c.qk_norm, c.qkv_bias, c.output_gate, c.rotary_dim,
+                           tuple(c.moe) if c.moe else None, tuple(c.mrope_section or ()))
+        self.eh_proj = linear(state["eh_proj.weight"], quant, device)
+        self.enorm, self.hnorm, self.norm = (state[n].float().to(device) for n in ("enorm", "hnorm", "norm"))
+        self.stack = DrafterLayers(shape, target.config, [sub_state(state, "layer.")], quant, device)
+
+    def forward(self, emb: torch.Tensor, prev: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor | None,
+                ctx_v: torch.Tensor | None, causal: bool):
+        """emb / prev: [T, H]; positions [T] (or [T, 3]); the kept rows ctx_k / ctx_v [C, kvh, D]
+        -> (g [T, H] before ``norm``, the rows' own (k, v) [T, kvh, D])."""
+        eps = self.cfg.rms_eps
+        x = self.eh_proj(torch.cat([rms_norm(emb.float().contiguous(), self.enorm, eps),
+                                    rms_norm(prev.float().contiguous(), self.hnorm, eps)], dim=-1))
+        attention = self.stack.attention(ctx_k, ctx_v, causal)
+        g = self.stack.run(0, x, positions, attention)
+        return g, (attention.k, attention.v)
+
+    def out_norm(self, g: torch.Tensor) -> torch.Tensor:  # [T, H] or [H]
+        return rms_norm(g.reshape(-1, g.shape[-1]).contiguous(), self.norm, self.cfg.rms_eps).view_as(g)
+
+
+# ---- the drafter ------------------------------------------------------------------------------
 @dataclass
 class _State:
     hidden: RowCache = field(default_factory=RowCache)  # [n, H] target hidden (after the final norm)
@@ -171,6 +210,7 @@ class _State:
     has_kv: bool = False  # rows were computed since the hidden states (re)started
     generator: torch.Generator | None = None
     stored: int = 0  # leading full blocks whose rows are in the prefix store
+    vocab_seen: int = 0  # tokens of the sequence already added to the draft vocabulary
     last_h: dict[int, torch.Tensor] = field(default_factory=dict)  # block -> hidden of its last position
 
 
@@ -209,10 +249,15 @@ class MTPDrafter(Drafter):
     has_cost = True
 
     def __init__(self, model: MTPModel, target: LoadedModel, store: PrefixStore | None = None,
-                 p_min: float = 0.0):
+                 p_min: float = 0.0, weights: str = "float32", vocab: DraftVocab | None = None):
+        """model: the head (float32); it runs as an MTPNet in ``weights`` ("int8" on CPU: the
+        kernels' int8 format; "float32"). vocab: drafts from the target's LM head cut to a draft
+        vocabulary (speculative/draft_vocab.py; None: the full head)."""
+        self.vocab = vocab
         self.store = store  # None: prefix-cache hits start with no context
         self.p_min = p_min  # the chain stops at a draft whose top probability is under it
-        self.model = model.eval().requires_grad_(False).to(target.model.device)
+        cpu_int8 = target.model.device.type == "cpu" and weights == "int8"
+        self.net = MTPNet(model, target, "int8" if cpu_int8 else "none")
         self.cfg = model.cfg
         self.head = TargetHead(target)
         self.final_norm = target.model.final_norm
@@ -222,12 +267,22 @@ class MTPDrafter(Drafter):
 
     @classmethod
     def load(cls, where: str | Path | None, target: LoadedModel, store: PrefixStore | None = None,
-             p_min: float = 0.0) -> "MTPDrafter":
+             p_min: float = 0.0, weights: str = "float32", draft_vocab_size: int | None = None) -> "MTPDrafter":
+        """The head of a train-drafter directory, of a checkpoint at ``where``, or (None) of the
+        target's own checkpoint. draft_vocab_size: cut the LM head the drafts come from to this many
+        tokens (ranked by the directory's token counts if it has them, else by the standard
+        library's), as dflash does."""
+        counts = None
+        if draft_vocab_size and where and (Path(where).expanduser() / TOKEN_COUNTS).is_file():
+            counts = load_token_counts(Path(where).expanduser())
+        size = head_cut(draft_vocab_size, target.model.head_size) if draft_vocab_size else None
+        vocab = (DraftVocab(target.model, frequent_ids(target.tokenizer, size, cache_root(), counts))
+                 if size and size < target.model.head_size else None)
         if where:
             p = Path(where).expanduser()
             if p.is_dir() and (p / "config.json").is_file() and \
                     json.loads((p / "config.json").read_text()).get("drafter") == "mtp":
-                return cls(load_mtp_model(p, target), target, store, p_min)
+                return cls(load_mtp_model(p, target), target, store, p_min, weights, vocab)
             state, source = read_checkpoint_mtp(p)
             if not state:
                 raise SpecserveError(f"{p} has no MTP head (no mtp.* / nextn tensors) and is not a drafter "
@@ -239,10 +294,10 @@ class MTPDrafter(Drafter):
                                      f"--model {target.name} --method mtp --out DIR` and pass "
                                      '\'{"method": "mtp", "model": DIR}\'')
         return cls(mtp_model(config_from_state(state, target, source), state, target, source), target, store,
-                   p_min)
+                   p_min, weights, vocab)
 
     def weight_bytes(self) -> int:
-        return self.module_bytes(self.model)
+        return sum(lin.nbytes() for lin in linears(self.net))  # (norm vectors: a few KB)
 
     def kv_bytes(self) -> int:
         """The prefix store at capacity: per token a k and v row, per block one hidden row (float32)."""
@@ -331,19 +386,15 @@ class MTPDrafter(Drafter):
             st.kv.truncate(p)
         dev = self.head.model.device
         ids = torch.tensor(seq.token_ids[lo:p + 1], device=dev)
-        emb = self.head.embed(ids)[None]
-        prev = st.hidden.parts()[0][lo - 1 - h_start:p - h_start].float()[None]
-        n = p + 1 - lo
-        pos = rope_positions(seq, lo, n, dev)[None]
-        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-        if st.has_kv and len(st.kv):
-            ck, cv = st.kv.parts()
-            mask = torch.cat([torch.ones(n, len(st.kv), dtype=torch.bool, device=dev), causal], dim=-1)[None]
-            g, (k, v) = self.model(emb, prev, pos, ck[None], cv[None], mask)
-            st.kv.append([k[0], v[0]])
+        emb = self.head.embed(ids)
+        prev = st.hidden.parts()[0][lo - 1 - h_start:p - h_start]
+        pos = rope_positions(seq, lo, p + 1 - lo, dev)
+        if st.has_kv and len(st.kv):  # the new rows see the kept ones, and each other causally
+            g, (k, v) = self.net(emb, prev, pos, *st.kv.parts(), causal=True)
+            st.kv.append([k, v])
         else:
-            g, (k, v) = self.model(emb, prev, pos, None, None, causal[None])
-            st.kv.reset(lo, [k[0], v[0]])
+            g, (k, v) = self.net(emb, prev, pos, None, None, causal=True)
+            st.kv.reset(lo, [k, v])
             st.has_kv = True
         self._store_blocks(seq, st)
         if len(st.kv) > self.cfg.context_window + CONTEXT_TRIM:
@@ -351,7 +402,7 @@ class MTPDrafter(Drafter):
         keep_from = p - 1 - h_start  # only h_{p-1} onwards is needed later
         if keep_from > CONTEXT_TRIM:
             st.hidden.drop_front(keep_from)
-        return g[0, -1]
+        return g[-1]
 
     @torch.inference_mode()
     def _chain(self, seq: Sequence, g: torch.Tensor, k: int, generator) -> Proposal:
@@ -362,9 +413,14 @@ class MTPDrafter(Drafter):
         probs: list[torch.Tensor] = []
         cut = False
         verified_end = st.kv.end  # the draft rows appended below are dropped again at the end
+        if self.vocab is not None:
+            self.vocab.add(seq.token_ids[st.vocab_seen:])  # the prompt, then tokens since the last draft
+            st.vocab_seen = seq.num_tokens
         try:
             for s in range(k):
-                logits = self.head.logits(self.model.out_norm(g)[None])
+                h = self.net.out_norm(g)[None]
+                logits = (self.head.logits(h) if self.vocab is None
+                          else self.vocab.logits(h.to(self.head.model.dtype).contiguous()))  # -inf outside
                 prop = pick_tokens(seq, logits, generator, earlier=drafts, p_min=self.p_min)
                 if not prop.token_ids:
                     cut = True
@@ -374,12 +430,11 @@ class MTPDrafter(Drafter):
                     probs.append(prop.probs[0])
                 if s == k - 1:
                     break
-                emb = self.head.embed(torch.tensor([drafts[-1]], device=dev))[None]
-                pos = rope_positions(seq, p + 1 + s, 1, dev)[None]
-                ck, cv = st.kv.parts()
-                g2, (nk, nv) = self.model(emb, g[None, None], pos, ck[None], cv[None], None)
-                st.kv.append([nk[0], nv[0]])
-                g = g2[0, -1]
+                emb = self.head.embed(torch.tensor([drafts[-1]], device=dev))
+                pos = rope_positions(seq, p + 1 + s, 1, dev)
+                g2, (nk, nv) = self.net(emb, g[None], pos, *st.kv.parts(), causal=False)
+                st.kv.append([nk, nv])
+                g = g2[-1]
         finally:
             st.kv.truncate(verified_end)
         return Proposal(drafts, torch.stack(probs) if probs else None, cut)
@@ -405,4 +460,5 @@ def build(spec, target: LoadedModel, options, ecfg, max_model_len: int) -> MTPDr
     from specserve.models.catalog import drafter_location
 
     where = drafter_location(spec.model) if spec.model else spec.model
-    return MTPDrafter.load(where, target, PrefixStore.for_engine(ecfg), spec.draft_p_min)
+    return MTPDrafter.load(where, target, PrefixStore.for_engine(ecfg), spec.draft_p_min,
+                           weight_format(spec.quantization, "mtp"), spec.draft_vocab_size)

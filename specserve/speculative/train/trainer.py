@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.errors import SpecserveError
-from specserve.speculative.dflash import DFlashConfig, DFlashModel, head_logits, save_drafter
+from specserve.speculative.dflash import DFlashConfig, DFlashModel, head_logits
+from specserve.speculative.drafter_files import save_drafter
 from specserve.speculative.mtp import MTPConfig, MTPModel
 from specserve.speculative.train.data import Example
 
