@@ -140,9 +140,15 @@ def configurations(model: str, bindir: Path) -> dict[str, list[str]]:
         out["specserve draft"] = ours + ["--speculative-config", json.dumps(
             {"method": "draft_model", "model": draft, "num_speculative_tokens": 8})]
         # the draft in 4 bits over a 32K-token draft vocabulary (README "The 0.5b draft model")
-        out["specserve draft q4_0 32K"] = ours + ["--speculative-config", json.dumps(
-            {"method": "draft_model", "model": draft, "num_speculative_tokens": 8, "quantization": "q4_0",
-             "draft_vocab_size": 32768})]
+        small = {"method": "draft_model", "model": draft, "num_speculative_tokens": 8, "quantization": "q4_0",
+                 "draft_vocab_size": 32768}
+        out["specserve draft q4_0 32K"] = ours + ["--speculative-config", json.dumps(small)]
+        # the same draft stopping at its first unsure token (llama.cpp's --draft-p-min)
+        out["specserve draft q4_0 32K p_min 0.3"] = ours + ["--speculative-config", json.dumps(
+            {**small, "draft_p_min": 0.3})]
+        # suffix decoding first, the draft where suffix has nothing (README "Chains")
+        out["specserve suffix then draft q4_0 32K"] = ours + ["--speculative-config", json.dumps(
+            {"method": "chain", "num_speculative_tokens": 8, "drafters": [{"method": "suffix"}, small]})]
     return out
 
 
