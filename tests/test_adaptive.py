@@ -163,3 +163,27 @@ def test_pick_tokens_reports_the_cut():
         part = pick_tokens(seq, torch.stack([sure, unsure, sure]), gen, p_min=0.5)
         assert len(part.token_ids) == 1 and part.cut
         assert not pick_tokens(seq, torch.stack([unsure, sure]), gen).cut  # no p_min: never cut
+
+
+def test_a_new_sequence_starts_from_the_running_acceptance_of_those_before_it():
+    """Before any step a new sequence starts at 0.5; after many steps whose drafts were mostly
+    accepted, a new sequence starts near that share (a costly draft model that is usually right
+    drafts from a request's first step, not after rare probes); rejections bring it back down."""
+    p = DraftPolicy(8, True, CostModel(), draft_cost=lambda k: 0.004 * k)
+    fresh = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=64), None)
+    p.lengths([fresh], [8])
+    assert fresh.accept_ema == 0.5
+    old = _seq(0.5)
+    for _ in range(100):
+        p.learn(old, 4, 3)  # 3 of 4 accepted: a share of 0.75 a step
+    assert abs(p.prior - 0.75) < 0.01
+    p.learn(old, 0, 0)  # no news: the prior stays
+    assert abs(p.prior - 0.75) < 0.01
+    new = Sequence("b", [1, 2, 3], SamplingParams(max_tokens=64), None)
+    p.lengths([new], [8])
+    assert new.accept_ema == p.prior
+    for _ in range(100):
+        p.learn(old, 2, 0)
+    assert p.prior < 0.05
+    late = Sequence("c", [1, 2, 3], SamplingParams(max_tokens=64), None)
+    assert p.lengths([late], [8]) == [0] and late.accept_ema < 0.05

@@ -290,7 +290,7 @@ class LLMEngine:
         if drafts:
             seq.acceptance.record(len(drafts), n_acc)
             self.totals.record(len(drafts), n_acc)
-        DraftPolicy.update(seq, len(drafts), n_acc, r.cut)  # no news without drafts or a cut
+        self.policy.learn(seq, len(drafts), n_acc, r.cut)  # no news without drafts or a cut
         first = seq.num_computed
         seq.num_computed = computed_before + 1 + n_acc
         self._observe(r, first, seq.num_computed - first, hidden)

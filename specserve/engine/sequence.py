@@ -44,7 +44,8 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
-    accept_ema: float = 0.5  # running estimate of the per-token draft acceptance
+    accept_ema: float | None = None  # running estimate of the per-token draft acceptance (None: the
+    # policy's prior, set at the sequence's first draft-length choice)
     constraint: "Constraint | None" = None  # grammar state under structured outputs (engine/constraint.py)
     mm: "MultiModalPrompt | None" = None  # the prompt's images (engine/multimodal.py)
 

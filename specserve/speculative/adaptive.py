@@ -8,6 +8,11 @@ yields on average 1 + p + ... + p^k tokens for k drafts. Starting from k = 0 eve
 are added one at a time to the sequence with the best marginal gain p_i^(k_i+1), up to every cap,
 and the point of that path with the most expected tokens per second is chosen. On text where
 drafts are rarely accepted this settles at k = 0, so speculation never makes decode slower by much.
+
+A new sequence's estimate starts from the policy's prior: a slow running acceptance over every
+sequence's steps (0.5 before any), so once a drafter has shown it is usually right (a draft
+model on code), a new request drafts from its first step instead of earning it from 0.5 with
+probes that a costly drafter can afford only rarely.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from specserve.engine.sequence import Sequence
 PROBE_EVERY = 8  # a sequence at k = 0 still drafts 1 token every so often, to keep learning
 PROBE_MAX = 256  # ... at least this often
 PROBE_BUDGET = 0.03  # ... and a drafter with a cost of its own probes at most ~3% of decode time
+PRIOR_ALPHA = 0.05  # running acceptance over every sequence's steps: where a new sequence starts
 
 
 class CostModel:
@@ -168,10 +174,14 @@ class DraftPolicy:
         self.catch_up_cost = catch_up_cost  # n -> seconds to first read n tokens it has not seen
         self._step = 0
         self._next_probe: int | None = None  # the step of the next probe (set at the first step)
+        self.prior = 0.5  # where a new sequence's acceptance estimate starts (see learn)
 
     def lengths(self, seqs: list[Sequence], limits: list[int], extra_width: int = 0) -> list[int]:
         """Draft length per sequence; limits[i] caps k (tokens left, context left)."""
         self._step += 1
+        for s in seqs:
+            if s.accept_ema is None:  # a new sequence: the running acceptance of those before it
+                s.accept_ema = self.prior
         caps = [max(0, min(self.k_max, lim)) for lim in limits]
         if not self.adaptive:
             return caps
@@ -218,14 +228,31 @@ class DraftPolicy:
         k = max(ks, default=0)
         return self.cost.time(width) + (self.draft_cost(k) if k else 0.0)
 
+    def learn(self, seq: Sequence, num_drafted: int, num_accepted: int, cut: bool = False) -> None:
+        """One step's outcome: into the sequence's estimate (``update``) and into the prior."""
+        share = self.step_share(num_drafted, num_accepted, cut)
+        if share is None:
+            return
+        if seq.accept_ema is None:
+            seq.accept_ema = self.prior
+        self.update(seq, num_drafted, num_accepted, cut)
+        self.prior += PRIOR_ALPHA * (share - self.prior)
+
+    @staticmethod
+    def step_share(num_drafted: int, num_accepted: int, cut: bool = False) -> float | None:
+        """A step's accepted share of the draft positions it tried (None: no news). ``cut``: the
+        drafter stopped before the length asked for (draft_p_min); the position it did not draft
+        counts as a rejection, since the estimate is the chance that asking for one more draft
+        yields one more token (else an unsure drafter looks always right and is always asked for
+        k_max, and a draft cut to nothing never lowers the estimate while its draft work is spent)."""
+        if num_drafted == 0 and not cut:
+            return None
+        tries = num_accepted + (1 if num_accepted < num_drafted or cut else 0)
+        return num_accepted / tries
+
     @staticmethod
     def update(seq: Sequence, num_drafted: int, num_accepted: int, cut: bool = False, alpha: float = 0.3) -> None:
-        """Fold one step's outcome into the sequence's acceptance estimate. ``cut``: the drafter
-        stopped before the length asked for (draft_p_min); the position it did not draft counts
-        as a rejection, since the estimate is the chance that asking for one more draft yields one
-        more token (else an unsure drafter looks always right and is always asked for k_max, and
-        a draft cut to nothing never lowers the estimate while its draft work is spent)."""
-        if num_drafted == 0 and not cut:
-            return
-        tries = num_accepted + (1 if num_accepted < num_drafted or cut else 0)
-        seq.accept_ema = (1 - alpha) * seq.accept_ema + alpha * (num_accepted / tries)
+        """Fold one step's outcome into the sequence's acceptance estimate (``step_share``)."""
+        share = DraftPolicy.step_share(num_drafted, num_accepted, cut)
+        if share is not None:
+            seq.accept_ema = (1 - alpha) * (0.5 if seq.accept_ema is None else seq.accept_ema) + alpha * share
