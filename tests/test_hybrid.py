@@ -512,6 +512,7 @@ def test_trained_mtp_head_keeps_the_sampling_distribution(hybrid, tmp_path):
     untrained = next(ln for ln in lines if "step 0 validation mean acceptance length" in ln)
     length = lambda line: float(line.split("acceptance length")[1].split()[0])  # noqa: E731
     assert length(report) > length(untrained)  # training taught the head something (1.0 is the floor)
+    assert (tmp_path / "mtp" / "token_counts.safetensors").is_file()  # what ranks its draft_vocab_size
     spec = SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False, model=str(tmp_path / "mtp"))
     eng = _engine(ours, spec, MTPDrafter.load(str(tmp_path / "mtp"), ours), max_num_seqs=32)
     prompts = [_repetitive(s) for s in range(8)]

@@ -144,7 +144,7 @@ def test_cached_rows_equal_a_full_forward_and_chain(tiny, tmp_path):
     drafter.observe(seq, {L: hid[12:]}, list(range(12, T)))
     g = drafter._catch_up(seq)  # rows 1..T (last token at position T)
     # the same rows in one teacher-forced pass
-    from specserve.speculative.dflash import rms
+    from specserve.speculative.layers import rms
 
     hn = rms(hid, tiny.model.final_norm, tiny.config.rms_eps)
     emb = tiny.model.embed(torch.tensor(ids)).float()[None]

@@ -1,14 +1,5 @@
 #!/bin/bash
-# chain [suffix, 4-bit 32K draft] vs that draft alone, before (old tree /tmp/ch_old, a31f148) and after
-# (new tree /tmp/ch_new: a31f148 + chain_rate.patch, not kept; rate_only/: the patch without its "promises" rule); two rounds alternating
-OUT=$1; mkdir -p $OUT
-DRAFT='{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5, "quantization": "q4_0", "draft_vocab_size": 32768}'
-CHAIN='{"method": "chain", "num_speculative_tokens": 8, "drafters": [{"method": "suffix", "num_speculative_tokens": 8}, '"$DRAFT"']}'
-for round in 1 2; do
-  for tree in old new; do
-    dir=/tmp/ch_old; [ $tree = new ] && dir=/tmp/ch_new
-    cd $dir
-    PYTHONPATH=$dir python benchmarks/spec_decode.py --models qwen2.5-coder-1.5b --spec "draft 0.5b q4_0 32K=$DRAFT" --spec "chain suffix+draft=$CHAIN" --suites code,math,prose,edit --tokens 64 --runs 1 --prompts-per-suite 2 --markdown $OUT/chain_${tree}_r$round.md --out $OUT/chain_${tree}_r$round.json > $OUT/chain_${tree}_r$round.log 2>&1
-  done
-done
-echo done > $OUT/DONE
+# chain [suffix, 4-bit 32K draft] vs that draft alone, before (/tmp/ch_old: a31f148) and after
+# (/tmp/ch_new: a31f148 + chain_rate.patch, not kept; rate_only/: the patch without its "promises"
+# rule); two rounds alternating, the commands of results_final/chain_1203/ab.sh
+OLD=/tmp/ch_old NEW=/tmp/ch_new exec bash "$(dirname "$0")/../chain_1203/ab.sh" "$1"

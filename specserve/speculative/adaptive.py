@@ -231,12 +231,9 @@ class DraftPolicy:
     def learn(self, seq: Sequence, num_drafted: int, num_accepted: int, cut: bool = False) -> None:
         """One step's outcome: into the sequence's estimate (``update``) and into the prior."""
         share = self.step_share(num_drafted, num_accepted, cut)
-        if share is None:
-            return
-        if seq.accept_ema is None:
-            seq.accept_ema = self.prior
-        self.update(seq, num_drafted, num_accepted, cut)
-        self.prior += PRIOR_ALPHA * (share - self.prior)
+        if share is not None:  # (a sequence with drafts went through lengths(): its estimate is set)
+            self.update(seq, num_drafted, num_accepted, cut)
+            self.prior += PRIOR_ALPHA * (share - self.prior)
 
     @staticmethod
     def step_share(num_drafted: int, num_accepted: int, cut: bool = False) -> float | None:
@@ -255,4 +252,4 @@ class DraftPolicy:
         """Fold one step's outcome into the sequence's acceptance estimate (``step_share``)."""
         share = DraftPolicy.step_share(num_drafted, num_accepted, cut)
         if share is not None:
-            seq.accept_ema = (1 - alpha) * (0.5 if seq.accept_ema is None else seq.accept_ema) + alpha * share
+            seq.accept_ema = (1 - alpha) * seq.accept_ema + alpha * share

@@ -52,21 +52,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specserve.engine.cache.rows import RowCache
+from specserve.engine.cache.rows import CONTEXT_TRIM, RowCache
 from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
-from specserve.models.catalog import cache_root
-from specserve.models.layers import linears, rms_norm
+from specserve.models.layers import rms_norm
 from specserve.models.loader import LoadedModel
-from specserve.speculative.draft_vocab import DraftVocab, frequent_ids, head_cut
+from specserve.speculative.draft_vocab import DraftVocab, cut_vocab
 from specserve.speculative.drafter import Drafter, Proposal, pick_tokens
 from specserve.speculative.drafter_files import load_state, load_token_counts
-from specserve.speculative.family_layer import DrafterLayers, LayerShape, linear, sub_state, weight_format
+from specserve.speculative.family_layer import (DrafterLayers, LayerShape, linear, linear_quant, sub_state,
+                                                weight_format)
 from specserve.speculative.prefix_store import PrefixStore
-from specserve.speculative.layers import (TargetHead, TrainableLayer, check_target, head_logits,  # noqa: F401
-                                          rms, spread_layers, target_identity)
-
-CONTEXT_TRIM = 64  # the per-sequence context cache is trimmed in chunks of this many positions
+from specserve.speculative.layers import TargetHead, TrainableLayer, check_target, rms, spread_layers, target_identity
 
 
 # ---- config + model ---------------------------------------------------------------------------
@@ -226,12 +223,13 @@ def load_dflash_model(directory: Path, target: LoadedModel) -> DFlashModel:
 class DFlashNet(nn.Module):
     """A trained DFlashModel at inference: its layers as the target family's modules
     (speculative/family_layer.py), its projection as the family's Linear, over rows of one
-    sequence ([T, H], not batched). quant: "int8" (the CPU default: a quarter of the float32
-    bytes, activations quantized per row as the target's) or "none" (float32)."""
+    sequence ([T, H], not batched). weights: "int8" (the CPU default: a quarter of the float32
+    bytes, activations quantized per row as the target's) or "float32"."""
 
-    def __init__(self, model: DFlashModel, target: LoadedModel, quant: str):
+    def __init__(self, model: DFlashModel, target: LoadedModel, weights: str):
         super().__init__()
         cfg, state, device = model.cfg, model.state_dict(), target.model.device
+        quant = linear_quant(weights, device)
         self.cfg = cfg
         shape = LayerShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                            cfg.rms_eps, cfg.rope_theta, cfg.qk_norm)
@@ -289,8 +287,7 @@ class DFlashDrafter(Drafter):
                  store: PrefixStore | None = None, p_min: float = 0.0, weights: str = "float32"):
         """model: the trained (float32) drafter; it runs as a DFlashNet in ``weights`` ("int8" on
         CPU: the kernels' int8 format; "float32")."""
-        cpu_int8 = target.model.device.type == "cpu" and weights == "int8"
-        self.net = DFlashNet(model, target, "int8" if cpu_int8 else "none")
+        self.net = DFlashNet(model, target, weights)
         self.p_min = p_min  # proposals stop at the first unsure draft (see pick_tokens)
         self.cfg = model.cfg
         self.head = TargetHead(target)
@@ -311,18 +308,14 @@ class DFlashDrafter(Drafter):
         store: where the context of prefix-cached blocks is kept (see the module doc)."""
         directory = Path(directory).expanduser()
         model = load_dflash_model(directory, target)
-        cfg = model.cfg
-        vocab, full = None, target.model.head_size
         # the speculative config's draft_vocab_size (the vocabulary's size: the full head) wins over the
         # drafter config's default
-        size = head_cut(draft_vocab_size, full) if draft_vocab_size else cfg.draft_vocab_size
-        if size and size < full:
-            vocab = DraftVocab(target.model, frequent_ids(target.tokenizer, size, cache_root(),
-                                                          load_token_counts(directory)))
+        size = draft_vocab_size or model.cfg.draft_vocab_size
+        vocab = cut_vocab(target.model, target.tokenizer, size, load_token_counts(directory)) if size else None
         return cls(model, target, vocab, store, p_min, weights)
 
     def weight_bytes(self) -> int:
-        return sum(lin.nbytes() for lin in linears(self.net))  # (norm vectors: a few KB)
+        return self.module_bytes(self.net)
 
     def kv_bytes(self) -> int:
         """The prefix store at capacity: per token, every layer's context k and v (float32)."""
@@ -436,12 +429,10 @@ class DFlashDrafter(Drafter):
             k = min(k, self.cfg.block_size - 1)
             h = self.block_hidden(seq)[1:1 + k]
             st = self._state(seq)
-            if self.vocab is None:
-                logits = self.head.logits(h)  # [k, V]
-            else:
+            if self.vocab is not None:
                 self.vocab.add(seq.token_ids[st.vocab_seen:])  # the prompt, then tokens since the last draft
                 st.vocab_seen = seq.num_tokens
-                logits = self.vocab.logits(h.to(self.head.model.dtype).contiguous())  # [k, V], -inf outside
+            logits = self.head.logits(h, self.vocab)  # [k, V] (-inf outside a draft vocabulary)
             out.append(pick_tokens(seq, logits, st.generator, p_min=self.p_min))
             dt = time.perf_counter() - t0
             self.step_time = dt if not self.step_time else 0.8 * self.step_time + 0.2 * dt

@@ -22,13 +22,12 @@ from specserve.engine.cache import CacheCoordinator, SequenceCache, layer_cache_
 from specserve.engine.config import EngineConfig, kv_bytes_per_token
 from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
-from specserve.models.catalog import cache_root
 from specserve.models.loader import LoadedModel, LoadOptions, load_model
 from specserve.engine.model_runner import BatchEntry, build_forward_batch
 from specserve.models.transformer import KVCache
 from specserve.speculative.adaptive import CostModel
 from specserve.speculative.config import SpeculativeConfig
-from specserve.speculative.draft_vocab import DraftVocab, frequent_ids, head_cut
+from specserve.speculative.draft_vocab import DraftVocab, cut_vocab
 from specserve.speculative.drafter import Drafter, Proposal, pick_tokens
 
 DRAFT_POOL_CAP = 1 << 30
@@ -78,9 +77,7 @@ class DraftModelDrafter(Drafter):
         want = ecfg.max_num_seqs * (max_model_len + 2 * ecfg.block_size) * per_token
         num_blocks = max(min(want, DRAFT_POOL_CAP) // (ecfg.block_size * per_token),
                          -(-max_model_len // ecfg.block_size) + 2)
-        vocab, size = None, head_cut(spec.draft_vocab_size, draft.model.lm_head.out_features)
-        if size:
-            vocab = DraftVocab(draft.model, frequent_ids(draft.tokenizer, size, cache_root()))
+        vocab = cut_vocab(draft.model, draft.tokenizer, spec.draft_vocab_size)
         return cls(draft, int(num_blocks), ecfg.block_size, max_model_len, ecfg.enable_prefix_caching, vocab,
                    spec.draft_p_min)
 

@@ -102,6 +102,17 @@ def frequent_ids(tok: Tokenizer, size: int, cache_dir: Path, counts: torch.Tenso
     return torch.sort(order[:size]).values
 
 
+def cut_vocab(model: Transformer, tok: Tokenizer, size: int | None, counts: torch.Tensor | None = None
+              ) -> "DraftVocab | None":
+    """The draft vocabulary of ``size`` tokens (``draft_vocab_size``, checked by ``head_cut``)
+    over ``model``'s LM head, ranked by ``counts`` (default: the standard-library corpus); None:
+    the full head."""
+    from specserve.models.catalog import cache_root
+
+    size = head_cut(size, model.head_size)
+    return DraftVocab(model, frequent_ids(tok, size, cache_root(), counts)) if size else None
+
+
 class DraftVocab:
     """A draft model's LM head cut to a token subset, which grows with the tokens requests use.
 

@@ -61,8 +61,11 @@ class Drafter(ABC):
 
     @staticmethod
     def module_bytes(module: torch.nn.Module) -> int:
-        """Bytes of a torch drafter's parameters (for the memory plan)."""
-        return sum(p.numel() * p.element_size() for p in module.parameters())
+        """Bytes of the weights of a drafter built from the family's modules (for the memory plan):
+        its Linears' run-time formats (norm vectors, a few KB, are left out)."""
+        from specserve.models.layers import linears
+
+        return sum(lin.nbytes() for lin in linears(module))
 
     def weight_bytes(self) -> int:
         """Bytes of the drafter's weights (for the memory plan; 0 for model-free drafters)."""

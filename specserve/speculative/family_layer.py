@@ -164,6 +164,12 @@ class DrafterLayers(nn.Module):
         return RowAttention(self.scale, ctx_k, ctx_v, causal)
 
 
+def linear_quant(weights: str, device) -> str:
+    """A drafter's weights ("int8" | "float32") -> its Linear quantization: the kernels' int8
+    format on CPU, float32 otherwise (a CUDA device takes the weights in float32)."""
+    return "int8" if torch.device(device).type == "cpu" and weights == "int8" else "none"
+
+
 def weight_format(quantization: str | None, method: str) -> str:
     """A dflash / MTP drafter's ``quantization`` -> its weights: "int8" (the default; on CPU the
     kernels' int8 format) or "float32" ("none": as trained or shipped)."""

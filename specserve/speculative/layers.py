@@ -203,8 +203,10 @@ class TargetHead:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(ids).float()
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(h.to(self.model.dtype).contiguous())
+    def logits(self, h: torch.Tensor, vocab=None) -> torch.Tensor:
+        """h [L, H] after the final norm -> [L, V]; with a DraftVocab, -inf outside its set."""
+        h = h.to(self.model.dtype).contiguous()
+        return self.model.logits(h) if vocab is None else vocab.logits(h)
 
     def float_head(self) -> torch.Tensor:
         return self.model.lm_head.float_weight()

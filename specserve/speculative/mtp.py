@@ -47,16 +47,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specserve.engine.cache.rows import RowCache
+from specserve.engine.cache.rows import CONTEXT_TRIM, RowCache
 from specserve.engine.sequence import Sequence
 from specserve.errors import SpecserveError
-from specserve.models.catalog import cache_root
-from specserve.models.layers import linears, rms_norm
+from specserve.models.layers import rms_norm
 from specserve.models.loader import LoadedModel
-from specserve.speculative.dflash import CONTEXT_TRIM
-from specserve.speculative.draft_vocab import DraftVocab, frequent_ids, head_cut
-from specserve.speculative.drafter_files import TOKEN_COUNTS, load_state, load_token_counts
-from specserve.speculative.family_layer import DrafterLayers, LayerShape, linear, sub_state, weight_format
+from specserve.speculative.draft_vocab import DraftVocab, cut_vocab
+from specserve.speculative.drafter_files import load_state, load_token_counts
+from specserve.speculative.family_layer import (DrafterLayers, LayerShape, linear, linear_quant, sub_state,
+                                                weight_format)
 from specserve.speculative.layers import TargetHead, TrainableLayer, check_target, rms, target_identity
 from specserve.speculative.drafter import Drafter, Proposal, pick_tokens
 from specserve.speculative.mtp_checkpoint import config_from_state, read_checkpoint_mtp
@@ -169,16 +168,17 @@ class MTPModel(nn.Module):
         return outs
 
 
-# ---- the drafter ------------------------------------------------------------------------------
+# ---- inference: the head on the family's layer module -----------------------------------------
 class MTPNet(nn.Module):
     """A loaded MTPModel at inference: its layer as the target family's module
     (speculative/family_layer.py: gated attention and MoE for a Qwen3.5 / Qwen3-Next head), its
-    eh_proj as the family's Linear, over rows of one sequence ([T, H]). quant: "int8" (the CPU
-    default) or "none" (float32)."""
+    eh_proj as the family's Linear, over rows of one sequence ([T, H]). weights: "int8" (the CPU
+    default) or "float32"."""
 
-    def __init__(self, model: MTPModel, target: LoadedModel, quant: str):
+    def __init__(self, model: MTPModel, target: LoadedModel, weights: str):
         super().__init__()
         c, state, device = model.cfg, model.state_dict(), target.model.device
+        quant = linear_quant(weights, device)
         self.cfg = c
         shape = LayerShape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_eps,
                            c.rope_theta, c.qk_norm, c.qkv_bias, c.output_gate, c.rotary_dim,
@@ -256,8 +256,7 @@ class MTPDrafter(Drafter):
         self.vocab = vocab
         self.store = store  # None: prefix-cache hits start with no context
         self.p_min = p_min  # the chain stops at a draft whose top probability is under it
-        cpu_int8 = target.model.device.type == "cpu" and weights == "int8"
-        self.net = MTPNet(model, target, "int8" if cpu_int8 else "none")
+        self.net = MTPNet(model, target, weights)
         self.cfg = model.cfg
         self.head = TargetHead(target)
         self.final_norm = target.model.final_norm
@@ -272,12 +271,8 @@ class MTPDrafter(Drafter):
         target's own checkpoint. draft_vocab_size: cut the LM head the drafts come from to this many
         tokens (ranked by the directory's token counts if it has them, else by the standard
         library's), as dflash does."""
-        counts = None
-        if draft_vocab_size and where and (Path(where).expanduser() / TOKEN_COUNTS).is_file():
-            counts = load_token_counts(Path(where).expanduser())
-        size = head_cut(draft_vocab_size, target.model.head_size) if draft_vocab_size else None
-        vocab = (DraftVocab(target.model, frequent_ids(target.tokenizer, size, cache_root(), counts))
-                 if size and size < target.model.head_size else None)
+        counts = load_token_counts(Path(where).expanduser()) if draft_vocab_size and where else None
+        vocab = cut_vocab(target.model, target.tokenizer, draft_vocab_size, counts) if draft_vocab_size else None
         if where:
             p = Path(where).expanduser()
             if p.is_dir() and (p / "config.json").is_file() and \
@@ -297,7 +292,7 @@ class MTPDrafter(Drafter):
                    p_min, weights, vocab)
 
     def weight_bytes(self) -> int:
-        return sum(lin.nbytes() for lin in linears(self.net))  # (norm vectors: a few KB)
+        return self.module_bytes(self.net)
 
     def kv_bytes(self) -> int:
         """The prefix store at capacity: per token a k and v row, per block one hidden row (float32)."""
@@ -418,9 +413,7 @@ class MTPDrafter(Drafter):
             st.vocab_seen = seq.num_tokens
         try:
             for s in range(k):
-                h = self.net.out_norm(g)[None]
-                logits = (self.head.logits(h) if self.vocab is None
-                          else self.vocab.logits(h.to(self.head.model.dtype).contiguous()))  # -inf outside
+                logits = self.head.logits(self.net.out_norm(g)[None], self.vocab)  # (-inf outside a draft vocabulary)
                 prop = pick_tokens(seq, logits, generator, earlier=drafts, p_min=self.p_min)
                 if not prop.token_ids:
                     cut = True

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 MIN_CAPACITY = 64  # rows allocated at first
+CONTEXT_TRIM = 64  # a drafter's windowed context is trimmed in chunks of this many rows (dflash, MTP)
 
 
 class RowCache:

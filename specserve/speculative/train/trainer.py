@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from specserve.errors import SpecserveError
-from specserve.speculative.dflash import DFlashConfig, DFlashModel, head_logits
+from specserve.speculative.dflash import DFlashConfig, DFlashModel
 from specserve.speculative.drafter_files import save_drafter
+from specserve.speculative.layers import head_logits
 from specserve.speculative.mtp import MTPConfig, MTPModel
 from specserve.speculative.train.data import Example
 
@@ -71,7 +72,7 @@ class FrozenTarget:
 
     @classmethod
     def from_target(cls, target, device: torch.device) -> "FrozenTarget":
-        from specserve.speculative.dflash import TargetHead
+        from specserve.speculative.layers import TargetHead
 
         m = target.model
         table = m.embed_table.float() * (m.cfg.embed_scale if m.cfg.embed_scale != 1.0 else 1.0)
