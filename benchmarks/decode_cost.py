@@ -3,6 +3,7 @@
     python benchmarks/decode_cost.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--formats none,int8,q4]
         [--rows 1,2,4,8,16] [--context 256] [--layout verify|batch] [--min-time 2] [--markdown cost.md]
         [--activations int8,fp32] [--paths fused,python] [--kv-dtypes fp32,int8]
+        [--variants "label=cflags;label=cflags"]
 
 One forward of the full model (all layers + lm_head, logits for every row) is timed for M rows:
   verify: ONE sequence with M new tokens after --context cached tokens (the shape of verifying M-1
@@ -25,6 +26,7 @@ cache's bytes are what a decode step reads besides the weights).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -37,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from specserve.engine.builder import set_threads  # noqa: E402
+from specserve.kernels import library  # noqa: E402
 from specserve.models.layers import linears  # noqa: E402
 from specserve.models.loader import LoadOptions, load_model  # noqa: E402
 from specserve.engine.model_runner import BatchEntry, build_forward_batch  # noqa: E402
@@ -95,32 +98,37 @@ def measure(model_name: str, fmt: str, a: argparse.Namespace) -> list[dict]:
     n_seqs = 1 if a.layout == "verify" else max(rows)
     kvs = {d: filled_cache(cfg, bps * n_seqs, d) for d in kv_dtypes}
     batches = {m: make_batch(m, a.context, a.layout, bps, cfg.vocab_size) for m in rows}
-    cases = [(act, path, d, m) for act in acts for path in paths for d in kv_dtypes for m in rows]
-    times: dict[tuple[str, str, str, int], list[float]] = {c: [] for c in cases}
+    builds = a.builds or {"": None}
+    cases = [(act, path, d, b, m) for act in acts for path in paths for d in kv_dtypes for b in builds for m in rows]
+    times: dict[tuple[str, str, str, str, int], list[float]] = {c: [] for c in cases}
+
+    def run(case, model=model, batches=batches, kvs=kvs) -> float:
+        act, path, d, b, m = case
+        set_case(model, act, path)
+        with library.using(builds[b]) if builds[b] is not None else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            model.forward(batches[m], kvs[d])
+            return time.perf_counter() - t0
+
     with torch.inference_mode():
-        for act, path, d, m in cases:  # warm-up
-            set_case(model, act, path)
-            for _ in range(2):
-                model.forward(batches[m], kvs[d])
+        for case in cases:  # warm-up
+            run(case), run(case)
         t_end, rnd = time.perf_counter() + a.min_time * len(cases), 0
         while rnd < a.min_rounds or (time.perf_counter() < t_end and rnd < a.max_rounds):
             for case in cases[rnd % len(cases):] + cases[:rnd % len(cases)]:
-                act, path, d, m = case
-                set_case(model, act, path)
-                t0 = time.perf_counter()
-                model.forward(batches[m], kvs[d])
-                times[case].append(time.perf_counter() - t0)
+                times[case].append(run(case))
             rnd += 1
     model.fused = True
     out = []
-    for act, path, d in [(act, path, d) for act in acts for path in paths for d in kv_dtypes]:
-        med = {m: statistics.median(times[(act, path, d, m)]) for m in rows}
+    for act, path, d, b in [(act, path, d, b) for act in acts for path in paths for d in kv_dtypes for b in builds]:
+        med = {m: statistics.median(times[(act, path, d, b, m)]) for m in rows}
         label = fmt if fmt == "none" else f"{fmt} ({act} act.)"
         label += f", {path}" if len(paths) > 1 or path != "fused" else ""
         label += f", {d} KV" if len(kv_dtypes) > 1 or d != "fp32" else ""
+        label += f", {b}" if b else ""
         out.append({"model": model_name, "format": label, "weights_mb": model.weight_bytes() / 1e6,
                     "load_s": load_s, "rounds": rnd, "median_ms": {m: med[m] * 1e3 for m in rows},
-                    "min_ms": {m: min(times[(act, path, d, m)]) * 1e3 for m in rows},
+                    "min_ms": {m: min(times[(act, path, d, b, m)]) * 1e3 for m in rows},
                     "ratio_vs_1": {m: med[m] / med[rows[0]] for m in rows}})
     del lm, model, kvs, batches
     gc.collect()
@@ -159,10 +167,15 @@ def main() -> int:
     ap.add_argument("--kv-dtypes", default="fp32",
                     help="KV cache dtypes to time (--kv-cache-dtype values: fp32, bf16, fp16, fp8_e4m3, int8, "
                          "int4), interleaved like the row counts")
+    ap.add_argument("--variants", default="",
+                    help="kernel builds to compare, 'label=cflags;label=cflags' (e.g. 'pairs=-DQP_SINGLE_ROWS=0;"
+                         "single='), interleaved like the row counts")
     ap.add_argument("--out", default=None)
     ap.add_argument("--markdown", default=None)
     a = ap.parse_args()
     threads = set_threads(a.threads)
+    a.builds = {label: library.build_with_flags(flags)
+                for label, flags in (v.split("=", 1) for v in a.variants.split(";") if v)}
     results = []
     for model in a.models.split(","):
         for fmt in a.formats.split(","):
@@ -175,7 +188,7 @@ def main() -> int:
     print(md)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"args": vars(a), "threads": threads, "results": results}, f, indent=1)
+            json.dump({"args": {k: v for k, v in vars(a).items() if k != "builds"}, "threads": threads, "results": results}, f, indent=1)
     if a.markdown:
         with open(a.markdown, "w") as f:
             f.write(md)

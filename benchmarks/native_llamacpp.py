@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -43,6 +44,7 @@ sys.path.insert(0, str(HERE.parent))
 from specserve.bench.fetch import pip_download  # noqa: E402
 from specserve.bench.serverproc import ManagedServer, free_port  # noqa: E402
 from specserve.bench.suites import load_suites  # noqa: E402
+from specserve.kernels.build import cpu_signature  # noqa: E402
 from specserve.models.catalog import CATALOG, cache_root, resolve_model  # noqa: E402
 
 LLAMACPP_VERSION = "0.3.36"  # llama-cpp-python sdist whose vendor/llama.cpp is built
@@ -66,10 +68,9 @@ def build_native(version: str = LLAMACPP_VERSION) -> Path:
     top = native_dir(version)
     bindir = top / "build" / "bin"
     stamp = top / "build" / "specserve-flags"
-    if stamp.exists() and stamp.read_text() != NO_AMX:
-        stamp.unlink()
-        for t in TARGETS:
-            (bindir / t).unlink(missing_ok=True)
+    want = f"{NO_AMX}\n{cpu_signature()}"  # -march=native: a build from another CPU is rebuilt
+    if stamp.exists() and stamp.read_text() != want:  # cmake would relink the old objects: start over
+        shutil.rmtree(top / "build")
     if all((bindir / t).exists() for t in TARGETS) and stamp.exists():
         return bindir
     top.mkdir(parents=True, exist_ok=True)
@@ -94,7 +95,7 @@ def build_native(version: str = LLAMACPP_VERSION) -> Path:
         for cmd in (configure, build):
             if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
                 sys.exit(f"llama.cpp build failed ({' '.join(cmd[:2])}); tail of {log}:\n{log.read_text()[-3000:]}")
-    stamp.write_text(NO_AMX)
+    stamp.write_text(want)
     print(f"built in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     return bindir
 

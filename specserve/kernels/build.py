@@ -91,7 +91,7 @@ def _compiler_version(cc: str) -> str:
         return f"unknown ({e})"
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """Host CPU identity: a -march=native binary must not be reused elsewhere."""
     parts = [platform.machine()]
     try:
@@ -139,7 +139,7 @@ def _lib_key(src: bytes, cc: str, ccver: str, variant: str) -> str:
     h.update(json.dumps([COMMON_FLAGS, _candidates(variant), OPENMP_FLAG, variant]).encode())
     h.update(cc.encode())
     h.update(ccver.encode())
-    h.update(_cpu_signature().encode())
+    h.update(cpu_signature().encode())
     return h.hexdigest()[:20]
 
 

@@ -125,6 +125,35 @@ def _get_lib(variant: str = "native") -> ctypes.CDLL | None:
         return _lib_cache[variant]
 
 
+def build_with_flags(flags: str) -> ctypes.CDLL:
+    """The chosen build compiled with extra compiler flags (e.g. ``-DQP_PF_BYTES=4096``), for
+    benchmarks that compare builds in one process (``using``)."""
+    saved = os.environ.get("SPECSERVE_KERNEL_CFLAGS")
+    os.environ["SPECSERVE_KERNEL_CFLAGS"] = flags
+    try:
+        res = _build.build(chosen_build()["variant"])
+    finally:
+        if saved is None:
+            os.environ.pop("SPECSERVE_KERNEL_CFLAGS", None)
+        else:
+            os.environ["SPECSERVE_KERNEL_CFLAGS"] = saved
+    if res.lib is None:
+        raise RuntimeError(f"kernel build with {flags!r} failed: {res.error}")
+    return _declare(res.lib)
+
+
+@contextlib.contextmanager
+def using(lib: ctypes.CDLL):
+    """Route the chosen build's calls to ``lib`` (from build_with_flags) inside the block."""
+    variant = chosen_build()["variant"]
+    own = _get_lib(variant)
+    _lib_cache[variant] = lib
+    try:
+        yield
+    finally:
+        _lib_cache[variant] = own
+
+
 _choice_lock = threading.Lock()
 _choice: dict[str, Any] = {}
 

@@ -36,6 +36,13 @@ SS_INLINE void pq_prefetch(const uint8_t *p, int n) {
     for (int o = 0; o < n; o += 64) __builtin_prefetch(p + QP_PF_BYTES + o, 0, 2);
 }
 
+#ifndef QP_SINGLE_ROWS
+/* one weight stream per thread: qwen2.5-coder-1.5b's forward at 1 row 29 ms instead of 38-40, at
+   8 rows 45-48 instead of 58-60, at 16 rows 81 instead of 87-100 (Zen 5, 2 threads,
+   benchmarks/decode_cost.py --variants); prefill-sized calls keep the pairs */
+#define QP_SINGLE_ROWS 16
+#endif
+
 #if defined(SS_AVX2)
 #if defined(SS_AVX512)
 #define QP_R 8 /* rows per pass over a panel */
@@ -440,15 +447,19 @@ static int linear_panel(const float *x, int64_t M, int64_t K, int64_t ldx, const
     const int64_t np = panel_count(N), pstride = K / be * panel_block_bytes(fmt);
     const int par = nthreads > 1 && (double)M * (double)N * (double)K > 200000.0 && np > 1;
     const int rt = fmt == FMT_Q4_0 || fmt == FMT_Q4_1 ? QP_R41 : QP_R; /* rows per pass */
+    /* panels per pass: a pair shares each activation load between two weight streams a panel
+       apart; up to QP_SINGLE_ROWS rows a thread reads one panel at a time, one stream, which the
+       memory keeps up with better (the same bits either way) */
+    const int G = M <= QP_SINGLE_ROWS ? 1 : 2;
 #pragma omp parallel num_threads(nthreads) if (par)
     {
         float acc[2 * QP_R * PN] SS_ALIGN;
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) px_row(fmt, x + m * ldx, K, xb + m * L.stride, &L);
 #pragma omp for schedule(static)
-        for (int64_t p2 = 0; p2 < (np + 1) / 2; p2++) { /* pairs of panels */
-            const int64_t p = 2 * p2, n0 = p * PN;
-            const int NP = p + 1 < np ? 2 : 1;
+        for (int64_t p2 = 0; p2 < (np + G - 1) / G; p2++) { /* groups of G panels */
+            const int64_t p = G * p2, n0 = p * PN;
+            const int NP = p + 1 < np ? G : 1;
             const int nb = (int)(N - n0 < NP * PN ? N - n0 : NP * PN);
             for (int64_t m0 = 0; m0 < M; m0 += rt) {
                 const int R = (int)(M - m0 < rt ? M - m0 : rt);
