@@ -91,3 +91,18 @@ def test_serve_logs_the_chosen_build(caplog):
         _log_kernels()
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("C kernels:"))
     assert f"{library.chosen_build()['variant']} build" in line and "integer dot:" in line
+
+
+def test_using_routes_the_chosen_build_and_restores_it():
+    """benchmarks compare kernel builds in one process: calls go to the given library inside the
+    block, to the chosen build again after it, even when the block raises."""
+    variant = library.chosen_build()["variant"]
+    own = library._get_lib(variant)
+    other = object()
+    with library.using(other):
+        assert library._get_lib(variant) is other
+    assert library._get_lib(variant) is own
+    with pytest.raises(RuntimeError):
+        with library.using(other):
+            raise RuntimeError("benchmark failed")
+    assert library._get_lib(variant) is own
