@@ -17,3 +17,11 @@ for m in smollm2-135m gemma3-270m qwen2.5-coder-0.5b; do
   python benchmarks/native_llamacpp.py --model $m --tokens 128 --rounds 2 --limit 1 \
     --configs "llama.cpp plain,specserve plain" --out $D/native_$m.json --markdown $D/native_$m.md
 done
+# the same A/B with the AVX2 build (what a Zen 3 runs)
+SPECSERVE_KERNEL_VARIANT=avx2 python benchmarks/decode_cost.py --models qwen2.5-coder-1.5b --formats auto --rows 1,4,8 \
+  --context 256 --min-time 2 --variants "pairs=-DQP_SINGLE_ROWS=0;single=" --markdown $D/variants_decode_avx2.md
+# smollm2-135m's speculation
+python benchmarks/native_llamacpp.py --model smollm2-135m --tokens 128 --rounds 2 --limit 1 \
+  --configs "llama.cpp plain,llama.cpp ngram-mod,specserve plain,specserve ngram,specserve suffix" \
+  --out $D/native_smollm2_spec.json --markdown $D/native_smollm2_spec.md
+# interleaved pairs (not kept): see interleave/ab.md
