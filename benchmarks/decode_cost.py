@@ -85,6 +85,14 @@ def set_case(model, act: str, path: str) -> None:
     model.fused = path == "fused"
 
 
+def timed_forward(model, batch: ForwardBatch, kv: KVCache, lib) -> float:
+    """Seconds of one forward, with the kernel build ``lib`` (None: the chosen one)."""
+    with library.using(lib) if lib is not None else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        model.forward(batch, kv)
+        return time.perf_counter() - t0
+
+
 def measure(model_name: str, fmt: str, a: argparse.Namespace) -> list[dict]:
     t = time.perf_counter()
     lm = load_model(model_name, LoadOptions("cpu", "auto", fmt))
@@ -102,21 +110,17 @@ def measure(model_name: str, fmt: str, a: argparse.Namespace) -> list[dict]:
     cases = [(act, path, d, b, m) for act in acts for path in paths for d in kv_dtypes for b in builds for m in rows]
     times: dict[tuple[str, str, str, str, int], list[float]] = {c: [] for c in cases}
 
-    def run(case, model=model, batches=batches, kvs=kvs) -> float:
-        act, path, d, b, m = case
-        set_case(model, act, path)
-        with library.using(builds[b]) if builds[b] is not None else contextlib.nullcontext():
-            t0 = time.perf_counter()
-            model.forward(batches[m], kvs[d])
-            return time.perf_counter() - t0
-
     with torch.inference_mode():
-        for case in cases:  # warm-up
-            run(case), run(case)
+        for act, path, d, b, m in cases:  # warm-up
+            set_case(model, act, path)
+            for _ in range(2):
+                timed_forward(model, batches[m], kvs[d], builds[b])
         t_end, rnd = time.perf_counter() + a.min_time * len(cases), 0
         while rnd < a.min_rounds or (time.perf_counter() < t_end and rnd < a.max_rounds):
             for case in cases[rnd % len(cases):] + cases[:rnd % len(cases)]:
-                times[case].append(run(case))
+                act, path, d, b, m = case
+                set_case(model, act, path)
+                times[case].append(timed_forward(model, batches[m], kvs[d], builds[b]))
             rnd += 1
     model.fused = True
     out = []

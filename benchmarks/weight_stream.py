@@ -43,17 +43,24 @@ def timed(fn, rounds: int) -> float:
     return statistics.median(ts)
 
 
-def synthetic(rounds: int) -> list[tuple[str, float]]:
-    buf = torch.ones(1 << 28)  # 1 GiB
-    rows = [("plain read, torch sum over 1 GiB", buf.numel() * 4 / timed(buf.sum, rounds) / 1e9)]
-    del buf
+def synthetic_cases() -> list[tuple[str, object, int]]:
+    """(what, call, weight bytes): one-row Q4_K and Q6_K linears over random blocks, cache-resident
+    and streamed from memory."""
+    cases = []
     for qtype, bb in BLOCK_BYTES.items():
         for n, where in ((8192, "cache-resident"), (131072, "streamed")):
             w, x = random_block_weight(qtype, n, 1536), torch.randn(1, 1536)
             nbytes = n * 1536 // 256 * bb
-            rows.append((f"{qtype} 1 row, {n}x1536 ({nbytes / 1e6:.0f} MB, {where})",
-                         nbytes / timed(lambda: linear(x, w), rounds) / 1e9))
-    return rows
+            cases.append((f"{qtype} 1 row, {n}x1536 ({nbytes / 1e6:.0f} MB, {where})",
+                          (lambda w=w, x=x: linear(x, w)), nbytes))
+    return cases
+
+
+def synthetic(rounds: int) -> list[tuple[str, float]]:
+    buf = torch.ones(1 << 28)  # 1 GiB
+    rows = [("plain read, torch sum over 1 GiB", buf.numel() * 4 / timed(buf.sum, rounds) / 1e9)]
+    del buf
+    return rows + [(what, nbytes / timed(fn, rounds) / 1e9) for what, fn, nbytes in synthetic_cases()]
 
 
 def model_pass(name: str):
@@ -75,11 +82,7 @@ def model_pass(name: str):
 def variant_rows(a, libs: dict[str, object], run, model_bytes: int) -> list[tuple[str, float]]:
     """Every case of synthetic() and the model pass, per build, the builds taking turns each round."""
     cases = [(f"{a.model}: every linear, 1 row ({model_bytes / 1e6:.0f} MB)", run, model_bytes)]
-    for qtype, bb in BLOCK_BYTES.items():
-        for n, where in ((8192, "cache-resident"), (131072, "streamed")):
-            w, x = random_block_weight(qtype, n, 1536), torch.randn(1, 1536)
-            cases.append((f"{qtype} 1 row, {n}x1536 ({where})", (lambda w=w, x=x: linear(x, w)),
-                          n * 1536 // 256 * bb))
+    cases += synthetic_cases()
     times = {(label, c): [] for label in libs for c in range(len(cases))}
     for r in range(a.rounds):
         order = list(libs)[r % len(libs):] + list(libs)[:r % len(libs)]
@@ -101,7 +104,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--prefetch", default="", help="comma list of prefetch distances in bytes to compare")
     ap.add_argument("--variants", default="", help="builds to compare, 'label=cflags;label=cflags' "
-                    "(e.g. 'one chain=-DQP_ACC_MAX=1;split=')")
+                    "(e.g. 'pairs=-DQP_SINGLE_ROWS=0;single=')")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--markdown", default=None)
     a = ap.parse_args()

@@ -25,3 +25,6 @@ python benchmarks/native_llamacpp.py --model smollm2-135m --tokens 128 --rounds 
   --configs "llama.cpp plain,llama.cpp ngram-mod,specserve plain,specserve ngram,specserve suffix" \
   --out $D/native_smollm2_spec.json --markdown $D/native_smollm2_spec.md
 # interleaved pairs (not kept): see interleave/ab.md
+# smollm2-135m alone (variants_smollm2.md)
+python benchmarks/decode_cost.py --models smollm2-135m --formats auto --rows 1,4,8 --context 512 --min-time 2 \
+  --variants "pairs=-DQP_SINGLE_ROWS=0;single=;single to 4=-DQP_SINGLE_ROWS=4"

@@ -230,26 +230,22 @@ class DraftPolicy:
 
     def learn(self, seq: Sequence, num_drafted: int, num_accepted: int, cut: bool = False) -> None:
         """One step's outcome: into the sequence's estimate (``update``) and into the prior."""
-        share = self.step_share(num_drafted, num_accepted, cut)
+        share = self.update(seq, num_drafted, num_accepted, cut)
         if share is not None:  # (a sequence with drafts went through lengths(): its estimate is set)
-            self.update(seq, num_drafted, num_accepted, cut)
             self.prior += PRIOR_ALPHA * (share - self.prior)
 
     @staticmethod
-    def step_share(num_drafted: int, num_accepted: int, cut: bool = False) -> float | None:
-        """A step's accepted share of the draft positions it tried (None: no news). ``cut``: the
-        drafter stopped before the length asked for (draft_p_min); the position it did not draft
-        counts as a rejection, since the estimate is the chance that asking for one more draft
-        yields one more token (else an unsure drafter looks always right and is always asked for
-        k_max, and a draft cut to nothing never lowers the estimate while its draft work is spent)."""
+    def update(seq: Sequence, num_drafted: int, num_accepted: int, cut: bool = False,
+               alpha: float = 0.3) -> float | None:
+        """Fold one step's outcome into the sequence's acceptance estimate; returns the step's
+        accepted share of the draft positions it tried (None: no news). ``cut``: the drafter
+        stopped before the length asked for (draft_p_min); the position it did not draft counts
+        as a rejection, since the estimate is the chance that asking for one more draft yields one
+        more token (else an unsure drafter looks always right and is always asked for k_max, and
+        a draft cut to nothing never lowers the estimate while its draft work is spent)."""
         if num_drafted == 0 and not cut:
             return None
         tries = num_accepted + (1 if num_accepted < num_drafted or cut else 0)
-        return num_accepted / tries
-
-    @staticmethod
-    def update(seq: Sequence, num_drafted: int, num_accepted: int, cut: bool = False, alpha: float = 0.3) -> None:
-        """Fold one step's outcome into the sequence's acceptance estimate (``step_share``)."""
-        share = DraftPolicy.step_share(num_drafted, num_accepted, cut)
-        if share is not None:
-            seq.accept_ema = (1 - alpha) * seq.accept_ema + alpha * share
+        share = num_accepted / tries
+        seq.accept_ema = (1 - alpha) * seq.accept_ema + alpha * share
+        return share

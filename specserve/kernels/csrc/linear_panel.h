@@ -37,9 +37,9 @@ SS_INLINE void pq_prefetch(const uint8_t *p, int n) {
 }
 
 #ifndef QP_SINGLE_ROWS
-/* one weight stream per thread: qwen2.5-coder-1.5b's forward at 1 row 29 ms instead of 38-40, at
-   8 rows 45-48 instead of 58-60, at 16 rows 81 instead of 87-100 (Zen 5, 2 threads,
-   benchmarks/decode_cost.py --variants); prefill-sized calls keep the pairs */
+/* one weight stream per thread: qwen2.5-coder-1.5b's forward at 1 row 31.2 ms instead of 38.3, at
+   8 rows 49.4 instead of 58.0, at 16 rows 93.1 instead of 96.7 (Zen 5, 2 threads,
+   benchmarks/decode_cost.py --variants, results_final/zen5_1203); prefill-sized calls keep the pairs */
 #define QP_SINGLE_ROWS 16
 #endif
 
