@@ -172,7 +172,20 @@ def ask(http: httpx.Client, model: str, messages: list[dict], tokens: int, chat:
     n = data["usage"]["completion_tokens"]
     choice = data["choices"][0]
     text = choice["message"]["content"] if chat else choice["text"]
-    return {"text": text, "tokens": n, "wall_s": wall, "tok_s": n / wall}
+    return {"text": text, "tokens": n, "wall_s": wall, "tok_s": n / wall, **spec_counts(data)}
+
+
+def spec_counts(data: dict) -> dict:
+    """What both servers report in llama.cpp's ``timings`` field: decode tok/s (prefill excluded)
+    and, with speculation, the tokens drafted and accepted; ours also counts its verification steps
+    (``usage.speculative``), which gives the mean acceptance length (tokens per target forward)."""
+    t = data.get("timings") or {}
+    out = {"decode_tok_s": t.get("predicted_per_second"), "drafted": t.get("draft_n"),
+           "accepted": t.get("draft_n_accepted")}
+    spec = data.get("usage", {}).get("speculative")
+    if spec:
+        out["steps"] = spec["steps"]
+    return out
 
 
 def run_server(label: str, argv: list[str], prompts: list, tokens: int, chat: bool = True) -> list[dict]:
@@ -208,8 +221,22 @@ def summarize(results: list[dict], labels: list[str], suites: list[str]) -> list
                 "tok_s": statistics.median(r["tok_s"] for r in mine),
                 "vs_llamacpp": statistics.median(r["tok_s"] / b["tok_s"] for r, b in zip(mine, base) if b),
                 "same_text": f"{sum(s is not None and s['text'] == r['text'] for r, s in zip(mine, same))}/{len(mine)}",
+                **acceptance(mine),
             })
     return rows
+
+
+def acceptance(runs: list[dict]) -> dict:
+    """Over a configuration's requests: median decode tok/s, the share of drafted tokens accepted,
+    and (ours) the mean acceptance length, tokens per verification step (the accepted drafts plus
+    the target's own token); None where the server reported nothing."""
+    dec = [r["decode_tok_s"] for r in runs if r.get("decode_tok_s")]
+    drafted = sum(r.get("drafted") or 0 for r in runs)
+    steps = sum(r.get("steps") or 0 for r in runs)
+    accepted = sum(r.get("accepted") or 0 for r in runs)
+    return {"decode_tok_s": statistics.median(dec) if dec else None, "drafted": drafted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_acceptance_length": (steps + accepted) / steps if steps else None}
 
 
 def markdown(rows: list[dict], args: argparse.Namespace) -> str:
@@ -224,7 +251,22 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     for label in dict.fromkeys(r["config"] for r in rows):
         cells = [f"{by[label, s]['tok_s']:.1f} ({by[label, s]['vs_llamacpp']:.2f}x)" for s in suites]
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {by[label, 'all']['same_text']} |")
+    lines += ["", "Decode only (the servers' own `timings`, prefill excluded), median tok/s per suite; speculation: "
+              "accepted share of the drafted tokens, and mean acceptance length (tokens per target forward, "
+              "specserve's `usage.speculative`):", "",
+              "| configuration | " + " | ".join(suites) + " | accepted | mean acc. length |",
+              "|---|" + "---|" * (len(suites) + 2)]
+    for label in dict.fromkeys(r["config"] for r in rows):
+        cells = [fmt(by[label, s]["decode_tok_s"], "{:.1f}") for s in suites]
+        tot = by[label, "all"]
+        rate = "-" if label.endswith("plain") else "none drafted" if not tot["drafted"] else f"{tot['acceptance_rate']:.0%}"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {rate} | "
+                     f"{fmt(tot['mean_acceptance_length'], '{:.2f}')} |")
     return "\n".join(lines) + "\n"
+
+
+def fmt(x, spec: str) -> str:
+    return "-" if x is None else spec.format(x)
 
 
 def main() -> None:

@@ -3,6 +3,7 @@ from scratch on another (its objects are -march=native; cmake alone would only r
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,31 @@ def test_a_build_from_another_cpu_is_rebuilt_and_this_cpus_is_reused(tmp_path, m
     calls.clear()
     assert nl.build_native() == bindir  # same CPU: reused
     assert calls == []
+
+
+def test_the_table_reports_decode_speed_and_acceptance_from_the_servers_timings():
+    """Both servers' ``timings`` (llama-server's fields) give decode tok/s and drafted / accepted
+    counts; ours adds its verification steps, hence the mean acceptance length."""
+    llama = {"timings": {"predicted_per_second": 20.0, "draft_n": 10, "draft_n_accepted": 5}, "usage": {}}
+    ours = {"timings": {"predicted_per_second": 40.0, "draft_n": 12, "draft_n_accepted": 9},
+            "usage": {"speculative": {"steps": 3}}}
+    plain = {"timings": {"predicted_per_second": 30.0}, "usage": {}}
+    assert nl.spec_counts(llama) == {"decode_tok_s": 20.0, "drafted": 10, "accepted": 5}
+    assert nl.spec_counts(ours)["steps"] == 3
+
+    def run(config, data, tok_s, text="t"):
+        return {"config": config, "prompt": "code/p", "suite": "code", "round": 0, "tok_s": tok_s, "text": text,
+                **nl.spec_counts(data)}
+
+    results = [run("llama.cpp plain", plain, 10.0), run("llama.cpp ngram-mod", plain, 11.0),
+               run("specserve plain", plain, 15.0), run("specserve draft", ours, 30.0)]
+    rows = nl.summarize(results, [r["config"] for r in results], ["code"])
+    by = {(r["config"], r["suite"]): r for r in rows}
+    assert by["specserve draft", "code"]["vs_llamacpp"] == 3.0
+    assert by["specserve draft", "all"]["acceptance_rate"] == 0.75
+    assert by["specserve draft", "all"]["mean_acceptance_length"] == 4.0  # (3 steps + 9 accepted) / 3
+    assert by["llama.cpp ngram-mod", "all"]["acceptance_rate"] is None
+    text = nl.markdown(rows, argparse.Namespace(model="m", tokens=8, rounds=1, limit=1))
+    assert "| specserve draft | 40.0 | 75% | 4.00 |" in text
+    assert "| llama.cpp ngram-mod | 30.0 | none drafted | - |" in text
+    assert "| llama.cpp plain | 30.0 | - | - |" in text
