@@ -20,7 +20,7 @@ ratio to llama.cpp plain on the same prompt and round; "same text" counts output
 the same engine's plain greedy output.
 
 llama.cpp's speculative configurations are its own (``--spec-type ngram-simple``, ``ngram-mod``,
-``-md DRAFT --spec-draft-n-max N``); ours are the ``--speculative-config`` JSON of each row.
+``--spec-type draft-simple -md DRAFT --spec-draft-n-max N``); ours are the ``--speculative-config`` JSON of each row.
 """
 
 from __future__ import annotations
@@ -133,7 +133,9 @@ def configurations(model: str, bindir: Path) -> dict[str, list[str]]:
            "llama.cpp ngram-simple": lcpp + ["--spec-type", "ngram-simple"],
            "llama.cpp ngram-mod": lcpp + ["--spec-type", "ngram-mod"]}
     if draft:
-        out["llama.cpp draft-simple"] = lcpp + ["-md", str(gguf_of(draft)), "--spec-draft-n-max", "8"]
+        # -md alone loads the draft and leaves it unused: this llama.cpp drafts only with a --spec-type
+        out["llama.cpp draft-simple"] = lcpp + ["--spec-type", "draft-simple", "-md", str(gguf_of(draft)),
+                                                "--spec-draft-n-max", "8"]
     out |= {"specserve plain": ours,
             "specserve ngram": ours + ["--speculative-config", '{"method": "ngram"}'],
             "specserve suffix": ours + ["--speculative-config", '{"method": "suffix"}']}

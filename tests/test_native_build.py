@@ -70,3 +70,15 @@ def test_the_table_reports_decode_speed_and_acceptance_from_the_servers_timings(
     assert "| specserve draft | 40.0 | 75% | 4.00 |" in text
     assert "| llama.cpp ngram-mod | 30.0 | none drafted | - |" in text
     assert "| llama.cpp plain | 30.0 | - | - |" in text
+
+
+def test_every_llamacpp_speculative_row_names_its_spec_type(monkeypatch, tmp_path):
+    """llama-server drafts only with --spec-type: "-md DRAFT" alone loads the draft model and never
+    uses it (a row labelled draft-simple measured plain decode until this test)."""
+    monkeypatch.setattr(nl, "gguf_of", lambda model: tmp_path / f"{model}.gguf")
+    configs = nl.configurations("qwen2.5-coder-1.5b", tmp_path)
+    for label, argv in configs.items():
+        if label.startswith("llama.cpp") and label != "llama.cpp plain":
+            kind = label.removeprefix("llama.cpp ")
+            assert argv[argv.index("--spec-type") + 1] == kind, label
+    assert "-md" in configs["llama.cpp draft-simple"]
