@@ -261,7 +261,8 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     for label in dict.fromkeys(r["config"] for r in rows):
         cells = [fmt(by[label, s]["decode_tok_s"], "{:.1f}") for s in suites]
         tot = by[label, "all"]
-        rate = "-" if label.endswith("plain") else "none drafted" if not tot["drafted"] else f"{tot['acceptance_rate']:.0%}"
+        rate = ("-" if label.endswith("plain") else "none drafted" if not tot["drafted"]
+                else f"{tot['acceptance_rate']:.0%}")
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {rate} | "
                      f"{fmt(tot['mean_acceptance_length'], '{:.2f}')} |")
     return "\n".join(lines) + "\n"
