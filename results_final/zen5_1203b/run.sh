@@ -8,3 +8,6 @@ for run in run1 run2; do
     --configs "llama.cpp plain,llama.cpp draft-simple,specserve plain,specserve draft q4_0 32K,specserve suffix then draft q4_0 32K" \
     --out $D/native_qwen1.5b_$run.json --markdown $D/native_qwen1.5b_$run.md
 done
+# verification width on every catalog model, again (compare results_final/zen5_1203/decode_cost.md)
+python benchmarks/decode_cost.py --models smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b \
+  --formats auto --rows 1,2,4,8,16 --context 512 --min-time 1.5 --markdown $D/decode_cost.md
