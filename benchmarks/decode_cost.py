@@ -93,7 +93,8 @@ def timed_forward(model, batch: ForwardBatch, kv: KVCache, lib) -> float:
         return time.perf_counter() - t0
 
 
-def measure(model_name: str, fmt: str, a: argparse.Namespace) -> list[dict]:
+def measure(model_name: str, fmt: str, a: argparse.Namespace, builds: dict) -> list[dict]:
+    """builds: label -> kernel library to time (``{"": None}``: the chosen build alone)."""
     t = time.perf_counter()
     lm = load_model(model_name, LoadOptions("cpu", "auto", fmt))
     load_s = time.perf_counter() - t
@@ -106,7 +107,6 @@ def measure(model_name: str, fmt: str, a: argparse.Namespace) -> list[dict]:
     n_seqs = 1 if a.layout == "verify" else max(rows)
     kvs = {d: filled_cache(cfg, bps * n_seqs, d) for d in kv_dtypes}
     batches = {m: make_batch(m, a.context, a.layout, bps, cfg.vocab_size) for m in rows}
-    builds = a.builds or {"": None}
     cases = [(act, path, d, b, m) for act in acts for path in paths for d in kv_dtypes for b in builds for m in rows]
     times: dict[tuple[str, str, str, str, int], list[float]] = {c: [] for c in cases}
 
@@ -178,12 +178,12 @@ def main() -> int:
     ap.add_argument("--markdown", default=None)
     a = ap.parse_args()
     threads = set_threads(a.threads)
-    a.builds = {label: library.build_with_flags(flags)
-                for label, flags in (v.split("=", 1) for v in a.variants.split(";") if v)}
+    builds = {label: library.build_with_flags(flags)
+              for label, flags in (v.split("=", 1) for v in a.variants.split(";") if v)}
     results = []
     for model in a.models.split(","):
         for fmt in a.formats.split(","):
-            for r in measure(model.strip(), fmt.strip(), a):
+            for r in measure(model.strip(), fmt.strip(), a, builds or {"": None}):
                 print(f"{r['model']} {r['format']}: " + "  ".join(
                     f"M={m} {v:.1f}ms" for m, v in r["median_ms"].items()) + f"  ({r['rounds']} rounds)",
                     file=sys.stderr, flush=True)
@@ -192,7 +192,7 @@ def main() -> int:
     print(md)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(a).items() if k != "builds"}, "threads": threads, "results": results}, f, indent=1)
+            json.dump({"args": vars(a), "threads": threads, "results": results}, f, indent=1)
     if a.markdown:
         with open(a.markdown, "w") as f:
             f.write(md)

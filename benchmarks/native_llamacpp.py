@@ -44,6 +44,7 @@ sys.path.insert(0, str(HERE.parent))
 from specserve.bench.fetch import pip_download  # noqa: E402
 from specserve.bench.serverproc import ManagedServer, free_port  # noqa: E402
 from specserve.bench.suites import load_suites  # noqa: E402
+from specserve.engine.types import AcceptanceStats  # noqa: E402
 from specserve.kernels.build import cpu_signature  # noqa: E402
 from specserve.models.catalog import CATALOG, cache_root, resolve_model  # noqa: E402
 
@@ -233,12 +234,12 @@ def acceptance(runs: list[dict]) -> dict:
     and (ours) the mean acceptance length, tokens per verification step (the accepted drafts plus
     the target's own token); None where the server reported nothing."""
     dec = [r["decode_tok_s"] for r in runs if r.get("decode_tok_s")]
-    drafted = sum(r.get("drafted") or 0 for r in runs)
-    steps = sum(r.get("steps") or 0 for r in runs)
-    accepted = sum(r.get("accepted") or 0 for r in runs)
-    return {"decode_tok_s": statistics.median(dec) if dec else None, "drafted": drafted,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "mean_acceptance_length": (steps + accepted) / steps if steps else None}
+    total = AcceptanceStats(steps=sum(r.get("steps") or 0 for r in runs),
+                            draft_tokens=sum(r.get("drafted") or 0 for r in runs),
+                            accepted_tokens=sum(r.get("accepted") or 0 for r in runs))
+    return {"decode_tok_s": statistics.median(dec) if dec else None, "drafted": total.draft_tokens,
+            "acceptance_rate": total.acceptance_rate if total.draft_tokens else None,
+            "mean_acceptance_length": total.mean_acceptance_length if total.steps else None}
 
 
 def markdown(rows: list[dict], args: argparse.Namespace) -> str:

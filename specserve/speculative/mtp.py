@@ -272,7 +272,7 @@ class MTPDrafter(Drafter):
         tokens (ranked by the directory's token counts if it has them, else by the standard
         library's), as dflash does."""
         counts = load_token_counts(Path(where).expanduser()) if draft_vocab_size and where else None
-        vocab = cut_vocab(target.model, target.tokenizer, draft_vocab_size, counts) if draft_vocab_size else None
+        vocab = cut_vocab(target.model, target.tokenizer, draft_vocab_size, counts)  # None: the full head
         if where:
             p = Path(where).expanduser()
             if p.is_dir() and (p / "config.json").is_file() and \
