@@ -576,10 +576,11 @@ def test_paged_attention_grouping_invariance(impl, D, Hq, Hkv, cap, window):
 
 @needs_c
 @pytest.mark.parametrize("variant", ["c-avx2", "c-scalar"])
-@pytest.mark.parametrize("D,Hq,Hkv", [(64, 8, 2), (100, 6, 3), (36, 4, 4)])
+@pytest.mark.parametrize("D,Hq,Hkv", [(64, 8, 2), (100, 6, 3), (36, 4, 4), (64, 9, 3)])
 def test_paged_attention_same_bits_in_every_build(variant, D, Hq, Hkv):
-    """The AVX-512 (two keys per register), AVX2 and scalar attention give the same bits on
-    prefill-like runs (several rows of a sequence per work item) and single rows."""
+    """The AVX-512 (two query vectors per register, odd counts padded), AVX2 and scalar attention
+    give the same bits on prefill-like runs (several rows of a sequence per work item) and single
+    rows."""
     try:
         ops._select(variant)
     except ops.KernelError as e:
@@ -769,12 +770,17 @@ def test_act_mul_matches_torch(act):
 @needs_c
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_act_mul_vector_scalar_and_batch_invariance(act):
-    """The AVX2 loop and the scalar tail give the same bits for the same values (a row of 13: 8 in
-    the vector loop, 5 in the tail), as do the AVX2 and scalar builds; rows are independent."""
+    """The AVX-512 and AVX2 loops and the scalar tail give the same bits for the same values (a row
+    of 29: 16 in the 16-lane loop, 8 in the 8-lane one, 5 in the tail; a row of 13: 8 and 5), as do
+    the AVX2 and scalar builds; rows are independent."""
     gate, up = _act_inputs(5, 8)
     g13, u13 = torch.cat([gate, gate[:, :5]], 1), torch.cat([up, up[:, :5]], 1)
     got = ops.act_mul(g13, u13, act, impl="c")
     assert torch.equal(got[:, 8:], got[:, :5])
+    g16, u16 = _act_inputs(5, 16, seed=5)
+    got29 = ops.act_mul(torch.cat([g16, g16[:, :8], g16[:, :5]], 1), torch.cat([u16, u16[:, :8], u16[:, :5]], 1),
+                        act, impl="c")
+    assert torch.equal(got29[:, 16:24], got29[:, :8]) and torch.equal(got29[:, 24:], got29[:, :5])
     fused = torch.cat([gate, up], 1)  # gate|up halves as strided views
     assert torch.equal(ops.act_mul(fused[:, :8], fused[:, 8:], act, impl="c"), got[:, :8])
     for t in range(5):

@@ -4,6 +4,12 @@
 #define ATT_QV 4 /* query vectors per block of the multi-vector kernels */
 #define ATT_QT 4 /* rows of one sequence per work item (with the heads of a kv head) */
 #define ATT_VMAX 64 /* query vectors per work item at most (rows x heads) */
+#ifndef ATT_PAIRS
+#define ATT_PAIRS 1 /* AVX-512: the scores of two query vectors per register (dot8x8_pairs) */
+#endif
+#if defined(SS_AVX512) && ATT_PAIRS
+#define ATT_PAIR512 1
+#endif
 
 #ifdef SS_AVX2
 /* out[v] = the 8 scores dot8x8(qv[v], kp) for v < NV: per (vector, key) the same lanes, FMAs
@@ -39,11 +45,6 @@ SS_INLINE void dot8x8_multi(const int NV, const float *const *qv, const float *c
 #endif
 
 #ifdef SS_AVX512
-/* dot8x8_multi with two keys per 512-bit register (lanes 0-7 key 2p, 8-15 key 2p + 1): the
-   same lanes, FMAs (masked tail included) and hsum8x8 per (vector, key), half the FMAs */
-SS_INLINE __m512 join8x2(__m256 lo, __m256 hi) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
-}
 /* hsum8x8 of the 8 keys held two per register (a[p] = [key 2p | key 2p + 1]): the same additions
    of the same pairs (fp addition commutes), with half the shuffles. 128-bit lanes: a[p] = [lo(2p),
    hi(2p), lo(2p + 1), hi(2p + 1)]; s(j) = lo(j) + hi(j) as in hsum8x8's first step. */
@@ -61,36 +62,56 @@ SS_INLINE __m256 hsum8x8_512(const __m512 a[4]) {
                                    _mm256_shuffle_ps(q0, q1, _MM_SHUFFLE(3, 1, 3, 1)));
     return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
-SS_INLINE void dot8x8_multi512(const int NV, const float *const *qv, const float *const *kp, int D, __m256 *out) {
-    __m512 a[ATT_QV][4];
-    for (int v = 0; v < NV; v++)
-        for (int p = 0; p < 4; p++) a[v][p] = _mm512_setzero_ps();
-    int d = 0;
-    for (; d + 8 <= D; d += 8) {
-        __m512 k[4];
-        for (int p = 0; p < 4; p++) k[p] = join8x2(_mm256_loadu_ps(kp[2 * p] + d), _mm256_loadu_ps(kp[2 * p + 1] + d));
-        for (int v = 0; v < NV; v++) {
-            const __m256 q8 = _mm256_loadu_ps(qv[v] + d);
-            const __m512 qd = join8x2(q8, q8);
-            for (int p = 0; p < 4; p++) a[v][p] = _mm512_fmadd_ps(qd, k[p], a[v][p]);
-        }
+#endif
+
+#ifdef ATT_PAIR512
+/* vectors of one query tile (ATT_QB) for the pair kernel: two per 512-bit register, each pair's
+   query packed once as [q_a(d .. d + 7) | q_b(d .. d + 7)] per 8 dims, zero past D (so the
+   masked tail FMAs are dot8x8's: 0 * 0 added) */
+#define ATT_QB 6
+SS_INLINE void pack_pairs(const float *const *qv, int n, int D, float *qp) {
+    const int D8 = (D + 7) / 8 * 8;
+    for (int v = 0; v < (n + 1) / 2 * 2; v++) { /* an odd tile repeats its last vector */
+        const float *q = qv[v < n ? v : n - 1];
+        float *o = qp + (v / 2) * 2 * D8 + 8 * (v % 2);
+        for (int d = 0; d < D8; d++) o[16 * (d / 8) + d % 8] = d < D ? q[d] : 0.0f;
     }
-    if (d < D) {
-        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(D - d), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m512 k[4];
-        for (int p = 0; p < 4; p++)
-            k[p] = join8x2(_mm256_maskload_ps(kp[2 * p] + d, mask), _mm256_maskload_ps(kp[2 * p + 1] + d, mask));
-        for (int v = 0; v < NV; v++) {
-            const __m256 q8 = _mm256_maskload_ps(qv[v] + d, mask);
-            const __m512 qd = join8x2(q8, q8);
-            for (int p = 0; p < 4; p++) a[v][p] = _mm512_fmadd_ps(qd, k[p], a[v][p]);
-        }
-    }
-    for (int v = 0; v < NV; v++) out[v] = hsum8x8_512(a[v]);
 }
-#define DOT8X8_MULTI dot8x8_multi512
+/* out[2p], out[2p + 1] = dot8x8 of the pair p's two vectors for NP pairs: each register holds both
+   vectors' 8 lanes of one key (the key's 8 dims broadcast to both halves, no shuffle in the loop),
+   the same FMAs per lane as dot8x8 and its hsum8x8 (as hsum8x8_512) per (vector, key) */
+SS_INLINE void dot8x8_pairs(const int NP, const float *qp, const float *const *kp, int D, __m256 *out) {
+    const int D8 = (D + 7) / 8 * 8;
+    __m512 a[ATT_QB / 2][8];
+    for (int p = 0; p < NP; p++)
+        for (int j = 0; j < 8; j++) a[p][j] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        __m512 q[ATT_QB / 2];
+        for (int p = 0; p < NP; p++) q[p] = _mm512_loadu_ps(qp + p * 2 * D8 + 2 * d);
+        if (d + 8 <= D) {
+            for (int j = 0; j < 8; j++) {
+                const __m512 k = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(kp[j] + d))));
+                for (int p = 0; p < NP; p++) a[p][j] = _mm512_fmadd_ps(q[p], k, a[p][j]);
+            }
+            continue;
+        }
+        const __mmask8 m = (__mmask8)((1u << (D - d)) - 1);
+        for (int j = 0; j < 8; j++) {
+            const __m512 k = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_maskz_loadu_ps(m, kp[j] + d))));
+            for (int p = 0; p < NP; p++) a[p][j] = _mm512_fmadd_ps(q[p], k, a[p][j]);
+        }
+    }
+    for (int p = 0; p < NP; p++) {
+        __m512 lo[4], hi[4];
+        for (int i = 0; i < 4; i++) {
+            lo[i] = _mm512_shuffle_f32x4(a[p][2 * i], a[p][2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0));
+            hi[i] = _mm512_shuffle_f32x4(a[p][2 * i], a[p][2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2));
+        }
+        out[2 * p] = hsum8x8_512(lo), out[2 * p + 1] = hsum8x8_512(hi);
+    }
+}
 #else
-#define DOT8X8_MULTI dot8x8_multi
+#define ATT_QB ATT_QV
 #endif
 
 /* scores of nv vectors qs[v] over keys [0, L) (L % 8 == 0 on AVX2 builds) into scs[v], mx[v] updated:
@@ -99,20 +120,30 @@ static void attn_scores_multi(const float *const *qs, int nv, const float *kbase
                               int D, float scale, float softcap, float *const *scs, float *mx, int pf) {
 #ifdef SS_AVX2
     const __m256 vscale = _mm256_set1_ps(scale);
-    for (int v0 = 0; v0 < nv; v0 += ATT_QV) {
-        const int n = nv - v0 < ATT_QV ? nv - v0 : ATT_QV;
-        __m256 vmx[ATT_QV]; /* without a softcap: each vector's running max, lane by lane (a max is exact in any order) */
+    for (int v0 = 0; v0 < nv; v0 += ATT_QB) {
+        const int n = nv - v0 < ATT_QB ? nv - v0 : ATT_QB;
+        __m256 vmx[ATT_QB]; /* without a softcap: each vector's running max, lane by lane (a max is exact in any order) */
         for (int w = 0; w < n; w++) vmx[w] = _mm256_set1_ps(mx[v0 + w]);
+#ifdef ATT_PAIR512
+        float qp[ATT_QB * ATT_DMAX] SS_ALIGN;
+        if (n > 1) pack_pairs(qs + v0, n, D, qp);
+#endif
         for (int64_t i = 0; i < L; i += 8) {
             const float *kp[8];
             for (int64_t j = i + ATT_PF; pf && v0 == 0 && j < i + ATT_PF + 8 && j < L; j++)
                 prefetch_bytes(kbase + koff[j], 4 * D);
             for (int j = 0; j < 8; j++) kp[j] = kbase + koff[i + j];
-            __m256 r[ATT_QV];
+            __m256 r[ATT_QB + 1];
             switch (n) {
-            case 4: DOT8X8_MULTI(4, qs + v0, kp, D, r); break;
-            case 3: DOT8X8_MULTI(3, qs + v0, kp, D, r); break;
-            case 2: DOT8X8_MULTI(2, qs + v0, kp, D, r); break;
+#ifdef ATT_PAIR512
+            case 6: case 5: dot8x8_pairs(3, qp, kp, D, r); break;
+            case 4: case 3: dot8x8_pairs(2, qp, kp, D, r); break;
+            case 2: dot8x8_pairs(1, qp, kp, D, r); break;
+#else
+            case 4: dot8x8_multi(4, qs + v0, kp, D, r); break;
+            case 3: dot8x8_multi(3, qs + v0, kp, D, r); break;
+            case 2: dot8x8_multi(2, qs + v0, kp, D, r); break;
+#endif
             default: r[0] = dot8x8(qs[v0], kp, D); break; /* 8 accumulator chains, not 4 */
             }
             if (softcap <= 0.0f) {
@@ -159,7 +190,7 @@ SS_INLINE void values_multi(const int NV, const float *const *pw, const float *v
     int d0 = 0;
 #if defined(SS_AVX512)
     for (; d0 + 64 <= D; d0 += 64) {
-        __m512 a[ATT_QV][4];
+        __m512 a[ATT_QB][4];
         for (int v = 0; v < NV; v++)
             for (int c = 0; c < 4; c++) a[v][c] = _mm512_loadu_ps(acc[v] + d0 + 16 * c);
         for (int64_t i = 0; i < L; i++) {
@@ -181,7 +212,7 @@ SS_INLINE void values_multi(const int NV, const float *const *pw, const float *v
 #endif
 #if defined(SS_AVX2)
     for (; d0 + 16 <= D; d0 += 16) {
-        __m256 a[ATT_QV][2];
+        __m256 a[ATT_QB][2];
         for (int v = 0; v < NV; v++)
             for (int c = 0; c < 2; c++) a[v][c] = _mm256_loadu_ps(acc[v] + d0 + 8 * c);
         for (int64_t i = 0; i < L; i++) {
@@ -207,8 +238,12 @@ SS_INLINE void values_multi(const int NV, const float *const *pw, const float *v
 
 static void attn_values_multi(const float *const *pw, int nv, const float *vbase, const int64_t *voff, int64_t L,
                               int D, float *const *acc, int pf) {
-    for (int v0 = 0; v0 < nv; v0 += ATT_QV) {
-        switch (nv - v0 < ATT_QV ? nv - v0 : ATT_QV) {
+    for (int v0 = 0; v0 < nv; v0 += ATT_QB) {
+        switch (nv - v0 < ATT_QB ? nv - v0 : ATT_QB) {
+#if ATT_QB > 4
+        case 6: values_multi(6, pw + v0, vbase, voff, L, D, acc + v0, pf); break;
+        case 5: values_multi(5, pw + v0, vbase, voff, L, D, acc + v0, pf); break;
+#endif
         case 4: values_multi(4, pw + v0, vbase, voff, L, D, acc + v0, pf); break;
         case 3: values_multi(3, pw + v0, vbase, voff, L, D, acc + v0, pf); break;
         case 2: values_multi(2, pw + v0, vbase, voff, L, D, acc + v0, pf); break;
