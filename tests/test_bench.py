@@ -520,7 +520,8 @@ def test_ab_mode_sequential(serve, clock, tmp_path, suite_file) -> None:
 def test_managed_server_health_and_death(tmp_path: Path) -> None:
     script = tmp_path / "srv.py"
     script.write_text(
-        "import sys, http.server\n"
+        "import sys, http.server, signal\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # a shell's background job ignores SIGINT
         "class H(http.server.BaseHTTPRequestHandler):\n"
         "    def do_GET(self):\n"
         "        self.send_response(200); self.end_headers(); self.wfile.write(b'ok')\n"
