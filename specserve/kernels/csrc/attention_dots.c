@@ -5,7 +5,8 @@
 #define ATT_QT 4 /* rows of one sequence per work item (with the heads of a kv head) */
 #define ATT_VMAX 64 /* query vectors per work item at most (rows x heads) */
 #ifndef ATT_PAIRS
-#define ATT_PAIRS 1 /* AVX-512: the scores of two query vectors per register (dot8x8_pairs) */
+#define ATT_PAIRS 1 /* AVX-512: the scores of two query vectors per register (dot8x8_pairs); 0: the AVX2
+                       build's dot8x8_multi instead (an in-process A/B, decode_cost.py --variants) */
 #endif
 #if defined(SS_AVX512) && ATT_PAIRS
 #define ATT_PAIR512 1
@@ -88,7 +89,7 @@ SS_INLINE void dot8x8_pairs(const int NP, const float *qp, const float *const *k
     for (int d = 0; d < D; d += 8) {
         __m512 q[ATT_QB / 2];
         for (int p = 0; p < NP; p++) q[p] = _mm512_loadu_ps(qp + p * 2 * D8 + 2 * d);
-        if (d + 8 <= D) {
+        if (d + 8 <= D) { /* a plain load broadcasts from memory; a masked one would need a shuffle */
             for (int j = 0; j < 8; j++) {
                 const __m512 k = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(kp[j] + d))));
                 for (int p = 0; p < NP; p++) a[p][j] = _mm512_fmadd_ps(q[p], k, a[p][j]);
@@ -133,7 +134,7 @@ static void attn_scores_multi(const float *const *qs, int nv, const float *kbase
             for (int64_t j = i + ATT_PF; pf && v0 == 0 && j < i + ATT_PF + 8 && j < L; j++)
                 prefetch_bytes(kbase + koff[j], 4 * D);
             for (int j = 0; j < 8; j++) kp[j] = kbase + koff[i + j];
-            __m256 r[ATT_QB + 1];
+            __m256 r[ATT_QB];
             switch (n) {
 #ifdef ATT_PAIR512
             case 6: case 5: dot8x8_pairs(3, qp, kp, D, r); break;

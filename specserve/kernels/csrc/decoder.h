@@ -101,20 +101,6 @@ enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
    (silu) or -2 sqrt(2/pi) (g + 0.044715 g^3) (gelu_tanh) */
 SS_NOCONTRACT static void act_row(const float *g, const float *u, int64_t n, int act, float *o) {
     int64_t i = 0;
-#ifdef SS_AVX512
-    for (; i + 16 <= n; i += 16) { /* the AVX2 loop's operations on 16 lanes */
-        const __m512 gv = _mm512_loadu_ps(g + i), one = _mm512_set1_ps(1.0f);
-        __m512 a;
-        if (act == ACT_SILU) {
-            a = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), _mm512_set1_epi32(INT32_MIN)));
-        } else {
-            const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(gv, gv), gv);
-            a = _mm512_mul_ps(_mm512_set1_ps(GELU_M2K), _mm512_add_ps(gv, _mm512_mul_ps(_mm512_set1_ps(GELU_K0), g3)));
-        }
-        const __m512 y = _mm512_div_ps(gv, _mm512_add_ps(one, exp_avx512(a)));
-        _mm512_storeu_ps(o + i, _mm512_mul_ps(y, _mm512_loadu_ps(u + i)));
-    }
-#endif
 #ifdef SS_AVX2
     const __m256 one = _mm256_set1_ps(1.0f), k0 = _mm256_set1_ps(GELU_K0), m2k = _mm256_set1_ps(GELU_M2K);
     const __m256 neg = _mm256_set1_ps(-0.0f);

@@ -58,28 +58,6 @@ SS_INLINE __m256 exp_avx2(__m256 x) {
 }
 #endif
 
-#ifdef SS_AVX512
-/* exp_avx2 on 16 lanes: the same operations per lane, so the same bits */
-SS_INLINE __m512 exp_avx512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2EF)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C1), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C2), r);
-    __m512 z = _mm512_mul_ps(r, r);
-    __m512 y = _mm512_set1_ps(EXP_P0);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P1));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P2));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P3));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P4));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P5));
-    y = _mm512_fmadd_ps(y, z, r);
-    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-#endif
-
 /* in-place exp(v[i] - mx); returns the sum in a fixed order (8 lanes + hsum8) */
 static float exp_sub_sum(float *v, int n, float mx) {
     float lanes[8] SS_ALIGN = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -87,14 +65,6 @@ static float exp_sub_sum(float *v, int n, float mx) {
 #ifdef SS_AVX2
     __m256 vm = _mm256_set1_ps(mx);
     __m256 s = _mm256_setzero_ps();
-#ifdef SS_AVX512
-    for (; i + 16 <= n; i += 16) { /* exps 16 at a time, summed 8 by 8 in the same order */
-        const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(v + i), _mm512_set1_ps(mx)));
-        _mm512_storeu_ps(v + i, e);
-        s = _mm256_add_ps(s, _mm512_castps512_ps256(e));
-        s = _mm256_add_ps(s, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
-    }
-#endif
     for (; i + 8 <= n; i += 8) {
         __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(v + i), vm));
         _mm256_storeu_ps(v + i, e);
