@@ -18,6 +18,9 @@ python benchmarks/native_llamacpp.py --model gemma3-270m --tokens 128 --rounds 1
   --out "$out/native_gemma3.json" --markdown "$out/native_gemma3.md"
 python benchmarks/native_llamacpp.py --model qwen2.5-coder-0.5b --tokens 128 --rounds 1 --limit 2 \
   --out "$out/native_qwen0.5b.json" --markdown "$out/native_qwen0.5b.md"
+# one forward (1 and 8 rows) against llama-bench's, fresh processes taking turns
+python benchmarks/forward_vs_llamacpp.py --rounds 3 --out "$out/forward_vs_llamacpp.json" \
+  --markdown "$out/forward_vs_llamacpp.md"
 python benchmarks/structured.py --model smollm2-135m --drafters ngram,draft_model --every 2 \
   --out "$out/structured_smollm2.json"
 python benchmarks/structured.py --model qwen2.5-coder-1.5b --drafters ngram \

@@ -22,7 +22,7 @@ from specserve.kernels import build, ops
 HAVE_C = ops.kernels_available()
 needs_c = pytest.mark.skipif(not HAVE_C, reason="C kernels unavailable (no compiler?)")
 
-ROW_COUNTS = (1, 2, 3, 7, 8, 9, 17, 64)
+ROW_COUNTS = (1, 2, 3, 7, 8, 9, 12, 16, 17, 64)
 IMPLS = [pytest.param("c", marks=needs_c), "torch"]
 
 
@@ -395,7 +395,7 @@ def test_simd_and_scalar_builds_bit_identical(variant):
             for int_dot in (True, False):
                 if fmt != "f32":
                     w.int_dot = int_dot
-                for m in (1, 2, 5, 8, 40):
+                for m in (1, 2, 5, 8, 9, 16, 40):
                     x = torch.randn(m, k)
                     a = ops.linear(x, w, bias, impl="c")
                     assert torch.equal(a, ops.linear(x, w, bias, impl=variant)), (fmt, shape, int_dot, m)

@@ -32,8 +32,15 @@
    unused (Xeon, weights larger than its 300 MB last-level cache). 16 KiB ahead rather than 8:
    with 8 rows a panel takes 8 times the arithmetic per byte, and the shorter lead left the
    stream waiting (qwen2.5-coder-1.5b, 8 rows: 77-79 ms instead of 84-88, one row the same) */
+#ifndef QP_PF_HINT
+#define QP_PF_HINT 2 /* __builtin_prefetch's locality: 3 prefetcht0, 2 t1, 1 t2, 0 nta */
+#endif
 SS_INLINE void pq_prefetch(const uint8_t *p, int n) {
-    for (int o = 0; o < n; o += 64) __builtin_prefetch(p + QP_PF_BYTES + o, 0, 2);
+#if QP_PF_BYTES > 0 /* 0: no software prefetch */
+    for (int o = 0; o < n; o += 64) __builtin_prefetch(p + QP_PF_BYTES + o, 0, QP_PF_HINT);
+#else
+    (void)p, (void)n;
+#endif
 }
 
 #ifndef QP_SINGLE_ROWS
@@ -44,11 +51,24 @@ SS_INLINE void pq_prefetch(const uint8_t *p, int n) {
 #endif
 
 #if defined(SS_AVX2)
+/* rows per pass: QP_R over one panel (calls of up to QP_SINGLE_ROWS rows, verification-sized),
+   QP_R2 over a pair of panels (prefill-sized). One pass for all rows of a verification: a 9-row
+   call in passes of 8 + 1 re-ran the whole unpacking for the ninth row, a Q4_K linear streamed
+   from memory took 7.7 ms for 9 rows against 5.8 ms for 8 (Zen 4, 131072x1536); qwen2.5-coder-1.5b's
+   9-row forward 70.4 instead of 77.8 ms */
 #if defined(SS_AVX512)
-#define QP_R 8 /* rows per pass over a panel */
+#ifndef QP_R
+/* 12, not 16: 16 rows in one pass were slower than two passes of 8 (gemma3-270m, 16 rows:
+   32.6 vs 28.4 ms; 12 rows was level or better everywhere, benchmarks/decode_cost.py --variants) */
+#define QP_R 12
+#endif
+#define QP_R2 8
 #define QP_R41 4
 #else
-#define QP_R 2
+#ifndef QP_R
+#define QP_R 4 /* of 16 registers */
+#endif
+#define QP_R2 2
 #define QP_R41 2
 #endif
 
@@ -67,7 +87,7 @@ SS_INLINE vi16 vi_dot4_signed(vi16 S, vi16 wu, vi16 w, vi16 x) {
 /* S[h][r] += w[h] . (the activation word at byte xo of row r), R rows x NP panels */
 SS_INLINE void pq_dot_rows(const int R, const int NP, const uint8_t *xb, const PXLay *L, int64_t xo, const vi16 *w,
                            vi16 S[2][QP_R]) {
-    _Pragma("GCC unroll 8")
+    _Pragma("GCC unroll 16")
     for (int r = 0; r < R; r++) {
         const vi16 x = vi_bcast32(xb + r * L->stride + xo);
         _Pragma("GCC unroll 2")
@@ -79,7 +99,7 @@ SS_INLINE void pq_dot_rows(const int R, const int NP, const uint8_t *xb, const P
 SS_INLINE void pq_scale_add(const int R, const int NP, int32_t *Ia, vi16 S[2][QP_R], const vi16 *sc) {
     _Pragma("GCC unroll 2")
     for (int h = 0; h < NP; h++)
-        _Pragma("GCC unroll 8")
+        _Pragma("GCC unroll 16")
         for (int r = 0; r < R; r++) {
             int32_t *ia = Ia + 16 * (h * QP_R + r);
             vi_store(ia, vi_add32(vi_load(ia), vi_mul32(S[h][r], sc[h])));
@@ -94,7 +114,7 @@ SS_INLINE void pq_q8x(const int fmt, const int R, const int NP, const uint8_t *x
     for (int i = 0; i < NP * QP_R; i++) vf_store(out + 16 * i, vf_zero());
     for (int64_t b = 0; b < K / 32; b++) {
         vi16 S[2][QP_R];
-        _Pragma("GCC unroll 8")
+        _Pragma("GCC unroll 16")
         for (int r = 0; r < R; r++) {
 #ifdef QL_U8BIAS
             const vi16 c0 = vi_bcast32((const int32_t *)(xb + r * L->stride + L->o_aux) + b);
@@ -106,7 +126,7 @@ SS_INLINE void pq_q8x(const int fmt, const int R, const int NP, const uint8_t *x
         }
         _Pragma("GCC unroll 2")
         for (int h = 0; h < NP; h++) pq_prefetch(pp + h * ps + bb * b, bb);
-        _Pragma("GCC unroll 8")
+        _Pragma("GCC unroll 16")
         for (int c = 0; c < 8; c++) {
             vi16 w[2], wu[2];
             _Pragma("GCC unroll 2")
@@ -118,7 +138,7 @@ SS_INLINE void pq_q8x(const int fmt, const int R, const int NP, const uint8_t *x
                 wu[h] = vi_abs8(w[h]);
 #endif
             }
-            _Pragma("GCC unroll 8")
+            _Pragma("GCC unroll 16")
             for (int r = 0; r < R; r++) {
                 const vi16 x = vi_bcast32((const int8_t *)(xb + r * L->stride) + 32 * b + 4 * c);
                 _Pragma("GCC unroll 2")
@@ -128,7 +148,7 @@ SS_INLINE void pq_q8x(const int fmt, const int R, const int NP, const uint8_t *x
         _Pragma("GCC unroll 2")
         for (int h = 0; h < NP; h++) {
             const vf16 d = fmt == FMT_I8 ? vf_zero() : vf_h16(pp + h * ps + bb * b + 512);
-            _Pragma("GCC unroll 8")
+            _Pragma("GCC unroll 16")
             for (int r = 0; r < R; r++) {
                 const vf16 dx = vf_set1(((const float *)(xb + r * L->stride + L->o_dx))[b]);
                 float *o = out + 16 * (h * QP_R + r);
@@ -209,9 +229,9 @@ SS_INLINE void pq_q4k(const int fmt, const int R, const int NP, const uint8_t *x
             vi16 S[2][QP_R];
             _Pragma("GCC unroll 2")
             for (int h = 0; h < NP; h++)
-                _Pragma("GCC unroll 8")
+                _Pragma("GCC unroll 16")
                 for (int r = 0; r < R; r++) S[h][r] = vi_zero();
-            _Pragma("GCC unroll 8")
+            _Pragma("GCC unroll 16")
             for (int c = 0; c < 8; c++) {
                 vi16 w[2];
                 _Pragma("GCC unroll 2")
@@ -231,7 +251,7 @@ SS_INLINE void pq_q4k(const int fmt, const int R, const int NP, const uint8_t *x
             const uint8_t *pb = pp + h * ps + 2368 * s;
             const vi16 mn0 = vi_load(pb + 2176), mn1 = vi_load(pb + 2240);
             const vf16 d = vf_h16(pb + 2304), dmin = vf_h16(pb + 2336);
-            _Pragma("GCC unroll 8")
+            _Pragma("GCC unroll 16")
             for (int r = 0; r < R; r++) {
                 const uint8_t *xr = xb + r * L->stride;
                 const uint8_t *hl = xr + L->o_aux + 16 * s;
@@ -261,7 +281,7 @@ SS_INLINE void pq_q6k(const int fmt, const int R, const int NP, const uint8_t *x
             if (u < 14) /* the block's 53 lines, 4 per sub-block */
                 for (int h = 0; h < NP; h++) pq_prefetch(pp + h * ps + 3360 * s + 256 * u, u < 13 ? 256 : 32);
             vi16 S[2][QP_R];
-            _Pragma("GCC unroll 8")
+            _Pragma("GCC unroll 16")
             for (int r = 0; r < R; r++) {
                 const vi16 c0 = vi_bcast32((const int32_t *)(xb + r * L->stride + L->o_aux) + 16 * s + u);
                 _Pragma("GCC unroll 2")
@@ -288,7 +308,7 @@ SS_INLINE void pq_q6k(const int fmt, const int R, const int NP, const uint8_t *x
         _Pragma("GCC unroll 2")
         for (int h = 0; h < NP; h++) {
             const vf16 d = vf_h16(pp + h * ps + 3360 * s + 3328);
-            _Pragma("GCC unroll 8")
+            _Pragma("GCC unroll 16")
             for (int r = 0; r < R; r++) {
                 const vf16 dx = vf_set1(((const float *)(xb + r * L->stride + L->o_dx))[s]);
                 float *o = out + 16 * (h * QP_R + r);
@@ -300,23 +320,20 @@ SS_INLINE void pq_q6k(const int fmt, const int R, const int NP, const uint8_t *x
 
 #define PQ_NP(FN, R_)                                                                                      \
     (NP == 2 ? FN(F_, R_, 2, xb, L, pp, ps, K, out) : FN(F_, R_, 1, xb, L, pp, ps, K, out))
-#if QP_R == 8
+#define PQ_ONE(FN, R_) FN(F_, R_, 1, xb, L, pp, ps, K, out)
+/* R_ rows: one or two panels up to QP_R2 rows, one panel above; the cases above QP_R fold away */
+#define PQ_R(FN, R_)                                                                                       \
+    case R_:                                                                                               \
+        if (R_ > QP_R) break;                                                                              \
+        if (R_ > QP_R2) PQ_ONE(FN, R_);                                                                    \
+        else PQ_NP(FN, R_);                                                                                \
+        break;
 #define PQ_DISPATCH(FN)                                                                                    \
     switch (R) {                                                                                           \
-    case 8: PQ_NP(FN, 8); break;                                                                           \
-    case 7: PQ_NP(FN, 7); break;                                                                           \
-    case 6: PQ_NP(FN, 6); break;                                                                           \
-    case 5: PQ_NP(FN, 5); break;                                                                           \
-    case 4: PQ_NP(FN, 4); break;                                                                           \
-    case 3: PQ_NP(FN, 3); break;                                                                           \
-    case 2: PQ_NP(FN, 2); break;                                                                           \
+    PQ_R(FN, 16) PQ_R(FN, 15) PQ_R(FN, 14) PQ_R(FN, 13) PQ_R(FN, 12) PQ_R(FN, 11) PQ_R(FN, 10) PQ_R(FN, 9)    \
+    PQ_R(FN, 8) PQ_R(FN, 7) PQ_R(FN, 6) PQ_R(FN, 5) PQ_R(FN, 4) PQ_R(FN, 3) PQ_R(FN, 2)                     \
     default: PQ_NP(FN, 1); break;                                                                          \
     }
-#else
-#define PQ_DISPATCH(FN)                                                                                    \
-    if (R == 2) PQ_NP(FN, 2);                                                                              \
-    else PQ_NP(FN, 1);
-#endif
 
 #if QP_R41 == 4
 #define PQ_DISPATCH41(FN)                                                                                  \
@@ -327,7 +344,9 @@ SS_INLINE void pq_q6k(const int fmt, const int R, const int NP, const uint8_t *x
     default: PQ_NP(FN, 1); break;                                                                          \
     }
 #else
-#define PQ_DISPATCH41(FN) PQ_DISPATCH(FN)
+#define PQ_DISPATCH41(FN)                                                                                  \
+    if (R == 2) PQ_NP(FN, 2);                                                                              \
+    else PQ_NP(FN, 1);
 #endif
 
 /* R rows x NP panels at pp, pp + ps -> out[(h * QP_R + r) * 16 + ch] */
@@ -352,9 +371,12 @@ static void pq_rows(int fmt, int R, int NP, const uint8_t *xb, const PXLay *L, c
 #undef PQ_DISPATCH
 #undef PQ_DISPATCH41
 #undef PQ_NP
+#undef PQ_ONE
+#undef PQ_R
 
 #else /* scalar mirror */
 #define QP_R 1
+#define QP_R2 1
 #define QP_R41 1
 
 static void pq_panel(int fmt, const uint8_t *xb, const PXLay *L, const uint8_t *pp, int64_t K, float *out);
@@ -446,11 +468,14 @@ static int linear_panel(const float *x, int64_t M, int64_t K, int64_t ldx, const
     const int be = panel_act_block(fmt);
     const int64_t np = panel_count(N), pstride = K / be * panel_block_bytes(fmt);
     const int par = nthreads > 1 && (double)M * (double)N * (double)K > 200000.0 && np > 1;
-    const int rt = fmt == FMT_Q4_0 || fmt == FMT_Q4_1 ? QP_R41 : QP_R; /* rows per pass */
     /* panels per pass: a pair shares each activation load between two weight streams a panel
        apart; up to QP_SINGLE_ROWS rows a thread reads one panel at a time, one stream, which the
        memory keeps up with better (the same bits either way) */
     const int G = M <= QP_SINGLE_ROWS ? 1 : 2;
+    /* rows per pass: at most cap, in passes as equal as can be (16 rows as 8 + 8, not 12 + 4) */
+    const int cap = fmt == FMT_Q4_0 || fmt == FMT_Q4_1 ? QP_R41 : G == 1 ? QP_R : QP_R2;
+    const int64_t passes = M > cap ? (M + cap - 1) / cap : 1;
+    const int rt = (int)((M + passes - 1) / passes);
 #pragma omp parallel num_threads(nthreads) if (par)
     {
         float acc[2 * QP_R * PN] SS_ALIGN;

@@ -1,0 +1,127 @@
+"""One forward against native llama.cpp's, process by process, taking turns: 1 row and M rows.
+
+    python benchmarks/forward_vs_llamacpp.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--rows 1,8]
+        [--context 512] [--rounds 4] [--out r.json] [--markdown r.md]
+
+The one-token forward is plain decode's cost; the M-row forward is a verification's (M - 1 drafts).
+Per round and model, in turn (the order flips every round):
+- llama.cpp: ``llama-bench -t 2 -fa 1 -d CONTEXT -n 32 -p M`` (built from the llama-cpp-python
+  sdist like ``native_llamacpp.py``): generation at CONTEXT tokens of depth gives ms per token, and
+  a prompt of M tokens at that depth gives the M-row forward (``-p 1`` is not reported: the
+  one-token forward is ``-n``'s);
+- specserve: ``decode_cost.py --rows 1,M --context CONTEXT --formats auto`` in its own process
+  (one sequence with M new tokens after CONTEXT cached ones, logits for every row).
+Each engine is a fresh process per round: this machine's memory speed differs between processes
+by 20-30%, so a ratio from one pair of processes is noise; the table gives every round's ratio
+and the median. "ours / llama.cpp" above 1 means we are faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from native_llamacpp import build_native, gguf_of  # noqa: E402
+
+
+def llama_bench(bench: Path, gguf: Path, rows: list[int], context: int) -> dict[int, float]:
+    """ms per forward of M rows at CONTEXT tokens of depth, M = 1 from generation."""
+    wide = [m for m in rows if m > 1]
+    cmd = [str(bench), "-m", str(gguf), "-t", "2", "-fa", "1", "-r", "2", "-o", "json", "-d", str(context),
+           "-n", "32", "-p", ",".join(map(str, wide)) if wide else "0"]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    out = {}
+    for r in json.loads(res.stdout):
+        if r["n_gen"]:
+            out[1] = 1000.0 / r["avg_ts"]
+        elif r["n_prompt"] in wide:
+            out[r["n_prompt"]] = 1000.0 * r["n_prompt"] / r["avg_ts"]
+    return out
+
+
+def ours(model: str, rows: list[int], context: int, min_time: float) -> dict[int, float]:
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "r.json"
+        subprocess.run([sys.executable, str(HERE / "decode_cost.py"), "--models", model, "--formats", "auto",
+                        "--rows", ",".join(map(str, rows)), "--context", str(context), "--min-time", str(min_time),
+                        "--out", str(out)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        r = json.loads(out.read_text())["results"][0]
+    return {int(m): v for m, v in r["median_ms"].items()}
+
+
+def markdown(runs: list[dict], rows: list[int], context: int) -> str:
+    wide = max(rows)
+    head = (f"ms per forward at {context} tokens of context, 2 threads; ratio = llama.cpp / ours "
+            f"(above 1: we are faster); t({wide})/t(1) per engine\n\n"
+            f"| model | round | llama.cpp 1 row | ours 1 row | ratio | llama.cpp {wide} rows | ours {wide} rows "
+            f"| ratio | t({wide})/t(1) llama.cpp | t({wide})/t(1) ours |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in runs):
+        mine = [r for r in runs if r["model"] == model]
+        for r in mine:
+            lines.append(row_cells(model, str(r["round"]), r["llama"], r["ours"], wide))
+        med = {side: {m: statistics.median(r[side][m] for r in mine) for m in rows} for side in ("llama", "ours")}
+        ratios = [r["llama"][1] / r["ours"][1] for r in mine]
+        wide_ratios = [r["llama"][wide] / r["ours"][wide] for r in mine]
+        lines.append(row_cells(f"**{model}**", "median", med["llama"], med["ours"], wide,
+                               f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
+                               f"{statistics.median(wide_ratios):.2f} ({min(wide_ratios):.2f}-{max(wide_ratios):.2f})"))
+    return head + "".join(lines)
+
+
+def row_cells(model: str, rnd: str, lc: dict, us: dict, wide: int, r1: str = "", rw: str = "") -> str:
+    r1 = r1 or f"{lc[1] / us[1]:.2f}"
+    rw = rw or f"{lc[wide] / us[wide]:.2f}"
+    return (f"| {model} | {rnd} | {lc[1]:.1f} | {us[1]:.1f} | {r1} | {lc[wide]:.1f} | {us[wide]:.1f} | {rw} "
+            f"| {lc[wide] / lc[1]:.2f} | {us[wide] / us[1]:.2f} |\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
+    ap.add_argument("--rows", default="1,8", help="row counts; 1 is always included")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--min-time", type=float, default=3.0, help="decode_cost's seconds per row count")
+    ap.add_argument("--out")
+    ap.add_argument("--markdown")
+    a = ap.parse_args()
+    rows = sorted({1, *(int(m) for m in a.rows.split(","))})
+    bench = build_native() / "llama-bench"
+    runs = []
+    for rnd in range(a.rounds):
+        for model in a.models.split(","):
+            res = {}
+            for side in (("llama", "ours") if rnd % 2 == 0 else ("ours", "llama")):
+                res[side] = (llama_bench(bench, gguf_of(model), rows, a.context) if side == "llama"
+                             else ours(model, rows, a.context, a.min_time))
+            runs.append({"model": model, "round": rnd + 1, **res})
+            print(f"round {rnd + 1} {model}: llama.cpp {res['llama']} ours {res['ours']}", file=sys.stderr, flush=True)
+    md = markdown(runs, rows, a.context)
+    print(md)
+    if a.out:
+        Path(a.out).write_text(json.dumps({"args": vars(a), "cpu": cpu_name(), "runs": runs}, indent=1))
+    if a.markdown:
+        Path(a.markdown).write_text(md)
+
+
+def cpu_name() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    get = {k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in info.splitlines()[:30] if ":" in ln)}
+    return f"{get.get('model name', '?')} (family {get.get('cpu family', '?')}, model {get.get('model', '?')})"
+
+
+if __name__ == "__main__":
+    main()

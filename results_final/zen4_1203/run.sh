@@ -1,0 +1,29 @@
+#!/bin/sh
+# 2026-12-03, AMD EPYC Zen 4 (family 25), 2 cores: the commands behind results_final/zen4_1203/.
+set -e
+OUT=${OUT:-results_final/zen4_1203}
+# one forward against llama-bench's, fresh processes taking turns (before the rows-per-pass change)
+python benchmarks/forward_vs_llamacpp.py --rounds 3 --out $OUT/forward_vs_llamacpp.json \
+  --markdown $OUT/forward_vs_llamacpp.md
+# software prefetch: off, hints and distance, in one process (QP_PF_BYTES=0 turns it off)
+python benchmarks/weight_stream.py --rounds 20 --variants \
+  "t1_16k=;off=-DQP_PF_BYTES=0;t0_16k=-DQP_PF_HINT=3;nta_16k=-DQP_PF_HINT=0;t1_4k=-DQP_PF_BYTES=4096" \
+  --markdown $OUT/weight_stream_prefetch.md
+# rows per pass over a panel: 16, 12 and 8 (measured before the equal split: passes of QP_R rows, then the rest)
+python benchmarks/decode_cost.py --models gemma3-270m,qwen2.5-coder-1.5b --formats auto --rows 8,9,12,16 \
+  --context 512 --min-time 4 --variants "r16=-DQP_R=16;r12=;r8=-DQP_R=8" --markdown $OUT/rows_per_pass_variants.md
+# the commit before (OLD) and after (NEW), alternating two rounds: rows_{old,new}_{1,2}.*
+for r in 1 2; do
+  for t in old new; do
+    tree=$([ $t = old ] && echo "$OLD" || echo "$NEW")
+    (cd "$tree" && python benchmarks/decode_cost.py --models qwen2.5-coder-1.5b,gemma3-270m,smollm2-135m \
+      --formats auto --rows 1,8,9,12,16 --context 512 --min-time 3 --markdown "$OUT/rows_${t}_$r.md" \
+      --out "$OUT/rows_${t}_$r.json")
+  done
+done
+# two accumulator chains for 1-2 rows (tried, not kept): split_accumulators_not_kept.md, with a
+# temporary -DQP_SPLIT switch: --rows 1,2 --min-time 5 --variants "split=;one=-DQP_SPLIT=0"
+# servers against native llama-server, after the change
+python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --rounds 2 --limit 1 \
+  --configs "llama.cpp plain,specserve plain,specserve draft q4_0 32K" \
+  --out $OUT/native_qwen1.5b.json --markdown $OUT/native_qwen1.5b.md
