@@ -27,3 +27,13 @@ done
 python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --rounds 2 --limit 1 \
   --configs "llama.cpp plain,specserve plain,specserve draft q4_0 32K" \
   --out $OUT/native_qwen1.5b.json --markdown $OUT/native_qwen1.5b.md
+# Q4_K with both nibbles of a chunk in one pass (tried, not kept; a temporary -DQ4K_PAIRS switch):
+# decode_cost.py --models qwen2.5-coder-1.5b --rows 1,4,8,9 --min-time 6 --variants "pairs=;single=-DQ4K_PAIRS=0"
+# -> q4k_pairs_not_kept.md
+# attention's prefetch of cached K / V rows: prefetcht1 32 keys ahead (now) against prefetcht0 16 keys ahead (before)
+python benchmarks/decode_cost.py --models smollm2-135m,qwen2.5-coder-0.5b,gemma3-270m,qwen2.5-coder-1.5b --formats auto \
+  --rows 1,8 --context 512 --min-time 4 --variants "t0_16=-DATT_PF=16 -DATT_PF_HINT=3;t1_32=" --markdown $OUT/att_prefetch_512.md
+python benchmarks/decode_cost.py --models smollm2-135m,qwen2.5-coder-1.5b --formats auto --rows 1,8 --context 2048 \
+  --min-time 4 --variants "t1_32=;t0_16=-DATT_PF=16 -DATT_PF_HINT=3" --markdown $OUT/att_prefetch_2048.md
+python benchmarks/decode_cost.py --models smollm2-135m --formats auto --rows 1,8 --context 2048 --min-time 3 \
+  --kv-dtypes int8,fp16 --variants "t1_32=;t0_16=-DATT_PF=16 -DATT_PF_HINT=3" --markdown $OUT/att_prefetch_2048_kvq.md

@@ -93,12 +93,21 @@ static float exp_sub_sum(float *v, int n, float mx) {
 /* ------------------------------------------------------------------------ */
 
 #define ATT_DMAX 1024
-#define ATT_PF 16 /* keys the loops over cached rows prefetch ahead: the rows of one kv head are strided
-                     by Hkv (and scattered over blocks), which the hardware prefetchers miss */
+/* the loops over cached rows prefetch ATT_PF keys ahead: the rows of one kv head are strided by Hkv
+   (and scattered over blocks), which the hardware prefetchers miss. Into L2 (prefetcht1), 32 keys
+   ahead: prefetcht0 16 keys ahead left smollm2-135m's one-row forward at 15.2 ms instead of 11.4 at
+   2048 keys of context, 7.0 instead of 6.3 at 512 (Zen 4, benchmarks/decode_cost.py --variants,
+   results_final/zen4_1203/att_prefetch_*.md) */
+#ifndef ATT_PF
+#define ATT_PF 32
+#endif
+#ifndef ATT_PF_HINT
+#define ATT_PF_HINT 2
+#endif
 
 /* prefetch the n bytes at p */
 SS_INLINE void prefetch_bytes(const void *p, int64_t n) {
-    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
+    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch((const char *)p + o, 0, ATT_PF_HINT);
 }
 
 #ifdef SS_AVX2
