@@ -37,3 +37,7 @@ python benchmarks/decode_cost.py --models smollm2-135m,qwen2.5-coder-1.5b --form
   --min-time 4 --variants "t1_32=;t0_16=-DATT_PF=16 -DATT_PF_HINT=3" --markdown $OUT/att_prefetch_2048.md
 python benchmarks/decode_cost.py --models smollm2-135m --formats auto --rows 1,8 --context 2048 --min-time 3 \
   --kv-dtypes int8,fp16 --variants "t1_32=;t0_16=-DATT_PF=16 -DATT_PF_HINT=3" --markdown $OUT/att_prefetch_2048_kvq.md
+# the same server run again after the attention prefetch change
+python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --rounds 2 --limit 1 \
+  --configs "llama.cpp plain,specserve plain,specserve draft q4_0 32K" \
+  --out $OUT/native_qwen1.5b_2.json --markdown $OUT/native_qwen1.5b_2.md
