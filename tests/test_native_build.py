@@ -4,13 +4,22 @@ from scratch on another (its objects are -march=native; cmake alone would only r
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import subprocess
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import native_llamacpp as nl  # noqa: E402
+def _load_script():
+    """benchmarks/native_llamacpp.py as a module, without putting benchmarks/ on sys.path: its
+    kernels.py would shadow the ``kernels`` package that transformers looks for."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "native_llamacpp.py"
+    spec = importlib.util.spec_from_file_location("_bench_native_llamacpp", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+nl = _load_script()
 
 
 def test_a_build_from_another_cpu_is_rebuilt_and_this_cpus_is_reused(tmp_path, monkeypatch):

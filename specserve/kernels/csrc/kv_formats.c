@@ -95,7 +95,7 @@ static float exp_sub_sum(float *v, int n, float mx) {
 #define ATT_DMAX 1024
 /* the loops over cached rows prefetch ATT_PF keys ahead: the rows of one kv head are strided by Hkv
    (and scattered over blocks), which the hardware prefetchers miss. Into L2 (prefetcht1), 32 keys
-   ahead: prefetcht0 16 keys ahead left smollm2-135m's one-row forward at 15.2 ms instead of 11.4 at
+   ahead: prefetcht0 16 keys ahead left smollm2-135m's one-row forward at 16.3 ms instead of 11.8 at
    2048 keys of context, 7.0 instead of 6.3 at 512 (Zen 4, benchmarks/decode_cost.py --variants,
    results_final/zen4_1203/att_prefetch_*.md) */
 #ifndef ATT_PF
