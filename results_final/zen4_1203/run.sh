@@ -41,3 +41,8 @@ python benchmarks/decode_cost.py --models smollm2-135m --formats auto --rows 1,8
 python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --rounds 2 --limit 1 \
   --configs "llama.cpp plain,specserve plain,specserve draft q4_0 32K" \
   --out $OUT/native_qwen1.5b_2.json --markdown $OUT/native_qwen1.5b_2.md
+# plain decode of the other three models against native llama-server (after both kernel changes)
+for m in smollm2-135m gemma3-270m qwen2.5-coder-0.5b; do
+  python benchmarks/native_llamacpp.py --model $m --tokens 128 --rounds 2 --limit 2 \
+    --configs "llama.cpp plain,specserve plain" --out $OUT/plain_$m.json --markdown $OUT/plain_$m.md
+done
