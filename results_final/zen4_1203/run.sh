@@ -46,3 +46,6 @@ for m in smollm2-135m gemma3-270m qwen2.5-coder-0.5b; do
   python benchmarks/native_llamacpp.py --model $m --tokens 128 --rounds 2 --limit 2 \
     --configs "llama.cpp plain,specserve plain" --out $OUT/plain_$m.json --markdown $OUT/plain_$m.md
 done
+# fp32 weights' block prefetch hint, t1 vs t0 (tried with a temporary -DLIN_PF_HINT switch, not kept: +-3%)
+# decode_cost.py --models smollm2-135m,qwen2.5-coder-0.5b --formats none --rows 1,8 --context 512 --min-time 4 \
+#   --variants "t1=;t0=-DLIN_PF_HINT=3" -> f32_prefetch_not_kept.md
