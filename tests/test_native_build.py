@@ -10,8 +10,9 @@ from pathlib import Path
 
 
 def _load_script():
-    """benchmarks/native_llamacpp.py as a module, without putting benchmarks/ on sys.path: its
-    kernels.py would shadow the ``kernels`` package that transformers looks for."""
+    """benchmarks/native_llamacpp.py as a module, without putting benchmarks/ on sys.path for the rest
+    of the session: a script there named like a package that transformers probes for (``kernels``,
+    as benchmarks/kernel_times.py was once named) would shadow it in every later test."""
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "native_llamacpp.py"
     spec = importlib.util.spec_from_file_location("_bench_native_llamacpp", path)
     mod = importlib.util.module_from_spec(spec)

@@ -15,6 +15,6 @@ git worktree add /tmp/before c6d32e0
 for i in 1 2 3; do
   (cd /tmp/before && PYTHONPATH=/tmp/before python benchmarks/kernels.py --attention --formats f32 --rows 1 --shapes 1) \
     > $D/att_kernel_old_$i.txt
-  python benchmarks/kernels.py --attention --formats f32 --rows 1 --shapes 1 > $D/att_kernel_new_$i.txt
+  python benchmarks/kernel_times.py --attention --formats f32 --rows 1 --shapes 1 > $D/att_kernel_new_$i.txt  # kernels.py then
 done
 git worktree remove /tmp/before

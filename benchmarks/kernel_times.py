@@ -1,6 +1,6 @@
 """Timing of the batch-invariant CPU kernels vs torch.
 
-    nice -n 5 python benchmarks/kernels.py [--threads 2] [--quick] [--formats f32,int8,q4_0]
+    nice -n 5 python benchmarks/kernel_times.py [--threads 2] [--rows 1,8] [--shapes 0,1] [--formats f32,int8,q4_0]
         [--activations int8,fp32] [--attention [--kv-dtypes fp32,bf16,int8]]
 
 Prints one table: time per call (ms, best of the repeats: the least noisy
@@ -9,6 +9,9 @@ count M, next to torch's fp32 F.linear (which is not batch invariant).
 --activations fp32 (or int8,fp32) also times the int8 / GGUF formats on their
 fp32-activation path (weight.int_dot = False, rows marked "/fp32a"); the
 default int8 is their integer-dot path.
+
+(Not named kernels.py: a script's directory is sys.path[0], and transformers imports any module
+named ``kernels`` it can find, so that name broke every benchmark that builds a transformers model.)
 """
 
 from __future__ import annotations
