@@ -30,17 +30,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from native_llamacpp import build_native, gguf_of  # noqa: E402
+from native_llamacpp import build_native, gguf_of, llama_bench_rows  # noqa: E402
+from specserve.lock.fingerprint import cpu_info  # noqa: E402
 
 
 def llama_bench(bench: Path, gguf: Path, rows: list[int], context: int) -> dict[int, float]:
     """ms per forward of M rows at CONTEXT tokens of depth, M = 1 from generation."""
     wide = [m for m in rows if m > 1]
-    cmd = [str(bench), "-m", str(gguf), "-t", "2", "-fa", "1", "-r", "2", "-o", "json", "-d", str(context),
-           "-n", "32", "-p", ",".join(map(str, wide)) if wide else "0"]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
     out = {}
-    for r in json.loads(res.stdout):
+    for r in llama_bench_rows(bench, gguf, "-fa", "1", "-d", str(context), "-n", "32", "-p",
+                              ",".join(map(str, wide)) if wide else "0"):
         if r["n_gen"]:
             out[1] = 1000.0 / r["avg_ts"]
         elif r["n_prompt"] in wide:
@@ -109,18 +108,9 @@ def main() -> None:
     md = markdown(runs, rows, a.context)
     print(md)
     if a.out:
-        Path(a.out).write_text(json.dumps({"args": vars(a), "cpu": cpu_name(), "runs": runs}, indent=1))
+        Path(a.out).write_text(json.dumps({"args": vars(a), "cpu": cpu_info(), "runs": runs}, indent=1))
     if a.markdown:
         Path(a.markdown).write_text(md)
-
-
-def cpu_name() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    get = {k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in info.splitlines()[:30] if ":" in ln)}
-    return f"{get.get('model name', '?')} (family {get.get('cpu family', '?')}, model {get.get('model', '?')})"
 
 
 if __name__ == "__main__":

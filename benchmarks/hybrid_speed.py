@@ -119,13 +119,10 @@ def gguf_files(ckpt: Path, types: list[str], top: Path) -> dict[str, Path]:
 
 
 def llama_cpp(bench: Path, gguf: Path, prefill: list[int], decode: int, widths: list[int]) -> dict:
-    def run(args: list[str]) -> list[dict]:
-        res = subprocess.run([str(bench), "-m", str(gguf), "-t", "2", "-r", "2", "-o", "json", *args],
-                             capture_output=True, text=True, check=True)
-        return json.loads(res.stdout)
+    from native_llamacpp import llama_bench_rows
 
-    rows = run(["-p", ",".join(map(str, prefill)), "-n", str(decode)])
-    rows += run(["-p", ",".join(map(str, widths)), "-n", "0"])
+    rows = llama_bench_rows(bench, gguf, "-p", ",".join(map(str, prefill)), "-n", str(decode))
+    rows += llama_bench_rows(bench, gguf, "-p", ",".join(map(str, widths)), "-n", "0")
     out = {"prefill_tok_s": {}, "width_s": {}}
     for r in rows:
         if r["n_gen"]:

@@ -122,6 +122,13 @@ def gguf_of(model: str) -> Path:
     return path
 
 
+def llama_bench_rows(bench: Path, gguf: Path, *args: str) -> list[dict]:
+    """llama-bench's JSON result rows for one model: 2 threads, 2 repetitions, then ``args``."""
+    res = subprocess.run([str(bench), "-m", str(gguf), "-t", "2", "-r", "2", "-o", "json", *args],
+                         capture_output=True, text=True, check=True)
+    return json.loads(res.stdout)
+
+
 def configurations(model: str, bindir: Path) -> dict[str, list[str]]:
     """label -> server command line without the port (added per start)."""
     gguf = str(gguf_of(model))

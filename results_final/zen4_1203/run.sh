@@ -49,3 +49,6 @@ done
 # fp32 weights' block prefetch hint, t1 vs t0 (tried with a temporary -DLIN_PF_HINT switch, not kept: +-3%)
 # decode_cost.py --models smollm2-135m,qwen2.5-coder-0.5b --formats none --rows 1,8 --context 512 --min-time 4 \
 #   --variants "t1=;t0=-DLIN_PF_HINT=3" -> f32_prefetch_not_kept.md
+# the build contest's record at the session's last sources
+python -c "from specserve.kernels import ops; i=ops.kernels_info(); print({k:i[k] for k in ('variant','variant_ms','variant_source')})" \
+  > $OUT/kernel_variant.txt

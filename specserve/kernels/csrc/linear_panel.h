@@ -53,13 +53,12 @@ SS_INLINE void pq_prefetch(const uint8_t *p, int n) {
 #if defined(SS_AVX2)
 /* rows per pass: QP_R over one panel (calls of up to QP_SINGLE_ROWS rows, verification-sized),
    QP_R2 over a pair of panels (prefill-sized). One pass for all rows of a verification: a 9-row
-   call in passes of 8 + 1 re-ran the whole unpacking for the ninth row, a Q4_K linear streamed
-   from memory took 7.7 ms for 9 rows against 5.8 ms for 8 (Zen 4, 131072x1536); qwen2.5-coder-1.5b's
-   9-row forward 70.4 instead of 77.8 ms */
+   call in passes of 8 + 1 re-ran the whole unpacking for the ninth row; qwen2.5-coder-1.5b's
+   9-row forward 70.4 ms instead of 77.8 (Zen 4, results_final/zen4_1203/rows_per_pass_variants.md) */
 #if defined(SS_AVX512)
 #ifndef QP_R
-/* 12, not 16: 16 rows in one pass were slower than two passes of 8 (gemma3-270m, 16 rows:
-   32.6 vs 28.4 ms; 12 rows was level or better everywhere, benchmarks/decode_cost.py --variants) */
+/* 12, not 16: 16 rows in one pass were slower than passes of 8 (gemma3-270m, 16 rows: 32.6 vs
+   28.4 ms; 12 rows within 3% of 8 or better, same file) */
 #define QP_R 12
 #endif
 #define QP_R2 8
@@ -126,7 +125,7 @@ SS_INLINE void pq_q8x(const int fmt, const int R, const int NP, const uint8_t *x
         }
         _Pragma("GCC unroll 2")
         for (int h = 0; h < NP; h++) pq_prefetch(pp + h * ps + bb * b, bb);
-        _Pragma("GCC unroll 16")
+        _Pragma("GCC unroll 8")
         for (int c = 0; c < 8; c++) {
             vi16 w[2], wu[2];
             _Pragma("GCC unroll 2")
@@ -231,7 +230,7 @@ SS_INLINE void pq_q4k(const int fmt, const int R, const int NP, const uint8_t *x
             for (int h = 0; h < NP; h++)
                 _Pragma("GCC unroll 16")
                 for (int r = 0; r < R; r++) S[h][r] = vi_zero();
-            _Pragma("GCC unroll 16")
+            _Pragma("GCC unroll 8")
             for (int c = 0; c < 8; c++) {
                 vi16 w[2];
                 _Pragma("GCC unroll 2")
