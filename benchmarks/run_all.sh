@@ -46,6 +46,7 @@ python benchmarks/decode_cost.py --models smollm2-135m,gemma3-270m,qwen2.5-coder
 python benchmarks/hybrid_speed.py --out "$out/hybrid_speed.json" --markdown "$out/hybrid_speed.md"
 # one-row linears' weight read rate vs a plain read, cache-resident vs streamed, per prefetch distance
 python benchmarks/weight_stream.py --prefetch 0,2048,16384,65536 --rounds 20 --markdown "$out/weight_stream.md"
+python benchmarks/host_pages.py --models smollm2-135m,qwen2.5-coder-1.5b --contexts 512 --rounds 30 --markdown "$out/host_pages.md"
 python benchmarks/forward_breakdown.py --models smollm2-135m,qwen2.5-coder-1.5b --rows 1,8 --rounds 15 \
   --out "$out/forward_breakdown.json" --markdown "$out/forward_breakdown.md"
 # the same forward over every KV cache dtype at a 2K-token context (fused vs per-op Python path)

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .hostmem import anon_bytes
 from .library import (
     _ACT_AMIN,
     _FMT_PANEL,
@@ -79,7 +80,7 @@ def _pack_panels(fmt: int, src: torch.Tensor, n: int, k: int, row_bytes: int) ->
     lib = None if _is_torch(None) else _get_lib()  # the same layout in every build
     if lib is None:
         return None
-    packed = torch.empty(int(lib.ss_panel_bytes(fmt, n, k)), dtype=torch.uint8)
+    packed = anon_bytes(int(lib.ss_panel_bytes(fmt, n, k)))  # huge pages: the decode step streams it
     _check(lib.ss_panel_pack(fmt, src.data_ptr(), n, k, row_bytes, packed.data_ptr(), get_num_threads()),
            "panel pack")
     return packed
