@@ -11,8 +11,9 @@ import torch
 
 from specserve.kernels.hostmem import HUGE_PAGE, anon_bytes, anon_zeros
 
-linux = pytest.mark.skipif(not (os.path.exists("/proc/self/smaps") and hasattr(mmap, "MADV_HUGEPAGE")),
-                           reason="needs Linux /proc and madvise(MADV_HUGEPAGE)")
+linux = pytest.mark.skipif(not (os.path.exists("/proc/self/smaps") and hasattr(mmap, "MADV_HUGEPAGE")
+                                and os.path.isdir("/sys/kernel/mm/transparent_hugepage")),
+                           reason="needs Linux /proc and a kernel with transparent huge pages")
 
 
 def mapping_of(addr: int) -> dict | None:

@@ -1,0 +1,10 @@
+#!/bin/sh
+# 2026-12-03 (evening), AMD EPYC Zen 4 (family 25), 2 cores: the commands behind results_final/zen4_1203b/.
+set -e
+OUT=${OUT:-results_final/zen4_1203b}
+# packed weights in huge pages (as loaded) against the same bytes in 4 KiB pages, in one process
+python benchmarks/host_pages.py --models smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b \
+  --contexts 512 --rounds 30 --markdown $OUT/host_pages.md
+# one forward against llama-bench's, fresh processes taking turns (after the huge pages)
+python benchmarks/forward_vs_llamacpp.py --rounds 3 --out $OUT/forward_vs_llamacpp.json \
+  --markdown $OUT/forward_vs_llamacpp.md
