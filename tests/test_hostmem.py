@@ -86,3 +86,36 @@ def test_packed_weights_live_in_huge_page_mappings():
     y = linear(x, w)
     w.packed = w.packed.clone()  # the same bytes in torch's own allocation
     assert torch.equal(linear(x, w), y)
+
+
+def test_gather_small_moves_small_packed_tensors_into_one_mapping():
+    from specserve.kernels.hostmem import gather_small
+
+    class W:
+        def __init__(self, n: int):
+            self.packed = torch.randint(0, 256, (n,), dtype=torch.uint8)
+
+    ws = [W(700_000 + 64 * i) for i in range(6)] + [W(3 * HUGE_PAGE), W(100)]
+    ws.append(ws[0])  # a tied weight listed twice moves once
+    before = [w.packed.clone() for w in ws]
+    moved = gather_small(ws)
+    small = ws[:6] + [ws[7]]
+    assert moved == sum(-(-w.packed.numel() // 64) * 64 for w in small)
+    assert all(torch.equal(w.packed, b) for w, b in zip(ws, before))
+    ptrs = sorted(w.packed.data_ptr() for w in small)
+    assert ptrs[0] % HUGE_PAGE == 0 and all(p % 64 == 0 for p in ptrs)
+    assert ptrs[-1] - ptrs[0] < moved  # side by side in one buffer
+    assert ws[6].packed.numel() == 3 * HUGE_PAGE and ws[6].packed.data_ptr() not in ptrs  # large ones stay
+    assert gather_small([W(1000), W(2000)]) == 0  # too little to fill a huge page: left alone
+
+
+@linux
+def test_a_loaded_model_streams_only_advised_mappings():
+    from specserve.models.layers import linears
+    from specserve.models.loader import LoadOptions, load_model
+
+    lm = load_model("smollm2-135m", LoadOptions("cpu", "auto", "auto"))
+    packed = [lin.weight.packed for lin in linears(lm.model) if getattr(lin.weight, "packed", None) is not None]
+    if not packed:
+        pytest.skip("no C kernels: weights stay in the file layout")
+    assert all("hg" in mapping_of(t.data_ptr())["flags"] for t in packed)

@@ -10,10 +10,12 @@ from pathlib import Path
 import torch
 
 from specserve.errors import ModelLoadError
+from specserve.kernels.hostmem import gather_small
 from specserve.models import config as mconfig
 from specserve.models import tokenizer as mtok
 from specserve.models import weights as mweights
 from specserve.models.image_processor import ImageProcessor
+from specserve.models.layers import linears
 from specserve.models.vision import VisionTower
 from specserve.models.catalog import ResolvedModel, cache_root, resolve_model
 from specserve.models.families import family
@@ -115,6 +117,8 @@ def load_model(spec: str, options: LoadOptions = LoadOptions()) -> LoadedModel:
     model = model_class(rank_cfg, tensors, quant, device, dtype, norm_offset=offset,
                         norm_offset_skip=family(cfg.arch).hf_norm_offset_skip if offset else ())
     model.shard = options.shard if options.shard.active else None
+    if device.type == "cpu":  # the small matrices in one run of huge pages, like the large ones
+        gather_small([lin.weight for lin in linears(model)])
     log.info("loaded %s (%s, %d layers) on %s, weights %s, %.0f MB%s", resolved.name, cfg.arch, cfg.num_layers,
              device, quant, model.weight_bytes() / 1e6,
              f" (rank {options.shard.rank} of {options.shard.world})" if options.shard.active else "")
