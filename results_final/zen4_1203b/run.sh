@@ -13,3 +13,7 @@ python benchmarks/forward_vs_llamacpp.py --rounds 3 --out $OUT/forward_vs_llamac
 python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --rounds 2 --limit 1 \
   --configs "llama.cpp plain,specserve plain,specserve draft q4_0 32K" \
   --out $OUT/native_qwen1.5b.json --markdown $OUT/native_qwen1.5b.md
+# the same, a second run (native_qwen1.5b_2.*)
+python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --rounds 2 --limit 1 \
+  --configs "llama.cpp plain,specserve plain,specserve draft q4_0 32K" \
+  --out $OUT/native_qwen1.5b_2.json --markdown $OUT/native_qwen1.5b_2.md
