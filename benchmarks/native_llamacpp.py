@@ -139,7 +139,10 @@ def configurations(model: str, bindir: Path) -> dict[str, list[str]]:
     draft = DRAFT_FOR.get(model)
     out = {"llama.cpp plain": lcpp,
            "llama.cpp ngram-simple": lcpp + ["--spec-type", "ngram-simple"],
-           "llama.cpp ngram-mod": lcpp + ["--spec-type", "ngram-mod"]}
+           "llama.cpp ngram-mod": lcpp + ["--spec-type", "ngram-mod"],
+           # its CPU weights (repacked at load) come from malloc; this glibc (2.35+) tunable has malloc advise
+           # huge pages for its large chunks: llama.cpp's counterpart to specserve's huge-page weights
+           "llama.cpp plain THP": ["env", "GLIBC_TUNABLES=glibc.malloc.hugetlb=1"] + lcpp}
     if draft:
         # -md alone loads the draft and leaves it unused: this llama.cpp drafts only with a --spec-type
         out["llama.cpp draft-simple"] = lcpp + ["--spec-type", "draft-simple", "-md", str(gguf_of(draft)),
@@ -269,7 +272,7 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     for label in dict.fromkeys(r["config"] for r in rows):
         cells = [fmt(by[label, s]["decode_tok_s"], "{:.1f}") for s in suites]
         tot = by[label, "all"]
-        rate = ("-" if label.endswith("plain") else "none drafted" if not tot["drafted"]
+        rate = ("-" if "plain" in label.split() else "none drafted" if not tot["drafted"]
                 else f"{tot['acceptance_rate']:.0%}")
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {rate} | "
                      f"{fmt(tot['mean_acceptance_length'], '{:.2f}')} |")

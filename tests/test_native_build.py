@@ -88,7 +88,10 @@ def test_every_llamacpp_speculative_row_names_its_spec_type(monkeypatch, tmp_pat
     monkeypatch.setattr(nl, "gguf_of", lambda model: tmp_path / f"{model}.gguf")
     configs = nl.configurations("qwen2.5-coder-1.5b", tmp_path)
     for label, argv in configs.items():
-        if label.startswith("llama.cpp") and label != "llama.cpp plain":
+        if label.startswith("llama.cpp") and not label.startswith("llama.cpp plain"):
             kind = label.removeprefix("llama.cpp ")
             assert argv[argv.index("--spec-type") + 1] == kind, label
     assert "-md" in configs["llama.cpp draft-simple"]
+    # the huge-page row is plain llama-server under glibc's tunable, nothing else changed
+    thp = ["env", "GLIBC_TUNABLES=glibc.malloc.hugetlb=1"]
+    assert configs["llama.cpp plain THP"] == thp + configs["llama.cpp plain"]

@@ -17,3 +17,7 @@ python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --r
 python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --rounds 2 --limit 1 \
   --configs "llama.cpp plain,specserve plain,specserve draft q4_0 32K" \
   --out $OUT/native_qwen1.5b_2.json --markdown $OUT/native_qwen1.5b_2.md
+# llama.cpp with huge pages too (its malloc'd weights advised MADV_HUGEPAGE by glibc's tunable): native_qwen1.5b_thp.*
+python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --rounds 2 --limit 1 \
+  --configs "llama.cpp plain,llama.cpp plain THP,specserve plain,specserve draft q4_0 32K" \
+  --out $OUT/native_qwen1.5b_thp.json --markdown $OUT/native_qwen1.5b_thp.md
