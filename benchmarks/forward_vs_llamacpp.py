@@ -1,14 +1,15 @@
 """One forward against native llama.cpp's, process by process, taking turns: 1 row and M rows.
 
     python benchmarks/forward_vs_llamacpp.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--rows 1,8]
-        [--context 512] [--rounds 4] [--out r.json] [--markdown r.md]
+        [--context 512] [--rounds 4] [--llama-pages huge|4k] [--out r.json] [--markdown r.md]
 
 The one-token forward is plain decode's cost; the M-row forward is a verification's (M - 1 drafts).
 Per round and model, in turn (the order flips every round):
 - llama.cpp: ``llama-bench -t 2 -fa 1 -d CONTEXT -n 32 -p M`` (built from the llama-cpp-python
-  sdist like ``native_llamacpp.py``): generation at CONTEXT tokens of depth gives ms per token, and
-  a prompt of M tokens at that depth gives the M-row forward (``-p 1`` is not reported: the
-  one-token forward is ``-n``'s);
+  sdist like ``native_llamacpp.py``; by default under ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, so
+  its repacked weights get huge pages as ours do; ``--llama-pages 4k``: without): generation at
+  CONTEXT tokens of depth gives ms per token, and a prompt of M tokens at that depth gives the M-row
+  forward (``-p 1`` is not reported: the one-token forward is ``-n``'s);
 - specserve: ``decode_cost.py --rows 1,M --context CONTEXT --formats auto`` in its own process
   (one sequence with M new tokens after CONTEXT cached ones, logits for every row).
 Each engine is a fresh process per round: this machine's memory speed differs between processes
@@ -30,16 +31,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from native_llamacpp import build_native, gguf_of, llama_bench_rows  # noqa: E402
+from native_llamacpp import HUGE_PAGES_ENV, build_native, gguf_of, llama_bench_rows  # noqa: E402
 from specserve.lock.fingerprint import cpu_info  # noqa: E402
 
 
-def llama_bench(bench: Path, gguf: Path, rows: list[int], context: int) -> dict[int, float]:
-    """ms per forward of M rows at CONTEXT tokens of depth, M = 1 from generation."""
+def llama_bench(bench: Path, gguf: Path, rows: list[int], context: int, huge: bool = True) -> dict[int, float]:
+    """ms per forward of M rows at CONTEXT tokens of depth, M = 1 from generation; huge: its weights
+    in huge pages (HUGE_PAGES_ENV), as ours are."""
     wide = [m for m in rows if m > 1]
     out = {}
     for r in llama_bench_rows(bench, gguf, "-fa", "1", "-d", str(context), "-n", "32", "-p",
-                              ",".join(map(str, wide)) if wide else "0"):
+                              ",".join(map(str, wide)) if wide else "0", env=HUGE_PAGES_ENV if huge else None):
         if r["n_gen"]:
             out[1] = 1000.0 / r["avg_ts"]
         elif r["n_prompt"] in wide:
@@ -57,9 +59,11 @@ def ours(model: str, rows: list[int], context: int, min_time: float) -> dict[int
     return {int(m): v for m, v in r["median_ms"].items()}
 
 
-def markdown(runs: list[dict], rows: list[int], context: int) -> str:
+def markdown(runs: list[dict], rows: list[int], context: int, huge: bool = True) -> str:
     wide = max(rows)
-    head = (f"ms per forward at {context} tokens of context, 2 threads; ratio = llama.cpp / ours "
+    pages = "huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1)" if huge else "4 KiB pages"
+    head = (f"ms per forward at {context} tokens of context, 2 threads, llama-bench's weights in {pages}; "
+            f"ratio = llama.cpp / ours "
             f"(above 1: we are faster); t({wide})/t(1) per engine\n\n"
             f"| model | round | llama.cpp 1 row | ours 1 row | ratio | llama.cpp {wide} rows | ours {wide} rows "
             f"| ratio | t({wide})/t(1) llama.cpp | t({wide})/t(1) ours |\n|---|---|---|---|---|---|---|---|---|---|\n")
@@ -91,6 +95,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--min-time", type=float, default=3.0, help="decode_cost's seconds per row count")
+    ap.add_argument("--llama-pages", choices=("huge", "4k"), default="huge",
+                    help="llama-bench's weights in huge pages (glibc's malloc tunable) as ours are, or 4 KiB pages")
     ap.add_argument("--out")
     ap.add_argument("--markdown")
     a = ap.parse_args()
@@ -101,11 +107,12 @@ def main() -> None:
         for model in a.models.split(","):
             res = {}
             for side in (("llama", "ours") if rnd % 2 == 0 else ("ours", "llama")):
-                res[side] = (llama_bench(bench, gguf_of(model), rows, a.context) if side == "llama"
+                res[side] = (llama_bench(bench, gguf_of(model), rows, a.context, a.llama_pages == "huge")
+                             if side == "llama"
                              else ours(model, rows, a.context, a.min_time))
             runs.append({"model": model, "round": rnd + 1, **res})
             print(f"round {rnd + 1} {model}: llama.cpp {res['llama']} ours {res['ours']}", file=sys.stderr, flush=True)
-    md = markdown(runs, rows, a.context)
+    md = markdown(runs, rows, a.context, a.llama_pages == "huge")
     print(md)
     if a.out:
         Path(a.out).write_text(json.dumps({"args": vars(a), "cpu": cpu_info(), "runs": runs}, indent=1))

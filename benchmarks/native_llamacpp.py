@@ -122,10 +122,16 @@ def gguf_of(model: str) -> Path:
     return path
 
 
-def llama_bench_rows(bench: Path, gguf: Path, *args: str) -> list[dict]:
-    """llama-bench's JSON result rows for one model: 2 threads, 2 repetitions, then ``args``."""
+# llama.cpp's CPU weights (repacked at load) come from malloc; this glibc (2.35+) tunable has malloc advise
+# huge pages for its large chunks: llama.cpp's counterpart to specserve's huge-page weights
+HUGE_PAGES_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+
+
+def llama_bench_rows(bench: Path, gguf: Path, *args: str, env: dict | None = None) -> list[dict]:
+    """llama-bench's JSON result rows for one model: 2 threads, 2 repetitions, then ``args``; ``env``:
+    variables added to this process's environment (HUGE_PAGES_ENV)."""
     res = subprocess.run([str(bench), "-m", str(gguf), "-t", "2", "-r", "2", "-o", "json", *args],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=True, env={**os.environ, **env} if env else None)
     return json.loads(res.stdout)
 
 
@@ -140,9 +146,7 @@ def configurations(model: str, bindir: Path) -> dict[str, list[str]]:
     out = {"llama.cpp plain": lcpp,
            "llama.cpp ngram-simple": lcpp + ["--spec-type", "ngram-simple"],
            "llama.cpp ngram-mod": lcpp + ["--spec-type", "ngram-mod"],
-           # its CPU weights (repacked at load) come from malloc; this glibc (2.35+) tunable has malloc advise
-           # huge pages for its large chunks: llama.cpp's counterpart to specserve's huge-page weights
-           "llama.cpp plain THP": ["env", "GLIBC_TUNABLES=glibc.malloc.hugetlb=1"] + lcpp}
+           "llama.cpp plain THP": ["env", *(f"{k}={v}" for k, v in HUGE_PAGES_ENV.items())] + lcpp}
     if draft:
         # -md alone loads the draft and leaves it unused: this llama.cpp drafts only with a --spec-type
         out["llama.cpp draft-simple"] = lcpp + ["--spec-type", "draft-simple", "-md", str(gguf_of(draft)),

@@ -23,15 +23,17 @@ def fvl(monkeypatch):
 def test_llama_bench_rows_become_ms_per_forward(fvl, monkeypatch):
     seen = []
 
-    def fake_rows(bench, gguf, *args):
-        seen.append(args)
+    def fake_rows(bench, gguf, *args, env=None):
+        seen.append((args, env))
         return [{"n_prompt": 8, "n_gen": 0, "avg_ts": 200.0},  # 8 tokens at 200 tok/s: 40 ms a forward
                 {"n_prompt": 0, "n_gen": 32, "avg_ts": 25.0}]  # generation: 40 ms a token
 
     monkeypatch.setattr(fvl, "llama_bench_rows", fake_rows)
     assert fvl.llama_bench(Path("llama-bench"), Path("m.gguf"), [1, 8], 512) == {8: 40.0, 1: 40.0}
-    (args,) = seen
+    fvl.llama_bench(Path("llama-bench"), Path("m.gguf"), [1, 8], 512, huge=False)
+    (args, env), (_, env_4k) = seen
     assert args[args.index("-d") + 1] == "512" and args[args.index("-p") + 1] == "8"
+    assert env == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"} and env_4k is None  # huge pages by default
 
 
 def test_table_gives_each_rounds_ratio_and_the_medians(fvl):
