@@ -409,6 +409,48 @@ def test_simd_and_scalar_builds_bit_identical(variant):
     assert torch.equal(ops.rms_norm(x, wn, 1e-6, impl="c"), ops.rms_norm(x, wn, 1e-6, impl=variant))
 
 
+def _extreme_weight(fmt: str, n: int, k: int) -> ops.GGUFBlockWeight:
+    """Every weight value at its format's largest (all quant bits set), sub-block scales at their
+    extremes (Q4_K 63, Q6_K -128 and 127 on alternate channels), small f16 block scales."""
+    _, be, bb = ops.GGUF_QTYPES[fmt]
+    raw = np.full((n, k // be, bb), 0xFF, dtype=np.uint8)
+    d = np.full((n, k // be), 1e-3, np.float16).view(np.uint8).reshape(n, k // be, 2)
+    if fmt == "Q6_K":  # ql, qh, scales, d
+        raw[..., 192:208] = 0x80
+        raw[1::2, :, 192:208] = 0x7F
+        raw[..., 208:210] = d
+    else:  # d first; Q4_1's m and Q4_K's dmin next
+        raw[..., 0:2] = d
+        if fmt in ("Q4_1", "Q4_K"):
+            raw[..., 2:4] = d
+    return ops.GGUFBlockWeight.from_raw(torch.from_numpy(raw.reshape(n, -1)), fmt, n, k)
+
+
+@needs_c
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_int_dot_extreme_values_same_bits_in_every_build(fmt):
+    """The largest weights against activations all at +-127: the builds without VNNI add several
+    chunks' maddubs pair sums in int16 lanes (linear_q8.h gives the bounds), which must not saturate;
+    every build must give the scalar build's bits."""
+    n, k = 35, 512
+    w = _extreme_weight(fmt, n, k)
+    x = torch.ones(5, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    x[3, ::3] = 0.0
+    x[4] = torch.randn(k)
+    ops._select("c-scalar")
+    ref = ops.linear(x, w, None, impl="c-scalar")
+    assert torch.isfinite(ref).all()
+    for variant in ("c", "c-avx2", "c-novnni"):
+        try:
+            ops._select(variant)
+        except ops.KernelError:  # e.g. a non-x86 host
+            continue
+        for m in (1, 5):
+            assert torch.equal(ops.linear(x[:m], w, None, impl=variant), ref[:m]), (variant, m)
+
+
 @pytest.mark.parametrize("fmt", ["f32", "int8", "Q4_1"])
 def test_linear_fallback_invariance(fmt):
     n, k = _shape_for(fmt)

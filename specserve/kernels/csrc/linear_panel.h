@@ -83,19 +83,48 @@ SS_INLINE vi16 vi_dot4_signed(vi16 S, vi16 wu, vi16 w, vi16 x) {
 #endif
 }
 
-/* S[h][r] += w[h] . (the activation word at byte xo of row r), R rows x NP panels */
+/* T += w . x for unsigned 4- or 6-bit weights w: int32 dot products, or with QL_I16ACC int16 pair
+   sums (linear_q8.h: the callers widen them within the bounds given there) */
+SS_INLINE vi16 vi_acc(vi16 T, vi16 w, vi16 x) {
+#ifdef QL_I16ACC
+    return vi_add16(T, vi_dot2(w, x));
+#else
+    return vi_dot4(T, w, x);
+#endif
+}
+/* an accumulator's first value for int32 sums that start at S0: S0, or with QL_I16ACC zero (S0 is
+   added when the int16 sums are widened, vi_acc_end) */
+SS_INLINE vi16 vi_acc_start(vi16 S0) {
+#ifdef QL_I16ACC
+    (void)S0;
+    return vi_zero();
+#else
+    return S0;
+#endif
+}
+/* the int32 sums of accumulator T, which started at vi_acc_start(S0) */
+SS_INLINE vi16 vi_acc_end(vi16 S0, vi16 T) {
+#ifdef QL_I16ACC
+    return vi_add32(S0, vi_madd16(T, vi_set16(1)));
+#else
+    (void)S0;
+    return T;
+#endif
+}
+
+/* S[h][r] += w[h] . (the activation word at byte xo of row r), R rows x NP panels (vi_acc) */
 SS_INLINE void pq_dot_rows(const int R, const int NP, const uint8_t *xb, const PXLay *L, int64_t xo, const vi16 *w,
                            vi16 S[2][QP_R]) {
     _Pragma("GCC unroll 16")
     for (int r = 0; r < R; r++) {
         const vi16 x = vi_bcast32(xb + r * L->stride + xo);
         _Pragma("GCC unroll 2")
-        for (int h = 0; h < NP; h++) S[h][r] = vi_dot4(S[h][r], w[h], x);
+        for (int h = 0; h < NP; h++) S[h][r] = vi_acc(S[h][r], w[h], x);
     }
 }
 
-/* Ia[h][r] += S[h][r] * (the 16 channels' sub-block scales sc[h]) */
-SS_INLINE void pq_scale_add(const int R, const int NP, int32_t *Ia, vi16 S[2][QP_R], const vi16 *sc) {
+/* Ia[h][r] += S[h][r] * (the 16 channels' sub-block scales sc[h]), int32 lanes */
+SS_INLINE void pq_scale_add32(const int R, const int NP, int32_t *Ia, vi16 S[2][QP_R], const vi16 *sc) {
     _Pragma("GCC unroll 2")
     for (int h = 0; h < NP; h++)
         _Pragma("GCC unroll 16")
@@ -103,6 +132,24 @@ SS_INLINE void pq_scale_add(const int R, const int NP, int32_t *Ia, vi16 S[2][QP
             int32_t *ia = Ia + 16 * (h * QP_R + r);
             vi_store(ia, vi_add32(vi_load(ia), vi_mul32(S[h][r], sc[h])));
         }
+}
+
+/* the same for accumulators of vi_acc: with QL_I16ACC S holds int16 pair sums, and one madd with
+   each scale in both halves of its lane widens and scales them */
+SS_INLINE void pq_scale_add(const int R, const int NP, int32_t *Ia, vi16 S[2][QP_R], const vi16 *sc) {
+#ifdef QL_I16ACC
+    _Pragma("GCC unroll 2")
+    for (int h = 0; h < NP; h++) {
+        const vi16 s2 = vi_dup16(sc[h]);
+        _Pragma("GCC unroll 16")
+        for (int r = 0; r < R; r++) {
+            int32_t *ia = Ia + 16 * (h * QP_R + r);
+            vi_store(ia, vi_add32(vi_load(ia), vi_madd16(S[h][r], s2)));
+        }
+    }
+#else
+    pq_scale_add32(R, NP, Ia, S, sc);
+#endif
 }
 
 /* I8 (fmt FMT_I8: no block scale, f = fmaf((float)S, dx, f)) and Q8_0 */
@@ -157,6 +204,12 @@ SS_INLINE void pq_q8x(const int fmt, const int R, const int NP, const uint8_t *x
     }
 }
 
+/* the int32 sums' start for block b of a row's activation record xr: Q4_0's -8 of the nibbles
+   (-8 sum q, precomputed), else 0 */
+SS_INLINE vi16 pq_q4x_start(const int fmt, const uint8_t *xr, const PXLay *L, int64_t b) {
+    return fmt == FMT_Q4_0 ? vi_bcast32((const int32_t *)(xr + L->o_aux) + b) : vi_zero();
+}
+
 /* Q4_0 / Q4_1 have a float update per 32 values: their row tile is at most 4 rows (QP_R41), with the
    float accumulators of 4 rows x 2 panels in registers */
 SS_INLINE void pq_q4x(const int fmt, const int R, const int NP, const uint8_t *xb, const PXLay *L, const uint8_t *pp,
@@ -174,8 +227,7 @@ SS_INLINE void pq_q4x(const int fmt, const int R, const int NP, const uint8_t *x
         for (int h = 0; h < NP; h++) {
             pq_prefetch(pp + h * ps + bb * b, bb);
             _Pragma("GCC unroll 4")
-            for (int r = 0; r < R; r++) /* Q4_0: the -8 of the nibbles is in the start value */
-                S[h][r] = fmt == FMT_Q4_0 ? vi_bcast32((const int32_t *)(xb + r * L->stride + L->o_aux) + b) : vi_zero();
+            for (int r = 0; r < R; r++) S[h][r] = vi_acc_start(pq_q4x_start(fmt, xb + r * L->stride, L, b));
         }
         _Pragma("GCC unroll 4")
         for (int c = 0; c < 4; c++) {
@@ -191,8 +243,13 @@ SS_INLINE void pq_q4x(const int fmt, const int R, const int NP, const uint8_t *x
                 const int8_t *xq = (const int8_t *)(xb + r * L->stride) + 32 * b + 4 * c;
                 const vi16 xl = vi_bcast32(xq), xh = vi_bcast32(xq + 16);
                 _Pragma("GCC unroll 2")
-                for (int h = 0; h < NP; h++) S[h][r] = vi_dot4(vi_dot4(S[h][r], lo[h], xl), hi[h], xh);
+                for (int h = 0; h < NP; h++) S[h][r] = vi_acc(vi_acc(S[h][r], lo[h], xl), hi[h], xh);
             }
+        }
+        _Pragma("GCC unroll 2")
+        for (int h = 0; h < NP; h++) {
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) S[h][r] = vi_acc_end(pq_q4x_start(fmt, xb + r * L->stride, L, b), S[h][r]);
         }
         _Pragma("GCC unroll 2")
         for (int h = 0; h < NP; h++) {
@@ -266,6 +323,11 @@ SS_INLINE void pq_q4k(const int fmt, const int R, const int NP, const uint8_t *x
     }
 }
 
+/* Q6_K's int32 sums' start for sub-block u of super-block s: -32 sum q (the values are w + 32) */
+SS_INLINE vi16 pq_q6k_start(const uint8_t *xr, const PXLay *L, int64_t s, int u) {
+    return vi_bcast32((const int32_t *)(xr + L->o_aux) + 16 * s + u);
+}
+
 SS_INLINE void pq_q6k(const int fmt, const int R, const int NP, const uint8_t *xb, const PXLay *L, const uint8_t *pp,
                       int64_t ps, int64_t K, float *out) {
     (void)fmt;
@@ -279,10 +341,13 @@ SS_INLINE void pq_q6k(const int fmt, const int R, const int NP, const uint8_t *x
         for (int u = 0; u < 16; u++) {
             if (u < 14) /* the block's 53 lines, 4 per sub-block */
                 for (int h = 0; h < NP; h++) pq_prefetch(pp + h * ps + 3360 * s + 256 * u, u < 13 ? 256 : 32);
+            vi16 sc[2];
+            _Pragma("GCC unroll 2")
+            for (int h = 0; h < NP; h++) sc[h] = vi_s8(pp + h * ps + 3360 * s + 3072 + 16 * u);
             vi16 S[2][QP_R];
             _Pragma("GCC unroll 16")
             for (int r = 0; r < R; r++) {
-                const vi16 c0 = vi_bcast32((const int32_t *)(xb + r * L->stride + L->o_aux) + 16 * s + u);
+                const vi16 c0 = vi_acc_start(pq_q6k_start(xb + r * L->stride, L, s, u));
                 _Pragma("GCC unroll 2")
                 for (int h = 0; h < NP; h++) S[h][r] = c0;
             }
@@ -298,11 +363,25 @@ SS_INLINE void pq_q6k(const int fmt, const int R, const int NP, const uint8_t *x
                     v[h] = vi_nib_hi2(ql, qh, m4, m30);
                 }
                 pq_dot_rows(R, NP, xb, L, 256 * s + 16 * u + 4 * j, v, S);
+#ifdef QL_I16ACC
+                if (j & 1) { /* int16 sums of two chunks at most */
+                    pq_scale_add(R, NP, Ia, S, sc);
+                    _Pragma("GCC unroll 2")
+                    for (int h = 0; h < NP; h++)
+                        _Pragma("GCC unroll 16")
+                        for (int r = 0; r < R; r++) S[h][r] = vi_zero();
+                }
+#endif
             }
-            vi16 sc[2];
+#ifdef QL_I16ACC
             _Pragma("GCC unroll 2")
-            for (int h = 0; h < NP; h++) sc[h] = vi_s8(pp + h * ps + 3360 * s + 3072 + 16 * u);
+            for (int h = 0; h < NP; h++)
+                _Pragma("GCC unroll 16")
+                for (int r = 0; r < R; r++) S[h][r] = pq_q6k_start(xb + r * L->stride, L, s, u);
+            pq_scale_add32(R, NP, Ia, S, sc);
+#else
             pq_scale_add(R, NP, Ia, S, sc);
+#endif
         }
         _Pragma("GCC unroll 2")
         for (int h = 0; h < NP; h++) {

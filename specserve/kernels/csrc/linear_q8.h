@@ -133,8 +133,15 @@ SS_INLINE vi16 vi_dot4(vi16 acc, vi16 u, vi16 s) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
 #endif
 }
-/* int16 lanes: u[2k] * s[2k] + u[2k+1] * s[2k+1] (never saturates here) */
-/* int32 lane l += a[2l] * b[2l] + a[2l+1] * b[2l+1] (int16 lanes) */
+/* int16 lanes: u[2k] * s[2k] + u[2k+1] * s[2k+1], u unsigned and s signed bytes (maddubs: the
+   callers' bounds keep these and the int16 sums they add up from saturating) */
+SS_INLINE vi16 vi_dot2(vi16 u, vi16 s) { return _mm512_maddubs_epi16(u, s); }
+SS_INLINE vi16 vi_add16(vi16 a, vi16 b) { return _mm512_add_epi16(a, b); }
+/* int32 lane l = a[2l] * b[2l] + a[2l+1] * b[2l+1] (int16 lanes) */
+SS_INLINE vi16 vi_madd16(vi16 a, vi16 b) { return _mm512_madd_epi16(a, b); }
+/* int32 lanes holding int16 values -> each value in both int16 halves of its lane */
+SS_INLINE vi16 vi_dup16(vi16 a) { return _mm512_mask_blend_epi16(0xAAAAAAAAu, a, _mm512_slli_epi32(a, 16)); }
+SS_INLINE vi16 vi_set16(int v) { return _mm512_set1_epi16((short)v); }
 SS_INLINE vi16 vi_abs8(vi16 a) { return _mm512_abs_epi8(a); }
 /* x with the sign of w (x where w >= 0: w == 0 contributes 0 anyway) */
 SS_INLINE vi16 vi_sign8(vi16 x, vi16 w) {
@@ -195,6 +202,14 @@ SS_INLINE __m256i dot4_256(__m256i acc, __m256i u, __m256i s) {
 SS_INLINE vi16 vi_dot4(vi16 acc, vi16 u, vi16 s) {
     return vi_from2(dot4_256(acc.lo, u.lo, s.lo), dot4_256(acc.hi, u.hi, s.hi));
 }
+SS_INLINE vi16 vi_dot2(vi16 u, vi16 s) { return vi_from2(_mm256_maddubs_epi16(u.lo, s.lo), _mm256_maddubs_epi16(u.hi, s.hi)); }
+SS_INLINE vi16 vi_add16(vi16 a, vi16 b) { return vi_from2(_mm256_add_epi16(a.lo, b.lo), _mm256_add_epi16(a.hi, b.hi)); }
+SS_INLINE vi16 vi_madd16(vi16 a, vi16 b) { return vi_from2(_mm256_madd_epi16(a.lo, b.lo), _mm256_madd_epi16(a.hi, b.hi)); }
+SS_INLINE vi16 vi_dup16(vi16 a) {
+    return vi_from2(_mm256_blend_epi16(a.lo, _mm256_slli_epi32(a.lo, 16), 0xAA),
+                    _mm256_blend_epi16(a.hi, _mm256_slli_epi32(a.hi, 16), 0xAA));
+}
+SS_INLINE vi16 vi_set16(int v) { const __m256i c = _mm256_set1_epi16((short)v); return vi_from2(c, c); }
 SS_INLINE vi16 vi_abs8(vi16 a) { return vi_from2(_mm256_abs_epi8(a.lo), _mm256_abs_epi8(a.hi)); }
 SS_INLINE vi16 vi_sign8(vi16 x, vi16 w) { return vi_from2(_mm256_sign_epi8(x.lo, w.lo), _mm256_sign_epi8(x.hi, w.hi)); }
 SS_INLINE vi16 vi_sub8(vi16 a, int v) {
@@ -255,6 +270,16 @@ SS_INLINE vi16 vi_nib_hi2(vi16 a, vi16 b, vi16 m4, vi16 m30) { return vi_or(vi_a
 #if (defined(SS_AVX512) && defined(__AVX512VNNI__)) || (!defined(SS_AVX512) && defined(__AVXVNNI__))
 #define QL_U8BIAS 1
 #endif
+#endif
+
+/* Without VNNI a 4-byte dot product is three instructions (maddubs, madd, add). The 4- and 6-bit
+   formats' weights are unsigned and small, so the int16 pair sums of several chunks add up exactly
+   in int16 lanes (|q| <= 127: Q4 8 chunks x 2 x 15 x 127 = 30480, Q6_K 2 chunks x 2 x 63 x 127 =
+   32004, both < 32768), and one madd, with the sub-block's scales in both int16 halves of their
+   lanes (K-quants) or with ones, gives their int32 sum: the same integers in about half the
+   multiplies (linear_panel.h). -DQL_NO_I16ACC builds the per-chunk dot products instead. */
+#if defined(SS_AVX2) && !defined(QL_U8BIAS) && !defined(QL_NO_I16ACC)
+#define QL_I16ACC 1
 #endif
 
 /* the instructions of the integer dot products: 0 scalar, 1 AVX2 maddubs,
