@@ -106,3 +106,18 @@ def test_using_routes_the_chosen_build_and_restores_it():
         with library.using(other):
             raise RuntimeError("benchmark failed")
     assert library._get_lib(variant) is own
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"])
+def test_random_block_weights_are_finite_and_read_as_gguf_reads_them(qtype):
+    import gguf
+    import numpy as np
+
+    from specserve.kernels.linear import linear
+
+    w = tune.random_block_weight(qtype, 32, 512, torch.Generator().manual_seed(0))
+    ref = gguf.quants.dequantize(w.raw.numpy(), gguf.GGMLQuantizationType[qtype])  # [32, 512]
+    deq = w.dequantize()
+    assert deq.shape == (32, 512) and torch.isfinite(deq).all()
+    np.testing.assert_array_equal(deq.numpy(), ref)
+    assert torch.isfinite(linear(torch.randn(2, 512), w)).all()

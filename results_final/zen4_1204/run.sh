@@ -15,3 +15,9 @@ SPECSERVE_KERNEL_VARIANT=native python benchmarks/decode_cost.py --models smollm
   --formats auto --rows 1,8 --context 512 --min-time 2 \
   --variants "i16=-mno-avx512vnni -mno-avxvnni;per_chunk=-mno-avx512vnni -mno-avxvnni -DQL_NO_I16ACC;vnni=" \
   --markdown $OUT/novnni_i16.md --out $OUT/novnni_i16.json
+# this CPU's int8 peak and read speed, our linears' share of the peak, and each model's forwards against its floors
+python benchmarks/int_dot_peak.py --rows 1,8,16 --models smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b \
+  --rounds 20 --markdown $OUT/int_dot_peak.md --out $OUT/int_dot_peak.json
+# the same right after (int_dot_peak_2.*)
+python benchmarks/int_dot_peak.py --rows 1,8,16 --models smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b \
+  --rounds 20 --markdown $OUT/int_dot_peak_2.md --out $OUT/int_dot_peak_2.json

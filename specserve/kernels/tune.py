@@ -65,14 +65,16 @@ def pick(times: dict[str, float]) -> str:
 
 
 def random_block_weight(qtype: str, n: int, k: int, g=None):
-    """A GGUFBlockWeight [n, k] of random Q4_K or Q6_K blocks with finite scales (0.01: random
-    bytes could be NaN / inf), for timing."""
+    """A GGUFBlockWeight [n, k] of random Q4_K, Q6_K, Q8_0, Q4_0 or Q4_1 blocks with finite fp16
+    scales (about 0.01: random bytes could be NaN / inf), for timing."""
     import torch
 
     from .linear import GGUFBlockWeight
 
-    bb, scale_at = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}[qtype]
-    raw = torch.randint(0, 256, (n, k // 256, bb), dtype=torch.uint8, generator=g)
+    # values per block, bytes per block, byte offsets of the fp16 scales
+    qk, bb, scale_at = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,)), "Q8_0": (32, 34, (0,)),
+                        "Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2))}[qtype]
+    raw = torch.randint(0, 256, (n, k // qk, bb), dtype=torch.uint8, generator=g)
     for o in scale_at:
         raw[:, :, o], raw[:, :, o + 1] = 0x1F, 0x21
     return GGUFBlockWeight(raw.reshape(n, -1).contiguous(), qtype, n, k)
