@@ -19,8 +19,9 @@
 
 4. With --models: each model's one-row and 8-row forwards (the verify shape of decode_cost.py at
    --context, taking turns with a plain read pass, median of --rounds) beside two floors: its
-   linears' weight bytes at the read speed of the same rounds, and their int8 multiply-adds (8 per
-   weight at 8 rows) at the peak. Attention, the norms and the rest come on top of both.
+   linears' weight bytes plus the fp32 K/V its attention reads, at the read speed of the same
+   rounds, and the linears' int8 multiply-adds (8 per weight at 8 rows) at the peak. Attention's
+   arithmetic, the norms and the rest come on top of both.
 
 The ratio says whether a verification's extra rows are bound by arithmetic (share near 100%), by
 the weight stream (GB/s near the read ceiling), or by neither (what the kernel spends elsewhere).
@@ -214,9 +215,18 @@ def measure_linears(a: argparse.Namespace, peak: float) -> list[dict]:
     return out
 
 
+def kv_bytes(cfg, keys: int) -> int:
+    """Bytes of fp32 K and V one row's attention reads over ``keys`` cached keys, all layers (a
+    sliding layer reads at most its window)."""
+    sliding = cfg.layer_is_sliding or (False,) * cfg.num_layers
+    n = sum(min(keys, cfg.sliding_window) if s and cfg.sliding_window else keys for s in sliding)
+    return n * cfg.num_kv_heads * cfg.head_dim * 4 * 2
+
+
 def measure_models(a: argparse.Namespace, peak: float, so: ctypes.CDLL) -> list[dict]:
     """Each model's one-row and 8-row forwards (decode_cost.py's verify shape at --context) against
-    two floors: its linears' weight bytes at the read ceiling, measured in the same rounds (one
+    two floors: its linears' weight bytes and its fp32 K/V at --context at the read speed measured
+    in the same rounds (one
     plain read pass of --read-mb MB per round: this machine's memory speed moves from minute to
     minute), and their multiply-adds (8 per weight at 8 rows) at the int8 peak."""
     import decode_cost as dc
@@ -233,7 +243,9 @@ def measure_models(a: argparse.Namespace, peak: float, so: ctypes.CDLL) -> list[
         lm = load_model(name, LoadOptions("cpu", "auto", "auto"))
         ws = [lin.weight for lin in linears(lm.model)]
         macs = sum(w.shape[0] * w.shape[1] for w in ws)  # per row
-        nbytes = sum(w.nbytes for w in ws)
+        wbytes = sum(w.nbytes for w in ws)
+        kbytes = kv_bytes(lm.config, a.context)
+        nbytes = wbytes + kbytes  # what a one-row forward must read
         bps = -(-(a.context + 8) // dc.BLOCK)
         kv = dc.filled_cache(lm.config, bps, "fp32")
         batches = {m: dc.make_batch(m, a.context, "verify", bps, lm.config.vocab_size) for m in (1, 8)}
@@ -249,7 +261,7 @@ def measure_models(a: argparse.Namespace, peak: float, so: ctypes.CDLL) -> list[
                     ts["read"].append(bw)
         t1, t8, read = (statistics.median(ts[k]) for k in (1, 8, "read"))
         mem, comp = nbytes / read, 8 * macs / peak
-        out.append({"model": name, "weights_mb": nbytes / 1e6, "gmacs_per_row": macs / 1e9, "ms_1": t1 * 1e3,
+        out.append({"model": name, "weights_mb": wbytes / 1e6, "kv_mb": kbytes / 1e6, "gmacs_per_row": macs / 1e9, "ms_1": t1 * 1e3,
                     "ms_8": t8 * 1e3, "read_gb_s": read / 1e9, "read_floor_ms": mem * 1e3,
                     "compute_floor_8_ms": comp * 1e3, "gb_s_1": nbytes / t1 / 1e9,
                     "t1_over_floor": t1 / mem, "t8_over_floor": t8 / max(mem, comp)})
@@ -273,10 +285,13 @@ def markdown(peaks: list[dict], read: dict[str, float], rows: list[dict], models
     if models:
         lines += ["", f"Forwards at a {a.context}-token context against their floors (median ms; the read speed "
                   f"measured in the same rounds, one pass over {a.read_mb} MB each; read floor: the linears' weight "
-                  "bytes at that speed; compute floor: their int8 multiply-adds at the first peak):", "",
-                  "| model | linears MB | GMAC per row | read GB/s | 1 row | read floor | t(1) / floor | 8 rows | "
-                  "compute floor, 8 rows | t(8) / larger floor | t(8)/t(1) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['model']} | {r['weights_mb']:.0f} | {r['gmacs_per_row']:.3f} | {r['read_gb_s']:.1f} | "
+                  "bytes and the fp32 K/V at that speed; compute floor: the linears' int8 multiply-adds at the first "
+                  "peak):", "",
+                  "| model | linears MB | K/V MB | GMAC per row | read GB/s | 1 row | read floor | t(1) / floor | 8 rows | "
+                  "compute floor, 8 rows | t(8) / larger floor | t(8)/t(1) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['weights_mb']:.0f} | {r['kv_mb']:.1f} | {r['gmacs_per_row']:.3f} | "
+                  f"{r['read_gb_s']:.1f} | "
                   f"{r['ms_1']:.1f} | {r['read_floor_ms']:.1f} | {r['t1_over_floor']:.2f} | {r['ms_8']:.1f} | "
                   f"{r['compute_floor_8_ms']:.1f} | {r['t8_over_floor']:.2f} | {r['ms_8'] / r['ms_1']:.2f} |"
                   for r in models]

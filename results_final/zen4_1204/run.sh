@@ -21,3 +21,4 @@ python benchmarks/int_dot_peak.py --rows 1,8,16 --models smollm2-135m,gemma3-270
 # the same right after (int_dot_peak_2.*)
 python benchmarks/int_dot_peak.py --rows 1,8,16 --models smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b \
   --rounds 20 --markdown $OUT/int_dot_peak_2.md --out $OUT/int_dot_peak_2.json
+# (int_dot_peak_early*.*: the same two commands at 9cc19fa, an hour earlier, before the script counted the K/V bytes)
