@@ -9,14 +9,13 @@
    vpdpbusd on zmm, AVX-VNNI, or AVX2 maddubs + madd + add; then the narrower ones this CPU also
    has), timed over ~0.3 s, best of 5: int8 multiply-adds per second with every operand in
    registers, the ceiling no kernel passes.
-2. Memory: the bytes per second the same threads read from a buffer of --read-mb MB, each its
-   contiguous share, in huge pages where the OS gives them (as our weights are): the ceiling of a
-   one-row forward, which reads every weight once.
+2. Memory: the bytes per second torch's sum reads from --read-mb MB of float32 on the same
+   threads (weight_stream.py's plain read), in huge pages where the OS gives them, as our weights
+   are: roughly the ceiling of a one-row forward, which reads every weight once.
 3. Our linears: one N x K weight of each format (random blocks, repacked as at load) at each row
    count, timed the same way the models call them (``specserve.kernels.linear.linear``, median of
    the rounds): ms, GB/s of weight bytes streamed, and multiply-adds per second as a share of the
    peak (the compute bound: at 8 rows a Q4_K linear does 8 int8 multiply-adds per weight).
-
 4. With --models: each model's one-row and 8-row forwards (the verify shape of decode_cost.py at
    --context, taking turns with a plain read pass, median of --rounds) beside two floors: its
    linears' weight bytes plus the fp32 K/V its attention reads, at the read speed of the same
@@ -49,68 +48,35 @@ PEAK_C = r"""
 #include <stdint.h>
 
 #define CHAINS 12
-#if defined(PEAK_YMM) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define V __m256i
-#define ZERO _mm256_setzero_si256()
-#define SET(x) _mm256_set1_epi32(x)
-#define STEP(a, u, s) asm volatile("vpdpbusd %2, %1, %0" : "+v"(a) : "v"(u), "v"(s))
-#define LANES 32
-#define OUT(a) _mm256_extract_epi32(a, 0)
-const char *kind = "avx512-vnni ymm (vpdpbusd)";
-#elif defined(__AVX512VNNI__) && defined(__AVX512F__) && !defined(PEAK_AVX2)
+#if defined(__AVX512VNNI__) && !defined(PEAK_YMM) && !defined(PEAK_AVX2)
 #define V __m512i
 #define ZERO _mm512_setzero_si512()
 #define SET(x) _mm512_set1_epi32(x)
-#define STEP(a, u, s) asm volatile("vpdpbusd %2, %1, %0" : "+v"(a) : "v"(u), "v"(s))
 #define LANES 64
 #define OUT(a) _mm512_reduce_add_epi32(a)
+#define STEP(a, u, s) asm volatile("vpdpbusd %2, %1, %0" : "+v"(a) : "v"(u), "v"(s))
 const char *kind = "avx512-vnni zmm (vpdpbusd)";
-#elif defined(__AVXVNNI__) && !defined(PEAK_AVX2)
-#define V __m256i
-#define ZERO _mm256_setzero_si256()
-#define SET(x) _mm256_set1_epi32(x)
-#define STEP(a, u, s) asm volatile("{vex} vpdpbusd %2, %1, %0" : "+v"(a) : "v"(u), "v"(s))
-#define LANES 32
-#define OUT(a) _mm256_extract_epi32(a, 0)
-const char *kind = "avx-vnni ymm (vpdpbusd)";
 #elif defined(__AVX2__)
 #define V __m256i
 #define ZERO _mm256_setzero_si256()
 #define SET(x) _mm256_set1_epi32(x)
-#define STEP(a, u, s) do { V t_; asm volatile("vpmaddubsw %2, %1, %0" : "=x"(t_) : "x"(u), "x"(s)); \
-    asm volatile("vpmaddwd %1, %0, %0" : "+x"(t_) : "x"(one)); a = _mm256_add_epi32(a, t_); } while (0)
 #define LANES 32
 #define OUT(a) _mm256_extract_epi32(a, 0)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(PEAK_AVX2)
+#define STEP(a, u, s) asm volatile("vpdpbusd %2, %1, %0" : "+v"(a) : "v"(u), "v"(s))
+const char *kind = "avx512-vnni ymm (vpdpbusd)";
+#elif defined(__AVXVNNI__) && !defined(PEAK_AVX2)
+#define STEP(a, u, s) asm volatile("{vex} vpdpbusd %2, %1, %0" : "+v"(a) : "v"(u), "v"(s))
+const char *kind = "avx-vnni ymm (vpdpbusd)";
+#else
 #define PEAK_MADDUBS 1
+#define STEP(a, u, s) do { V t_; asm volatile("vpmaddubsw %2, %1, %0" : "=x"(t_) : "x"(u), "x"(s)); \
+    asm volatile("vpmaddwd %1, %0, %0" : "+x"(t_) : "x"(one)); a = _mm256_add_epi32(a, t_); } while (0)
 const char *kind = "avx2 ymm (maddubs + madd + add)";
+#endif
 #else
 #error "no SIMD int8 dot product"
 #endif
-
-/* bytes per second that nthreads threads read from buf (n bytes, a multiple of 128 * nthreads),
-   each its contiguous share, XOR-ing the 64-byte lines together so no load can be skipped; with
-   pf > 0 each line is prefetched pf bytes ahead too (as the linears do) */
-double read_bw(int nthreads, const uint8_t *buf, int64_t n, int64_t pf, volatile int *sink) {
-    double t0 = omp_get_wtime();
-    #pragma omp parallel num_threads(nthreads)
-    {
-        const int64_t share = n / nthreads, lo = share * omp_get_thread_num();
-        __m256i x0 = _mm256_setzero_si256(), x1 = x0, x2 = x0, x3 = x0;
-        for (int64_t o = lo; o < lo + share; o += 128) {
-            if (pf) {
-                __builtin_prefetch(buf + o + pf, 0, 2);
-                __builtin_prefetch(buf + o + pf + 64, 0, 2);
-            }
-            x0 = _mm256_xor_si256(x0, _mm256_load_si256((const __m256i *)(buf + o)));
-            x1 = _mm256_xor_si256(x1, _mm256_load_si256((const __m256i *)(buf + o + 32)));
-            x2 = _mm256_xor_si256(x2, _mm256_load_si256((const __m256i *)(buf + o + 64)));
-            x3 = _mm256_xor_si256(x3, _mm256_load_si256((const __m256i *)(buf + o + 96)));
-        }
-        x0 = _mm256_xor_si256(_mm256_xor_si256(x0, x1), _mm256_xor_si256(x2, x3));
-        *sink += _mm256_extract_epi32(x0, 0);
-    }
-    return (double)n / (omp_get_wtime() - t0);
-}
 
 /* int8 multiply-adds per second of nthreads threads, each running iters steps of CHAINS chains */
 double peak(int nthreads, int64_t iters, volatile int *sink) {
@@ -142,17 +108,16 @@ VARIANTS = {"widest": [], "ymm": ["-DPEAK_YMM"], "avx2": ["-DPEAK_AVX2"]}
 
 
 def build_peak(variant: str) -> tuple[ctypes.CDLL, str]:
-    d = tempfile.mkdtemp(prefix="int_dot_peak_")
-    src, lib = os.path.join(d, "peak.c"), os.path.join(d, "peak.so")
-    with open(src, "w") as f:
-        f.write(PEAK_C)
-    flags = ["-O2", "-march=native", "-fopenmp", "-fPIC", "-shared", *VARIANTS[variant]]
-    subprocess.run(["gcc", *flags, src, "-o", lib], check=True)
-    so = ctypes.CDLL(lib)
+    """The peak loop built with gcc -march=native for this variant: (library, instruction kind)."""
+    with tempfile.TemporaryDirectory(prefix="int_dot_peak_") as d:
+        src, lib = os.path.join(d, "peak.c"), os.path.join(d, "peak.so")
+        with open(src, "w") as f:
+            f.write(PEAK_C)
+        flags = ["-O2", "-march=native", "-fopenmp", "-fPIC", "-shared", *VARIANTS[variant]]
+        subprocess.run(["gcc", *flags, src, "-o", lib], check=True)
+        so = ctypes.CDLL(lib)  # stays mapped after the file is removed
     so.peak.restype = ctypes.c_double
     so.peak.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.POINTER(ctypes.c_int)]
-    so.read_bw.restype = ctypes.c_double
-    so.read_bw.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_int)]
     return so, ctypes.c_char_p.in_dll(so, "kind").value.decode()
 
 
@@ -168,45 +133,33 @@ def measure_peak(so: ctypes.CDLL, threads: int) -> float:
     return max(so.peak(threads, iters, ctypes.byref(sink)) for _ in range(5))
 
 
-def measure_read(so: ctypes.CDLL, threads: int, mb: int) -> dict[str, float]:
-    """Bytes per second read from mb MB in huge pages where the OS gives them (as our weights
-    are: hostmem.anon_bytes), without and with software prefetch 16 KiB ahead, best of 5 passes
-    each (taking turns) after one that faults the buffer in."""
-    from specserve.kernels.hostmem import anon_bytes
+def read_buffer(mb: int) -> torch.Tensor:
+    """[mb MiB / 4] float32 ones in huge pages where the OS gives them, as our packed weights are."""
+    from specserve.kernels.hostmem import anon_zeros
 
-    buf = anon_bytes(mb << 20)  # [n] uint8
-    buf.fill_(1)
-    sink = ctypes.c_int(0)
-    so.read_bw(threads, buf.data_ptr(), buf.numel(), 0, ctypes.byref(sink))
-    best = {"plain": 0.0, "prefetch": 0.0}
-    for _ in range(5):
-        for k, pf in (("plain", 0), ("prefetch", 16384)):
-            best[k] = max(best[k], so.read_bw(threads, buf.data_ptr(), buf.numel(), pf, ctypes.byref(sink)))
-    return best
+    return anon_zeros(((mb << 20) // 4,), torch.float32).fill_(1.0)
 
 
-def weight_bytes(w) -> int:
-    return w.packed.numel() * w.packed.element_size()
+def read_speed(buf: torch.Tensor) -> float:
+    """Bytes per second of one plain read of buf: torch's sum, as weight_stream.py's plain read."""
+    t0 = time.perf_counter()
+    buf.sum()
+    return buf.numel() * 4 / (time.perf_counter() - t0)
 
 
 def measure_linears(a: argparse.Namespace, peak: float) -> list[dict]:
+    from weight_stream import timed
+
     from specserve.kernels.linear import linear
     from specserve.kernels.tune import random_block_weight
 
     out = []
     for fmt in a.formats.split(","):
         w = random_block_weight(fmt, a.n, a.k)
-        mb = weight_bytes(w) / 1e6
+        mb = w.nbytes / 1e6
         for m in (int(x) for x in a.rows.split(",")):
             x = torch.randn(m, a.k)  # [M, K]
-            for _ in range(2):
-                linear(x, w)
-            ts = []
-            for _ in range(a.rounds):
-                t0 = time.perf_counter()
-                linear(x, w)
-                ts.append(time.perf_counter() - t0)
-            t = statistics.median(ts)
+            t = timed(lambda: linear(x, w), a.rounds)
             macs = m * a.n * a.k / t
             out.append({"format": fmt, "rows": m, "ms": t * 1e3, "weights_mb": mb, "gb_s": mb / 1e3 / t,
                         "gmac_s": macs / 1e9, "share_of_peak": macs / peak})
@@ -218,26 +171,22 @@ def measure_linears(a: argparse.Namespace, peak: float) -> list[dict]:
 def kv_bytes(cfg, keys: int) -> int:
     """Bytes of fp32 K and V one row's attention reads over ``keys`` cached keys, all layers (a
     sliding layer reads at most its window)."""
-    sliding = cfg.layer_is_sliding or (False,) * cfg.num_layers
-    n = sum(min(keys, cfg.sliding_window) if s and cfg.sliding_window else keys for s in sliding)
-    return n * cfg.num_kv_heads * cfg.head_dim * 4 * 2
+    from specserve.engine.config import kv_bytes_per_token
+
+    per_layer = kv_bytes_per_token(cfg, "fp32", num_layers=1)
+    return per_layer * sum(min(keys, cfg.sliding_window) if cfg.sliding(i) else keys for i in cfg.attention_layers)
 
 
-def measure_models(a: argparse.Namespace, peak: float, so: ctypes.CDLL) -> list[dict]:
+def measure_models(a: argparse.Namespace, peak: float, buf: torch.Tensor) -> list[dict]:
     """Each model's one-row and 8-row forwards (decode_cost.py's verify shape at --context) against
-    two floors: its linears' weight bytes and its fp32 K/V at --context at the read speed measured
-    in the same rounds (one
-    plain read pass of --read-mb MB per round: this machine's memory speed moves from minute to
-    minute), and their multiply-adds (8 per weight at 8 rows) at the int8 peak."""
+    two floors: its linears' weight bytes and its fp32 K/V at --context, at the read speed of buf
+    measured in the same rounds (one plain read per round: this machine's memory speed moves from
+    minute to minute); and the linears' multiply-adds (8 per weight at 8 rows) at the int8 peak."""
     import decode_cost as dc
 
-    from specserve.kernels.hostmem import anon_bytes
     from specserve.models.layers import linears
     from specserve.models.loader import LoadOptions, load_model
 
-    buf = anon_bytes(a.read_mb << 20)  # [n] uint8
-    buf.fill_(1)
-    sink = ctypes.c_int(0)
     out = []
     for name in a.models.split(","):
         lm = load_model(name, LoadOptions("cpu", "auto", "auto"))
@@ -256,13 +205,13 @@ def measure_models(a: argparse.Namespace, peak: float, so: ctypes.CDLL) -> list[
                     t = dc.timed_forward(lm.model, batches[m], kv, None)
                     if r >= 2:
                         ts[m].append(t)
-                bw = so.read_bw(a.threads, buf.data_ptr(), buf.numel(), 0, ctypes.byref(sink))
+                bw = read_speed(buf)
                 if r >= 2:
                     ts["read"].append(bw)
         t1, t8, read = (statistics.median(ts[k]) for k in (1, 8, "read"))
         mem, comp = nbytes / read, 8 * macs / peak
-        out.append({"model": name, "weights_mb": wbytes / 1e6, "kv_mb": kbytes / 1e6, "gmacs_per_row": macs / 1e9, "ms_1": t1 * 1e3,
-                    "ms_8": t8 * 1e3, "read_gb_s": read / 1e9, "read_floor_ms": mem * 1e3,
+        out.append({"model": name, "weights_mb": wbytes / 1e6, "kv_mb": kbytes / 1e6, "gmacs_per_row": macs / 1e9,
+                    "ms_1": t1 * 1e3, "ms_8": t8 * 1e3, "read_gb_s": read / 1e9, "read_floor_ms": mem * 1e3,
                     "compute_floor_8_ms": comp * 1e3, "gb_s_1": nbytes / t1 / 1e9,
                     "t1_over_floor": t1 / mem, "t8_over_floor": t8 / max(mem, comp)})
         print(f"{name}: {out[-1]}", file=sys.stderr, flush=True)
@@ -270,21 +219,20 @@ def measure_models(a: argparse.Namespace, peak: float, so: ctypes.CDLL) -> list[
     return out
 
 
-def markdown(peaks: list[dict], read: dict[str, float], rows: list[dict], models: list[dict],
+def markdown(peaks: list[dict], read: float, rows: list[dict], models: list[dict],
              a: argparse.Namespace) -> str:
     lines = [f"int8 dot-product peak, {a.threads} threads (operands in registers, best of 5):", "",
              "| instruction | GMAC/s |", "|---|---|"]
     lines += [f"| {p['kind']} | {p['gmac_s']:.0f} |" for p in peaks]
-    lines += ["", f"Memory read, {a.threads} threads, {a.read_mb} MB (best of 5): {read['plain']:.1f} GB/s, "
-              f"{read['prefetch']:.1f} GB/s with software prefetch 16 KiB ahead"]
+    lines += ["", f"Memory read (torch sum), {a.threads} threads, {a.read_mb} MB (best of 5): {read:.1f} GB/s"]
     if rows:
         lines += ["", f"Our integer-dot linears, {a.n} x {a.k} (median ms; share of the first peak above):", "",
                   "| format | MB | M | ms | GB/s | GMAC/s | share of peak |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['format']} | {r['weights_mb']:.0f} | {r['rows']} | {r['ms']:.2f} | {r['gb_s']:.1f} | "
-              f"{r['gmac_s']:.0f} | {100 * r['share_of_peak']:.0f}% |" for r in rows]
+        lines += [f"| {r['format']} | {r['weights_mb']:.0f} | {r['rows']} | {r['ms']:.2f} | {r['gb_s']:.1f} | "
+                  f"{r['gmac_s']:.0f} | {100 * r['share_of_peak']:.0f}% |" for r in rows]
     if models:
         lines += ["", f"Forwards at a {a.context}-token context against their floors (median ms; the read speed "
-                  f"measured in the same rounds, one pass over {a.read_mb} MB each; read floor: the linears' weight "
+                  f"measured in the same rounds, one torch sum over {a.read_mb} MB each; read floor: the linears' weight "
                   "bytes and the fp32 K/V at that speed; compute floor: the linears' int8 multiply-adds at the first "
                   "peak):", "",
                   "| model | linears MB | K/V MB | GMAC per row | read GB/s | 1 row | read floor | t(1) / floor | 8 rows | "
@@ -323,10 +271,12 @@ def main() -> int:
             continue
         peaks.append({"kind": kind, "gmac_s": measure_peak(so, a.threads) / 1e9})
         print(f"peak {kind}: {peaks[-1]['gmac_s']:.0f} GMAC/s", file=sys.stderr, flush=True)
-    read = {k: v / 1e9 for k, v in measure_read(build_peak("widest")[0], a.threads, a.read_mb).items()}
-    print(f"read {a.read_mb} MB: {read}", file=sys.stderr, flush=True)
+    buf = read_buffer(a.read_mb)
+    read_speed(buf)  # faults the buffer in
+    read = max(read_speed(buf) for _ in range(5)) / 1e9
+    print(f"read {a.read_mb} MB: {read:.1f} GB/s", file=sys.stderr, flush=True)
     rows = measure_linears(a, peaks[0]["gmac_s"] * 1e9) if a.formats else []
-    models = measure_models(a, peaks[0]["gmac_s"] * 1e9, build_peak("widest")[0]) if a.models else []
+    models = measure_models(a, peaks[0]["gmac_s"] * 1e9, buf) if a.models else []
     md = markdown(peaks, read, rows, models, a)
     print(md)
     if a.out:

@@ -21,7 +21,8 @@ python benchmarks/int_dot_peak.py --rows 1,8,16 --models smollm2-135m,gemma3-270
 # the same right after (int_dot_peak_2.*)
 python benchmarks/int_dot_peak.py --rows 1,8,16 --models smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b \
   --rounds 20 --markdown $OUT/int_dot_peak_2.md --out $OUT/int_dot_peak_2.json
-# (int_dot_peak_early*.*: the same two commands at 9cc19fa, an hour earlier, before the script counted the K/V bytes)
+# (int_dot_peak_early*.*: the same two commands at 9cc19fa, an hour earlier, before the script counted the K/V bytes
+# and when it read memory with a C loop of its own instead of torch's sum)
 # servers against native llama-server, with and without huge pages for llama.cpp
 python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --rounds 2 --limit 1 \
   --configs "llama.cpp plain,llama.cpp plain THP,specserve plain,specserve draft q4_0 32K" \

@@ -69,11 +69,11 @@ def random_block_weight(qtype: str, n: int, k: int, g=None):
     scales (about 0.01: random bytes could be NaN / inf), for timing."""
     import torch
 
+    from .library import GGUF_QTYPES
     from .linear import GGUFBlockWeight
 
-    # values per block, bytes per block, byte offsets of the fp16 scales
-    qk, bb, scale_at = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,)), "Q8_0": (32, 34, (0,)),
-                        "Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2))}[qtype]
+    _, qk, bb = GGUF_QTYPES[qtype]  # values and bytes per block
+    scale_at = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2)}[qtype]  # fp16 scales
     raw = torch.randint(0, 256, (n, k // qk, bb), dtype=torch.uint8, generator=g)
     for o in scale_at:
         raw[:, :, o], raw[:, :, o + 1] = 0x1F, 0x21
