@@ -573,19 +573,37 @@ def test_paged_attention_matches_dense(impl, D, Hq, Hkv, window, cap):
 
 
 @pytest.mark.parametrize("D,Hq,Hkv,window,cap", [(64, 6, 2, 0, 0.0), (64, 6, 3, 9, 0.0), (64, 4, 2, 17, 20.0)])
-def test_torch_paged_attention_matches_dense(D, Hq, Hkv, window, cap):
+def test_device_paged_attention_matches_dense_and_is_batch_invariant(D, Hq, Hkv, window, cap):
     """The CUDA path's torch attention (run here on CPU tensors): prefill runs, single decode
-    rows, and rows of one sequence split into several runs all match the dense reference."""
-    from specserve.models.layers import _torch_paged_attention
+    rows, and rows of one sequence split into several runs all match the dense reference, and
+    every row gets the bits it gets alone, whatever else is in the step."""
+    from specserve.models import device_attention
+
+    def run(idx):
+        return device_attention.paged_attention(q[idx], kc, vc, bt, sid[idx], pos[idx], scale, window, cap)
 
     q, kc, vc, bt, sid, pos = _attention_case(D=D, Hq=Hq, Hkv=Hkv, score_scale=3.0 if cap else 1.0)
     scale = D ** -0.5
     ref = _dense_reference(q, kc, vc, bt, sid, pos, scale, window, cap)
-    out = _torch_paged_attention(q, kc, vc, bt, sid, pos, scale, window, cap)
+    everything = torch.arange(q.shape[0])
+    out = run(everything)
     assert out.shape == q.shape and (out.double() - ref).abs().max() < 1e-5
     idx = torch.tensor([40, 3, 41, 100, 5, 36, 106])  # interleaved sequences, mixed positions
-    out = _torch_paged_attention(q[idx], kc, vc, bt, sid[idx], pos[idx], scale, window, cap)
-    assert (out.double() - ref[idx]).abs().max() < 1e-5
+    assert torch.equal(run(idx), out[idx])
+    for i in (0, 3, 40, 106):  # alone, and as the only short row beside the longest context
+        assert torch.equal(run(torch.tensor([i]))[0], out[i])
+        assert torch.equal(run(torch.tensor([i, int(pos.argmax())]))[0], out[i])
+
+
+def test_device_linear_rows_do_not_depend_on_the_other_rows():
+    from specserve.models.layers import device_linear
+
+    g = torch.Generator().manual_seed(0)
+    w, b, x = torch.randn(96, 80, generator=g), torch.randn(96, generator=g), torch.randn(150, 80, generator=g)
+    out = device_linear(x, w, b, tile=64)
+    assert out.shape == (150, 96) and torch.allclose(out, torch.nn.functional.linear(x, w, b), atol=1e-4)
+    for rows in (slice(0, 1), slice(3, 11), slice(60, 130), slice(149, 150)):
+        assert torch.equal(device_linear(x[rows], w, b, tile=64), out[rows])
 
 
 @pytest.mark.parametrize("impl", IMPLS)

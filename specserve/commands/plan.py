@@ -102,7 +102,7 @@ def rank_plans(args: argparse.Namespace) -> tuple[list, dict]:
     from specserve.engine.config import EngineConfig
     from specserve.engine.llm_engine import plan_for
     from specserve.models.loader import LoadOptions, load_model
-    from specserve.parallel.launch import ParallelConfig
+    from specserve.parallel.launch import ParallelConfig, ranks_sharing_memory
     from specserve.parallel.shard import Shard
     from specserve.speculative.config import parse_speculative_config
 
@@ -110,9 +110,10 @@ def rank_plans(args: argparse.Namespace) -> tuple[list, dict]:
     n, ecfg = pcfg.tensor_parallel_size, EngineConfig.from_args(args)
     spec = parse_speculative_config(getattr(args, "speculative_config", None))
     options = LoadOptions(args.device, args.dtype, args.quantization)
-    plans, share = [], len(pcfg.local_ranks)
+    plans = []
     for rank in range(n):
         target = load_model(args.model, replace(options, shard=Shard(rank, n)))
+        share = ranks_sharing_memory(len(pcfg.local_ranks), target.model.device)
         parts = _parts(target, ecfg, spec if rank == 0 else None, options)
         plan = plan_for(target, ecfg, parts.speculative, parts.drafter, total_memory=args.memory, share=share)
         if plans:  # the driver's pool is every rank's

@@ -53,14 +53,13 @@ def build_parts(args: argparse.Namespace) -> EngineParts:
     if tp_size == 1:
         target = load_model(args.model, replace(options, mmproj=getattr(args, "mmproj", None)))
         return _parts(target, ecfg, spec, options)
-    check_parallel_request(args, spec)
     addr = pcfg.dist_init_addr or f"127.0.0.1:{free_port()}"
     procs = start_workers(args, pcfg, addr)  # they load their shards while this process loads its own
     pin(pcfg.core_sets().get(0))
     try:
         target = load_model(args.model, replace(options, shard=Shard(0, tp_size), mmproj=getattr(args, "mmproj", None)))
         # the group first: a drafter built on the target (a cut of its LM head) calls into every rank
-        target.model.attach_tensor_parallel(connect(0, pcfg, addr, procs))
+        target.model.attach_tensor_parallel(connect(0, pcfg, addr, procs, target.model.device))
         parts = _parts(target, ecfg, spec, options)
     except BaseException:
         for p in procs.values():
@@ -76,13 +75,6 @@ def _parts(target: LoadedModel, ecfg: EngineConfig, spec: SpeculativeConfig | No
         logger.warning("--max-model-len %d is more than %s was trained for; using %d", ecfg.max_model_len,
                        target.name, max_len)
     return EngineParts(target, ecfg, spec, build_drafter(spec, target, options, ecfg, max_len))
-
-
-def check_parallel_request(args: argparse.Namespace, spec: SpeculativeConfig | None) -> None:
-    """What tensor parallel does not take yet, refused before any process starts."""
-    n = args.tensor_parallel_size
-    if args.device == "cuda":
-        raise SpecserveError(f"--tensor-parallel-size {n}: the CUDA path (NCCL) is not built yet; use --device cpu")
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:

@@ -24,6 +24,7 @@ from specserve.engine.config import EngineConfig, MemoryPlan, engine_plan, kv_by
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.model_runner import ModelRunner
 from specserve.parallel.group import share_plan
+from specserve.parallel.launch import ranks_sharing_memory
 from specserve.engine.multimodal import EncoderCache, ImageInput, MultiModalPrompt, vision_memory
 from specserve.engine.scheduler import ScheduledRow, Scheduler
 from specserve.engine.sequence import Sequence, Status
@@ -379,7 +380,7 @@ def plan_for(target: LoadedModel, ecfg: EngineConfig, spec: SpeculativeConfig | 
     share: ranks sharing this machine's memory (default: a tensor-parallel driver's local ranks)."""
     model = target.model
     if share is None:
-        share = 1 + len(model.tp.processes) if model.tp is not None else 1
+        share = ranks_sharing_memory(1 + len(model.tp.processes), model.device) if model.tp is not None else 1
     return engine_plan(ecfg, model.cfg, model.dtype, model.device, model.weight_bytes(),
                        drafter.weight_bytes() if drafter else 0, total_memory,
                        lookahead=(spec.num_speculative_tokens if spec else 0) + 1,

@@ -12,9 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.kernels import ops
+from specserve.models import device_attention
 from specserve.models.weights import RawTensor
 
 # GGUF block formats our CPU kernels read directly (no re-quantization)
+# CUDA: a linear's rows go through cuBLAS in tiles of this many (the last one padded), so every
+# row is computed by the same kernel whatever else is in the batch (cuBLAS picks its kernel, and
+# with it the order of a row's sums, by the matrix shapes). 0: one call over every row.
+CUDA_ROW_TILE = 64
 NATIVE_GGUF = frozenset(ops.GGUF_QTYPES)
 
 
@@ -117,7 +122,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if self.device.type != "cpu":
-            out = F.linear(x, self.weight, self.bias)
+            out = device_linear(x, self.weight, self.bias)
         else:
             out = ops.linear(x.contiguous(), self.weight, self.bias)
         return out if self.reduce_group is None else self.reduce_group.all_reduce(out)
@@ -136,6 +141,19 @@ class Linear(nn.Module):
         """The weight as a float32 [out, in] tensor on its device (dequantized if packed)."""
         w = self.weight
         return (w if isinstance(w, torch.Tensor) else w.dequantize()).float()
+
+
+def device_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                  tile: int | None = None) -> torch.Tensor:  # [T, in] -> [T, out]
+    """F.linear in fixed tiles of rows (CUDA_ROW_TILE): batch-invariant, each row's bits do not
+    depend on the other rows of the step."""
+    tile = CUDA_ROW_TILE if tile is None else tile
+    t = x.shape[0]
+    if not tile or t == 0:
+        return F.linear(x, w, b)
+    padded = -(-t // tile) * tile
+    xp = F.pad(x, (0, 0, 0, padded - t)) if padded != t else x
+    return torch.cat([F.linear(xp[i:i + tile], w, b) for i in range(0, padded, tile)])[:t]
 
 
 def linears(module: nn.Module) -> list[Linear]:
@@ -215,42 +233,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         from specserve.errors import SpecserveError
 
         raise SpecserveError(f"--kv-cache-dtype {kv_dtype} is not supported on CUDA yet")
-    return _torch_paged_attention(q, k_cache, v_cache, block_tables, seq_ids, positions, scale, window, softcap)
-
-
-def _torch_paged_attention(q, k_cache, v_cache, block_tables, seq_ids, positions, scale, window, softcap):
-    """Paged attention in torch (CUDA path): each run of rows of one sequence gathers that
-    sequence's keys once, and all runs attend together over a padded [S, Tmax] query grid."""
-    t_len, hq, d = q.shape
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    dev = q.device
-    sid, pos = seq_ids.long(), positions.long()
-    runs, row_run, counts = torch.unique_consecutive(sid, return_inverse=True, return_counts=True)  # [S]
-    n_runs, t_max = runs.numel(), int(counts.max())
-    col = torch.arange(t_len, device=dev) - (torch.cumsum(counts, 0) - counts)[row_run]  # row within its run
-    max_len = int(pos.max()) + 1
-    nb = (max_len + bs - 1) // bs
-    tables = block_tables[runs, :nb].long()  # [S, nb]
-    rep = hq // hkv
-    k = k_cache[tables].reshape(n_runs, nb * bs, hkv, d)[:, :max_len].float()  # [S, L, Hkv, D]
-    v = v_cache[tables].reshape(n_runs, nb * bs, hkv, d)[:, :max_len].float()
-    k = k.repeat_interleave(rep, dim=2).transpose(1, 2)  # [S, Hq, L, D]
-    v = v.repeat_interleave(rep, dim=2).transpose(1, 2)
-    qg = q.new_zeros((n_runs, t_max, hq, d), dtype=torch.float32)
-    qg[row_run, col] = q.float()
-    qpos = torch.full((n_runs, t_max), -1, dtype=torch.long, device=dev)
-    qpos[row_run, col] = pos
-    scores = torch.matmul(qg.transpose(1, 2), k.transpose(-1, -2)) * scale  # [S, Hq, Tmax, L]
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    kpos = torch.arange(max_len, device=dev)
-    mask = kpos <= qpos[..., None]  # [S, Tmax, L]
-    if window:
-        mask &= (qpos[..., None] - kpos) < window
-    mask[..., 0] |= qpos < 0  # padding rows attend to key 0 (no NaN); they are dropped below
-    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
-    out = torch.matmul(probs, v).transpose(1, 2)  # [S, Tmax, Hq, D]
-    return out[row_run, col].to(q.dtype)
+    return device_attention.paged_attention(q, k_cache, v_cache, block_tables, seq_ids, positions, scale, window,
+                                            softcap)
 
 
 def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:

@@ -38,11 +38,17 @@ class LoadOptions:
     vision: bool = True  # False: skip a vision tower (a tensor-parallel worker: rank 0 encodes images)
 
     def torch_device(self) -> torch.device:
+        """The device; on CUDA a tensor-parallel rank takes GPU ``rank % GPUs`` (one GPU per rank
+        where there are as many as ranks per machine; ranks share them where there are fewer)."""
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device == "cuda" and not torch.cuda.is_available():
+            kind = "cuda" if torch.cuda.is_available() else "cpu"
+        elif self.device == "cuda" and not torch.cuda.is_available():
             raise ModelLoadError("--device cuda was asked for but torch sees no CUDA device")
-        return torch.device(self.device)
+        else:
+            kind = self.device
+        if kind == "cuda" and self.shard.active:
+            return torch.device("cuda", self.shard.rank % torch.cuda.device_count())
+        return torch.device(kind)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

@@ -357,7 +357,7 @@ class Transformer(nn.Module):
     def logits(self, h: torch.Tensor, head: "Linear | HeadCut | None" = None) -> torch.Tensor:
         """[L, H] normed -> [L, V] float32 (with ``head``: a cut of the head, ``cut_head``: [L, n])."""
         cut = head if isinstance(head, HeadCut) else None
-        with self.mirrored(Op.LOGITS, lambda: [h.float(), None if cut is None else torch.tensor([cut.key])]):
+        with self.mirrored(Op.LOGITS, lambda: [h, None if cut is None else torch.tensor([cut.key])]):
             if cut is not None:
                 out = self._gather_cut(h, cut)
             else:

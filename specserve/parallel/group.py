@@ -8,10 +8,13 @@ messages are tensors only: a fixed-size int64 header (the operation, each tensor
 shape), then one int64 and one float32 buffer holding them all (3 broadcasts per call, no
 pickling between machines).
 
-The group is a ``ProcessGroupGloo`` of its own (CPU, gloo), not torch.distributed's default
-group, so nothing process-global is set and a test can hold two groups. Every collective has
-the group's timeout (a dead or hung rank raises :class:`ParallelError` on the driver within it),
-except a worker's wait for the next call's header, on a second group that never times out.
+The groups are process groups of their own, not torch.distributed's default group, so nothing
+process-global is set and a test can hold two groups. The calls and flags go over gloo on the
+CPU. The model's all-reduces and gathers go over NCCL when every rank has a GPU of its own, else
+over gloo (CUDA tensors through host memory: ranks sharing one GPU, which NCCL refuses). Every
+collective has the group's timeout (a dead or hung rank raises :class:`ParallelError` on the
+driver within it), except a worker's wait for the next call's header, on a group that never
+times out.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from specserve.errors import ServiceUnavailable, SpecserveError
 HEADER = 128  # int64 slots: [op, count, then (dtype, ndim, d0, d1, d2) per tensor]
 MAX_TENSORS = (HEADER - 2) // 5
 CONTROL_TIMEOUT = datetime.timedelta(days=365)  # a worker's wait for the next call
-DTYPES = {1: torch.int32, 2: torch.int64, 3: torch.float32, 4: torch.bool}
+DTYPES = {1: torch.int32, 2: torch.int64, 3: torch.float32, 4: torch.bool, 5: torch.bfloat16, 6: torch.float16}
 CODES = {v: k for k, v in DTYPES.items()}
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # sent in the float32 buffer (exactly)
 
 
 class ParallelError(ServiceUnavailable):
@@ -50,11 +54,13 @@ class Op(enum.IntEnum):
 class TensorParallel:
     """rank / world of a group, its collectives and the driver-to-worker call protocol."""
 
-    def __init__(self, rank: int, world: int, pg, timeout_s: float, control=None):
+    def __init__(self, rank: int, world: int, pg, timeout_s: float, control=None, data=None):
         self.rank, self.world, self.pg, self.timeout_s = rank, world, pg, timeout_s
         # the calls' headers go over a group of their own with no practical timeout: a worker waits
         # for the next call as long as the server idles (a driver that dies closes the connection)
         self.control = control if control is not None else pg
+        self.data = data if data is not None else pg  # the model's collectives (NCCL, or gloo)
+        self.backend = "nccl" if data is not None else "gloo"
         self._depth = 0  # calls nested inside a mirrored one (forward -> embed) are not sent again
         self.busy_since: float | None = None  # driver: when the call in progress started (watchdog)
         self.failed: ParallelError | None = None
@@ -67,16 +73,25 @@ class TensorParallel:
 
     @classmethod
     def connect(cls, rank: int, world: int, host: str, port: int, timeout_s: float,
-                connect_timeout_s: float = 600.0) -> "TensorParallel":
-        """Join the group at host:port (rank 0 serves the rendezvous store there)."""
+                connect_timeout_s: float = 600.0, device: torch.device | None = None) -> "TensorParallel":
+        """Join the group at host:port (rank 0 serves the rendezvous store there). device: this
+        rank's model device (CUDA: NCCL when no two ranks share a GPU)."""
         store = dist.TCPStore(host, port, world, rank == 0, timeout=datetime.timedelta(seconds=connect_timeout_s),
                               wait_for_workers=False)
         # every rank has loaded its shard before the groups connect (their set-up has the short timeout)
-        store.set(f"ready/{rank}", "1")
+        store.set(f"ready/{rank}", device_key(device))
         store.wait([f"ready/{r}" for r in range(world)], datetime.timedelta(seconds=connect_timeout_s))
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("data", store), rank, world, datetime.timedelta(seconds=timeout_s))
+        keys = [store.get(f"ready/{r}").decode() for r in range(world)]  # the same list on every rank
+        timeout = datetime.timedelta(seconds=timeout_s)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("data", store), rank, world, timeout)
         control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world, CONTROL_TIMEOUT)
-        group = cls(rank, world, pg, timeout_s, control)
+        data = None
+        if choose_backend(keys) == "nccl":
+            torch.cuda.set_device(device)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            data = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world, opts)
+        group = cls(rank, world, pg, timeout_s, control, data)
         group._store = store  # the store serves the group's lifetime
         return group
 
@@ -93,11 +108,17 @@ class TensorParallel:
             raise self.failed from exc
 
     def exchange(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
-        """Every rank's t, in rank order (this rank's own at its index). Point-to-point sends and
-        receives between every pair: for the small tensors of a decode step on one machine much
-        quicker than gloo's ring all-reduce (timed by hand on 2 ranks, 896 floats: ~0.2 ms
-        against ~1.6 ms)."""
+        """Every rank's t, in rank order (this rank's own at its index). NCCL: its all-gather.
+        Gloo: point-to-point sends and receives between every pair, for the small tensors of a
+        decode step on one machine much quicker than gloo's ring all-reduce (timed by hand on 2
+        ranks, 896 floats: ~0.2 ms against ~1.6 ms); a CUDA tensor goes through host memory."""
         t = t.contiguous()
+        if self.data is not self.pg:
+            parts = [torch.empty_like(t) for _ in range(self.world)]
+            self._wait(self.data.allgather([parts], [t]), what)
+            return parts
+        if t.device.type != "cpu":
+            return [p.to(t.device) for p in self.exchange(t.cpu(), what)]
         parts = [t if r == self.rank else torch.empty_like(t) for r in range(self.world)]
         works = []
         for r in range(self.world):
@@ -170,31 +191,31 @@ class TensorParallel:
                 raise ValueError(f"cannot send a {t.dtype} tensor of {t.dim()} dims")
             header[2 + 5 * i:4 + 5 * i] = torch.tensor([CODES[t.dtype], t.dim()])
             header[4 + 5 * i:4 + 5 * i + t.dim()] = torch.tensor(t.shape)
-            (floats if t.dtype == torch.float32 else ints).append(t.reshape(-1))
+            (floats if t.dtype in FLOATS else ints).append(t.reshape(-1))
         self.broadcast(header, control=True)
         if ints:
             self.broadcast(torch.cat([t.cpu().to(torch.int64) for t in ints]))
         if floats:
-            self.broadcast(torch.cat([t.cpu() for t in floats]))
+            self.broadcast(torch.cat([t.cpu().float() for t in floats]))
 
-    def receive(self) -> tuple[int, list[torch.Tensor | None]]:
-        """A worker's next call from the driver: (op, its tensors)."""
+    def receive(self, device: torch.device | str = "cpu") -> tuple[int, list[torch.Tensor | None]]:
+        """A worker's next call from the driver: (op, its tensors on ``device``)."""
         header = self.broadcast(torch.zeros(HEADER, dtype=torch.int64), control=True).tolist()
         op, count = header[0], header[1]
         specs = [(header[2 + 5 * i], header[4 + 5 * i:4 + 5 * i + header[3 + 5 * i]]) for i in range(count)]
-        n_int = sum(_numel(s) for code, s in specs if code and DTYPES[code] != torch.float32)
-        n_float = sum(_numel(s) for code, s in specs if code and DTYPES[code] == torch.float32)
+        n_int = sum(_numel(s) for code, s in specs if code and DTYPES[code] not in FLOATS)
+        n_float = sum(_numel(s) for code, s in specs if code and DTYPES[code] in FLOATS)
         ints = self.broadcast(torch.empty(n_int, dtype=torch.int64)) if n_int else None
         floats = self.broadcast(torch.empty(n_float, dtype=torch.float32)) if n_float else None
         out, oi, of = [], 0, 0
         for code, shape in specs:
             if not code:
                 out.append(None)
-            elif DTYPES[code] == torch.float32:
-                out.append(floats[of:of + _numel(shape)].reshape(shape))
+            elif DTYPES[code] in FLOATS:
+                out.append(floats[of:of + _numel(shape)].reshape(shape).to(device, DTYPES[code]))
                 of += _numel(shape)
             else:
-                out.append(ints[oi:oi + _numel(shape)].reshape(shape).to(DTYPES[code]))
+                out.append(ints[oi:oi + _numel(shape)].reshape(shape).to(device, DTYPES[code]))
                 oi += _numel(shape)
         return op, out
 
@@ -221,6 +242,24 @@ class TensorParallel:
         dead = [f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
                 for r, p in sorted(self.processes.items()) if p.poll() is not None]
         return f" ({'; '.join(dead)})" if dead else ""
+
+
+def device_key(device: torch.device | None) -> str:
+    """What a rank says of its device at the rendezvous: host and GPU, or "cpu"."""
+    if device is None or device.type != "cuda":
+        return "cpu"
+    import socket
+
+    props = torch.cuda.get_device_properties(device)
+    return f"{socket.gethostname()}/cuda:{getattr(props, 'uuid', device.index)}"
+
+
+def choose_backend(keys: list[str]) -> str:
+    """The model collectives' backend from every rank's device_key (the same answer on every
+    rank): NCCL when each rank has a GPU of its own, else gloo (NCCL refuses two ranks on one GPU)."""
+    if all(k != "cpu" for k in keys) and len(set(keys)) == len(keys) and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
 
 
 def _max_opts():

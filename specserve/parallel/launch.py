@@ -83,6 +83,16 @@ class ParallelConfig:
         return {r: cores[i * per:(i + 1) * per] for i, r in enumerate(ranks)}
 
 
+def ranks_sharing_memory(local_ranks: int, device) -> int:
+    """How many of a machine's ranks plan from one pool of memory: all of them on the CPU, the
+    ranks that share a GPU on CUDA (rank r takes GPU r % GPUs)."""
+    if device.type == "cuda":
+        import torch
+
+        return -(-local_ranks // torch.cuda.device_count())
+    return local_ranks
+
+
 def pin(cores: list[int] | None) -> None:
     if cores:
         os.sched_setaffinity(0, cores)
@@ -90,7 +100,8 @@ def pin(cores: list[int] | None) -> None:
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="ranks one model is split over (one process each; gloo on the CPU)")
+                   help="ranks one model is split over (one process each; gloo on the CPU, NCCL "
+                        "between GPUs)")
     p.add_argument("--nnodes", type=int, default=1, help="machines the ranks are spread over")
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index among --nnodes")
     p.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
@@ -127,14 +138,17 @@ def start_workers(args: argparse.Namespace, pcfg: ParallelConfig, addr: str) -> 
     return procs
 
 
-def connect(rank: int, pcfg: ParallelConfig, addr: str, procs: dict[int, subprocess.Popen]) -> TensorParallel:
-    """Join the group; while waiting, a local worker that exits fails the start-up, naming it."""
+def connect(rank: int, pcfg: ParallelConfig, addr: str, procs: dict[int, subprocess.Popen],
+            device=None) -> TensorParallel:
+    """Join the group (device: this rank's model device); while waiting, a local worker that
+    exits fails the start-up, naming it."""
     host, port = host_port(addr)
     box: dict = {}
 
     def run():
         try:
-            box["tp"] = TensorParallel.connect(rank, pcfg.tensor_parallel_size, host, port, pcfg.dist_timeout)
+            box["tp"] = TensorParallel.connect(rank, pcfg.tensor_parallel_size, host, port, pcfg.dist_timeout,
+                                               device=device)
         except Exception as exc:  # noqa: BLE001 - reported below
             box["error"] = exc
 

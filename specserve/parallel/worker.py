@@ -59,7 +59,7 @@ def serve(model, tp) -> int:
     kv = None
     try:
         while True:
-            op, t = tp.receive()
+            op, t = tp.receive(model.device)
             if op == Op.FORWARD:
                 model.forward(ForwardBatch.from_tensors(t), kv)
             elif op == Op.EMBED:
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         target = load_model(args.model, LoadOptions(args.device, args.dtype, args.quantization, shard=shard,
                                                         vision=False))
         pcfg = ParallelConfig(args.world, 1, 0, args.dist_init_addr, args.dist_timeout)
-        tp = connect(args.rank, pcfg, args.dist_init_addr, {})
+        tp = connect(args.rank, pcfg, args.dist_init_addr, {}, target.model.device)
     except SpecserveError as exc:
         print(f"specserve tensor-parallel rank {args.rank}: error: {exc}", file=sys.stderr)
         return 2
