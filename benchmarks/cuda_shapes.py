@@ -47,8 +47,10 @@ def random_checkpoint(shape_dir: Path, out: Path, layers: int | None) -> Path:
 
     import transformers
 
-    if (out / "model.safetensors").exists():  # written by an earlier check of this run
-        return out
+    want = layers or json.loads((shape_dir / "config.json").read_text())["num_hidden_layers"]
+    if (out / "model.safetensors").exists() and \
+            json.loads((out / "config.json").read_text())["num_hidden_layers"] == want:
+        return out  # written by an earlier check of this run
     out.mkdir(parents=True, exist_ok=True)
     for f in shape_dir.iterdir():
         shutil.copy(f, out / f.name)
@@ -237,50 +239,54 @@ def check_shape_divergence(shape_dir: Path, work: Path, layers: int | None) -> d
     return out
 
 
-def logged_greedy(target, ids: list[int], max_tokens: int, spec=None) -> tuple[list[int], list[tuple]]:
-    """One sequence's greedy output and the forwards the engine ran for it: (tokens, start)."""
+def logged_greedy(target, ids: list[int], max_tokens: int, spec=None) -> tuple[list[int], dict]:
+    """One sequence's greedy output and everything to run its engine's forwards again: each
+    forward batch (the drafter's calibration passes too), whose it was, and the KV pool's form."""
     from specserve.engine.model_runner import ModelRunner
 
-    forwards, batch = [], ModelRunner.batch
+    log, batch = {"batches": []}, ModelRunner.batch
 
     def logged(runner, rows):
         b = batch(runner, rows)
-        forwards.append((b.input_ids.tolist(), int(b.positions[0])))
+        log["batches"].append((rows[0].seq.request_id, b))
+        log["pool"] = (runner.kv.k[0].shape[0], runner.block_size, runner.kv.kv_dtype)
         return b
 
     ModelRunner.batch = logged
     try:
         drafter = build_drafter(spec, target, None, EngineConfig(), 512) if spec else None
-        return greedy(target, [ids], max_tokens, spec, drafter)[0][0], forwards
+        return greedy(target, [ids], max_tokens, spec, drafter)[0][0], log
     finally:
         ModelRunner.batch = batch
 
 
-def replay(target, forwards: list[tuple], stop: int | None = None, trace_row: int | None = None) -> dict:
-    """Run forwards[:stop] again in a fresh cache (every row's logits and layer outputs kept, the
-    last write of each position winning); with trace_row, forwards[stop] runs traced at that row."""
-    from specserve.engine.model_runner import BatchEntry, build_forward_batch
+def replay(target, log: dict, stop: int | None = None, trace_row: int | None = None) -> dict:
+    """Run the logged batches[:stop] again in a fresh pool of the engine's form (each request row's
+    layer outputs and logits kept by position, the last write winning); with trace_row,
+    batches[stop] runs traced at that row."""
+    from dataclasses import replace as copy
+
     from specserve.models.transformer import KVCache
 
-    model, bs, n_layers = target.model, 16, target.config.num_layers
-    end = max(start + len(toks) for toks, start in forwards) + 1
-    nb = -(-end // bs)
-    kv = KVCache.allocate(target.config, nb, bs, model.dtype, model.device)
+    model, n_layers = target.model, target.config.num_layers
+    blocks, bs, kv_dtype = log["pool"]
+    kv = KVCache.allocate(target.config, blocks, bs, kv_dtype, model.device)
     hidden, writer = {}, {}
-    todo = forwards[:stop] if stop is not None else forwards
-    for f, (toks, start) in enumerate(todo):
-        batch = build_forward_batch([BatchEntry(toks, start, [list(range(nb))])], bs, nb, list(range(len(toks))),
-                                    model.device, hidden_layers=tuple(range(n_layers)))
-        res = model.forward(batch, kv)
-        for r in range(len(toks)):
-            hidden[start + r] = [res.hidden[i][r].clone() for i in range(n_layers)] + [res.logits[r].clone()]
-            writer[start + r] = (f, start, len(toks), r)
+    batches = log["batches"] if stop is None else log["batches"][:stop]
+    for f, (owner, b) in enumerate(batches):
+        rows = b.input_ids.shape[0]
+        res = model.forward(copy(b, hidden_layers=tuple(range(n_layers)),
+                                 logits_indices=torch.arange(rows, device=model.device)), kv)
+        if owner == "calibrate":
+            continue
+        for r, pos in enumerate(b.positions.tolist()):
+            hidden[pos] = [res.hidden[i][r].clone() for i in range(n_layers)] + [res.logits[r].clone()]
+            writer[pos] = (f, int(b.positions[0]), rows, r)
     out = {"hidden": hidden, "writer": writer}
     if trace_row is not None:
-        toks, start = forwards[stop]
-        batch = build_forward_batch([BatchEntry(toks, start, [list(range(nb))])], bs, nb, [trace_row], model.device)
+        b = log["batches"][stop][1]
         with OpTrace(trace_row) as tr:
-            model.forward(batch, kv)
+            model.forward(copy(b, logits_indices=torch.tensor([trace_row], device=model.device)), kv)
         out["trace"] = tr.rows
     return out
 
@@ -294,7 +300,7 @@ def check_shape_history(shape_dir: Path, work: Path, layers: int | None) -> dict
     ids = tdata.chat_prompt_ids(target, SHAPE_PROMPT)
     plain, plain_fw = logged_greedy(target, ids, 128)
     spec, spec_fw = logged_greedy(target, ids, 128, SpeculativeConfig("ngram", num_speculative_tokens=5))
-    out = {"identical": plain == spec, "forwards": [len(plain_fw), len(spec_fw)]}
+    out = {"identical": plain == spec, "forwards": [len(plain_fw["batches"]), len(spec_fw["batches"])]}
     a, b = replay(target, plain_fw), replay(target, spec_fw)
     names = [f"layer {i}" for i in range(target.config.num_layers)] + ["logits"]
     first = None
