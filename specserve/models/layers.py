@@ -166,6 +166,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, H] -> [T, H]; weight already includes Gemma's +1 offset."""
     if x.device.type == "cpu":
         return ops.rms_norm(x.contiguous(), weight, eps)
+    return torch_rms_norm(x, weight, eps)
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # (the CUDA path)
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (out * weight.float()).to(x.dtype)
@@ -210,6 +214,10 @@ class Rope(nn.Module):
             return torch.cat([self(x[..., :rd].contiguous(), positions), x[..., rd:]], dim=-1)
         if x.device.type == "cpu" and x.dtype == torch.float32:
             return ops.rope(x, positions, self.cos, self.sin)
+        return self.torch_rotate(x, positions)
+
+    def torch_rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (the CUDA path)
+        """x: [T, heads, D] with a table as wide as D -> rotated x."""
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
@@ -241,6 +249,10 @@ def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tens
     """act(gate) * up, gate / up: [T, N] -> [T, N]. CPU: ops.act_mul (shared with the fused path)."""
     if gate.device.type == "cpu" and gate.dtype == torch.float32:
         return ops.act_mul(gate, up, activation)
+    return torch_act_mul(gate, up, activation)
+
+
+def torch_act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:  # (the CUDA path)
     if activation == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
     return F.silu(gate) * up
