@@ -103,11 +103,7 @@ def check_train(tiny_dir: Path, work: Path) -> dict:
             "--device", DEVICE["name"], "--dtype", "float32", "--quantization", "none", "--data", "math:16",
             "--steps", "30", "--batch", "4", "--seq-len", "128", "--max-new-tokens", "32", "--block-size", "4",
             "--eval-every", "10", "--save-every", "10", "--warmup", "3", "--lr", "2e-3"]
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    try:
-        rc = main(argv)
-    finally:  # train-drafter turns TF32 on for its process; the checks after this one compare float32
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+    rc = main(argv)
     log = json.loads((out / "train_log.json").read_text())
     losses = [e["loss"] for e in log if "loss" in e]
     target = load_model(str(tiny_dir), dev32())
@@ -120,25 +116,29 @@ def check_train(tiny_dir: Path, work: Path) -> dict:
             "last_loss": losses[-1], "lossless": lossless}
 
 
+def decode_speed(target, prompts: list[list[int]], tokens: int, specs: dict) -> dict:
+    """Greedy decode tok/s of prompts together, plain and with each speculative config, and
+    whether each gives plain's tokens."""
+    greedy(target, prompts[:1], 8)  # warm-up
+    plain, t_plain, _ = greedy(target, prompts, tokens)
+    out = {"dtype": str(target.model.dtype), "plain_tok_s": round(sum(map(len, plain)) / t_plain, 1)}
+    for label, spec in specs.items():
+        got, t, eng = greedy(target, prompts, tokens, spec, build_drafter(spec, target, None, EngineConfig(), 512))
+        out[label] = {"tok_s": round(sum(map(len, got)) / t, 1), "identical_to_plain": got == plain,
+                      "mean_acceptance_length": round(eng.totals.mean_acceptance_length, 3)}
+    return out
+
+
 def speed(name: str, dflash: str | None) -> dict:
     target = load_model(name, LoadOptions(device=DEVICE["name"]))
     prompts = [tdata.chat_prompt_ids(target, p) for p in (
         "Write a Python function that merges two sorted lists, with a docstring and tests.",
         "A shop sells pens at $3 each and notebooks at $5 each. Sam buys 4 pens and 3 notebooks and pays "
         "with a $50 bill. How much change does he get? Explain step by step.")]
-    out = {"model": name, "dtype": str(target.model.dtype)}
-    greedy(target, prompts[:1], 16)  # warm-up
-    plain, t_plain, _ = greedy(target, prompts, 192)
-    out["plain_tok_s"] = round(sum(map(len, plain)) / t_plain, 1)
     specs = {"ngram": SpeculativeConfig("ngram", num_speculative_tokens=5)}
     if dflash:
         specs["dflash"] = SpeculativeConfig("dflash", num_speculative_tokens=7, model=dflash)
-    for label, spec in specs.items():
-        drafter = build_drafter(spec, target, None, EngineConfig(), 1024)
-        got, t, eng = greedy(target, prompts, 192, spec, drafter)
-        out[label] = {"tok_s": round(sum(map(len, got)) / t, 1), "identical_to_plain": got == plain,
-                      "mean_acceptance_length": round(eng.totals.mean_acceptance_length, 3)}
-    return out
+    return {"model": name, **decode_speed(target, prompts, 192, specs)}
 
 
 def tp_target(model_dir: Path, dtype: str, layers: int | None = None):

@@ -85,22 +85,10 @@ def main() -> None:
     t0 = time.time()
     plain, plain_log = shapes.logged_greedy(target, ids, 128)
     spec, spec_log = shapes.logged_greedy(target, ids, 128, SpeculativeConfig("ngram", num_speculative_tokens=5))
-    first = next((j for j in range(min(len(plain), len(spec))) if plain[j] != spec[j]), None)
+    first = shapes.first_token_difference(plain, spec)
     print(f"identical: {plain == spec}, first difference: {first}, {time.time() - t0:.0f} s", flush=True)
-    if first is None:
-        return
-    a, b = shapes.replay(target, plain_log), shapes.replay(target, spec_log)
-    for pos in sorted(set(a["hidden"]) & set(b["hidden"])):
-        bad = [i for i, (x, y) in enumerate(zip(a["hidden"][pos], b["hidden"][pos])) if not torch.equal(x, y)]
-        if bad:
-            fa, fb = a["writer"][pos], b["writer"][pos]
-            ta = shapes.replay(target, plain_log, fa[0], fa[3])["trace"]
-            tb = shapes.replay(target, spec_log, fb[0], fb[3])["trace"]
-            k = shapes.first_differing(ta, tb)
-            print(f"position {pos}: layers {bad[:4]} differ; written by {fa} / {fb}; first op "
-                  f"{None if k is None else (k, ta[k][0])}")
-            return
-    print("no position differs in the replays")
+    if first is not None:
+        print(shapes.history_difference(target, plain_log, spec_log) or "no position differs in the replays")
 
 
 if __name__ == "__main__":

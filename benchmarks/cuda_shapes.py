@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from cuda_check import DEVICE, greedy, tp_target
+from cuda_check import DEVICE, decode_speed, greedy, tp_target
 from specserve.engine.config import EngineConfig
 from specserve.models.loader import LoadOptions, load_model
 from specserve.speculative.config import SpeculativeConfig
@@ -78,20 +78,13 @@ def shape_speed(shape_dir: Path, work: Path, layers: int | None) -> dict:
     from specserve.parallel.launch import stop_workers
 
     ckpt = random_checkpoint(shape_dir, work / "shape", layers)
-    prompt = SHAPE_PROMPT
     out = {"shape": shape_dir.name, "layers": layers}
     for label, make in (("tp1", lambda: load_model(str(ckpt), LoadOptions(device=DEVICE["name"]))),
                         ("tp2", lambda: tp_target(ckpt, "auto"))):
         target = make()
         try:
-            ids = [tdata.chat_prompt_ids(target, prompt)]
-            greedy(target, ids, 8)  # warm-up
-            plain, t_plain, _ = greedy(target, ids, 128)
-            row = {"dtype": str(target.model.dtype), "plain_tok_s": round(128 / t_plain, 1)}
-            spec = SpeculativeConfig("ngram", num_speculative_tokens=5)
-            got, t, eng = greedy(target, ids, 128, spec, build_drafter(spec, target, None, EngineConfig(), 512))
-            row["ngram"] = {"tok_s": round(128 / t, 1), "identical_to_plain": got == plain,
-                            "mean_acceptance_length": round(eng.totals.mean_acceptance_length, 3)}
+            ids = [tdata.chat_prompt_ids(target, SHAPE_PROMPT)]
+            row = decode_speed(target, ids, 128, {"ngram": SpeculativeConfig("ngram", num_speculative_tokens=5)})
             if target.model.tp is not None:
                 row["backend"] = target.model.tp.backend
             out[label] = row
@@ -109,7 +102,7 @@ def first_differing(a: list[tuple], b: list[tuple]) -> int | None:
 
 
 class OpTrace:
-    """Row 0 of every op's output in a forward (linears, norms, rope, attention, act_mul), to
+    """One row of every op's output in a forward (linears, norms, rope, attention, act_mul), to
     find the first op whose row differs between two forwards."""
 
     def __init__(self, row: int = 0):
@@ -144,22 +137,29 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def row_forwards(target, seq: list[int], p: int, k: int, trace: bool = False, timing: bool = False) -> dict:
-    """Position p's row as a decode row (alone) and as the first of k + 1 verification rows, after
-    the same prefill of seq[:p]: do its logits and each layer's output agree bit for bit?"""
+def prefilled(target, seq: list[int], p: int, room: int):
+    """A fresh cache holding seq[:p] (one prefill forward) with room for `room` more positions, and
+    fwd(ids, start, rows, hidden=()) running a forward into it."""
     from specserve.engine.model_runner import BatchEntry, build_forward_batch
     from specserve.models.transformer import KVCache
 
     model, bs = target.model, 16
-    nb = -(-(p + k + 2) // bs)
+    nb = -(-(p + room + 1) // bs)
     kv = KVCache.allocate(target.config, nb, bs, model.dtype, model.device)
-    tables, layers_all = [list(range(nb))], tuple(range(target.config.num_layers))
 
     def fwd(ids, start, rows, hidden=()):
-        batch = build_forward_batch([BatchEntry(ids, start, tables)], bs, nb, rows, model.device, hidden_layers=hidden)
+        batch = build_forward_batch([BatchEntry(ids, start, [list(range(nb))])], bs, nb, rows, model.device,
+                                    hidden_layers=hidden)
         return model.forward(batch, kv)
 
     fwd(seq[:p], 0, [p - 1])
+    return fwd
+
+
+def row_forwards(target, seq: list[int], p: int, k: int, trace: bool = False, timing: bool = False) -> dict:
+    """Position p's row as a decode row (alone) and as the first of k + 1 verification rows, after
+    the same prefill of seq[:p]: do its logits and each layer's output agree bit for bit?"""
+    fwd, layers_all = prefilled(target, seq, p, k + 1), tuple(range(target.config.num_layers))
     if timing:  # ms per forward of 1 and of k + 1 rows at position p
         ms = {}
         for width in (1, k + 1):
@@ -189,19 +189,14 @@ def row_forwards(target, seq: list[int], p: int, k: int, trace: bool = False, ti
 
 def wide_row(target, seq: list[int], q: int, width: int, row: int) -> tuple[torch.Tensor, list]:
     """Logits of row `row` of a forward of seq[q:q + width] after a prefill of seq[:q], and the op trace."""
-    from specserve.engine.model_runner import BatchEntry, build_forward_batch
-    from specserve.models.transformer import KVCache
-
-    model, bs = target.model, 16
-    nb = -(-(q + width + 2) // bs)
-    kv = KVCache.allocate(target.config, nb, bs, model.dtype, model.device)
-    tables = [list(range(nb))]
-    batch = build_forward_batch([BatchEntry(seq[:q], 0, tables)], bs, nb, [q - 1], model.device)
-    model.forward(batch, kv)
-    batch = build_forward_batch([BatchEntry(seq[q:q + width], q, tables)], bs, nb, [row], model.device)
+    fwd = prefilled(target, seq, q, width)
     with OpTrace(row) as tr:
-        lg = model.forward(batch, kv).logits[0]
+        lg = fwd(seq[q:q + width], q, [row]).logits[0]
     return lg, tr.rows
+
+
+def first_token_difference(a: list[int], b: list[int]) -> int | None:
+    return next((j for j in range(min(len(a), len(b))) if a[j] != b[j]), None)
 
 
 def check_shape_divergence(shape_dir: Path, work: Path, layers: int | None) -> dict:
@@ -214,7 +209,7 @@ def check_shape_divergence(shape_dir: Path, work: Path, layers: int | None) -> d
     again = greedy(target, ids, 128)[0][0]
     spec = SpeculativeConfig("ngram", num_speculative_tokens=5)
     got = greedy(target, ids, 128, spec, build_drafter(spec, target, None, EngineConfig(), 512))[0][0]
-    i = next((j for j in range(min(len(plain), len(got))) if plain[j] != got[j]), None)
+    i = first_token_difference(plain, got)
     out = {"plain_deterministic": plain == again, "lengths": [len(plain), len(got)], "first_difference": i}
     if i is None:
         return {"ok": len(plain) == len(got), **out}
@@ -291,6 +286,27 @@ def replay(target, log: dict, stop: int | None = None, trace_row: int | None = N
     return out
 
 
+def history_difference(target, plain_log: dict, spec_log: dict) -> dict | None:
+    """Replay both runs' logged forwards: the first position whose layer outputs differ, the
+    forward that wrote it in each run, and the first op that differs there (None: none differs)."""
+    a, b = replay(target, plain_log), replay(target, spec_log)
+    names = [f"layer {i}" for i in range(target.config.num_layers)] + ["logits"]
+    for pos in sorted(set(a["hidden"]) & set(b["hidden"])):
+        bad = [names[i] for i, (x, y) in enumerate(zip(a["hidden"][pos], b["hidden"][pos])) if not torch.equal(x, y)]
+        if not bad:
+            continue
+        fa, fb = a["writer"][pos], b["writer"][pos]
+        out = {"position": pos, "differs_in": bad[:3], "plain_writer": fa, "spec_writer": fb, "first_op": None}
+        ta = replay(target, plain_log, fa[0], fa[3])["trace"]
+        tb = replay(target, spec_log, fb[0], fb[3])["trace"]
+        k = first_differing(ta, tb)
+        if k is not None:
+            diff = float((ta[k][1].float() - tb[k][1].float()).abs().max())
+            out["first_op"] = {"index": k, "op": ta[k][0], "ops": len(ta), "max_abs_diff": diff}
+        return out
+    return None
+
+
 def check_shape_history(shape_dir: Path, work: Path, layers: int | None) -> dict:
     """Replay the forwards plain and ngram decoding ran (real shapes, random weights) and find the
     first position whose layer outputs differ between the two histories, the forward that wrote
@@ -298,29 +314,12 @@ def check_shape_history(shape_dir: Path, work: Path, layers: int | None) -> dict
     ckpt = random_checkpoint(shape_dir, work / "shape", layers)
     target = load_model(str(ckpt), LoadOptions(device=DEVICE["name"]))
     ids = tdata.chat_prompt_ids(target, SHAPE_PROMPT)
-    plain, plain_fw = logged_greedy(target, ids, 128)
-    spec, spec_fw = logged_greedy(target, ids, 128, SpeculativeConfig("ngram", num_speculative_tokens=5))
-    out = {"identical": plain == spec, "forwards": [len(plain_fw["batches"]), len(spec_fw["batches"])]}
-    a, b = replay(target, plain_fw), replay(target, spec_fw)
-    names = [f"layer {i}" for i in range(target.config.num_layers)] + ["logits"]
-    first = None
-    for pos in sorted(set(a["hidden"]) & set(b["hidden"])):
-        bad = [names[i] for i, (x, y) in enumerate(zip(a["hidden"][pos], b["hidden"][pos])) if not torch.equal(x, y)]
-        if bad:
-            first = pos
-            out["first_position"] = {"position": pos, "prompt_len": len(ids), "differs_in": bad[:3],
-                                     "spec_writer": b["writer"][pos], "plain_writer": a["writer"][pos]}
-            break
-    if first is not None:
-        fa, fb = a["writer"][first], b["writer"][first]
-        ta = replay(target, plain_fw, fa[0], fa[3])["trace"]
-        tb = replay(target, spec_fw, fb[0], fb[3])["trace"]
-        k = first_differing(ta, tb)
-        if k is not None:
-            diff = float((ta[k][1].float() - tb[k][1].float()).abs().max())
-            out["first_op"] = {"index": k, "op": ta[k][0], "ops": len(ta), "max_abs_diff": diff}
-    out["ok"] = first is None and plain == spec
-    return out
+    plain, plain_log = logged_greedy(target, ids, 128)
+    spec, spec_log = logged_greedy(target, ids, 128, SpeculativeConfig("ngram", num_speculative_tokens=5))
+    first = history_difference(target, plain_log, spec_log)
+    return {"ok": first is None and plain == spec, "identical": plain == spec, "prompt_len": len(ids),
+            "first_difference": first_token_difference(plain, spec),
+            "forwards": [len(plain_log["batches"]), len(spec_log["batches"])], "first_position": first}
 
 
 SHAPE_PROMPT = ("Write a Python function that merges two sorted lists. Repeat: merge two sorted lists, "

@@ -406,3 +406,22 @@ def test_cli_trains_on_a_prompt_file(tiny, tmp_path, capsys):
     assert main(["train-drafter", "--model", str(tiny.resolved.path), "--method", "mtp", "--out", str(out),
                  "--prompts", str(tmp_path / "nope.jsonl")]) == 1
     assert "--prompts" in (err := capsys.readouterr().err) and "nope.jsonl: no such file" in err
+
+
+def test_train_drafter_gives_the_process_its_tf32_setting_back(monkeypatch):
+    """CUDA training turns TF32 on; a caller comparing float32 results afterwards (the CUDA check's
+    tensor-parallel logits did) must get its own setting back, also when training fails."""
+    from specserve.commands import train_drafter
+
+    def train(args):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        if args == "fail":
+            raise SpecserveError("failed")
+        return 0
+
+    monkeypatch.setattr(train_drafter, "_run", train)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    assert train_drafter.run("ok") == 0 and torch.backends.cuda.matmul.allow_tf32 is False
+    with pytest.raises(SpecserveError):
+        train_drafter.run("fail")
+    assert torch.backends.cuda.matmul.allow_tf32 is False

@@ -135,6 +135,18 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The command; TF32 (turned on for CUDA training) is this run's setting, not the process's:
+    a caller that goes on to compare float32 results gets its own setting back."""
+    import torch
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        return _run(args)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _run(args: argparse.Namespace) -> int:
     check_args(args)
     import torch
 

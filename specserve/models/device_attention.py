@@ -47,8 +47,6 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor, keys: int, rep: int) -> t
     if tables.shape[1] < nb:  # the table is shorter than the chunked length: pad with block 0 (masked)
         tables = torch.nn.functional.pad(tables, (0, nb - tables.shape[1]))
     x = cache[tables[:, :nb]].reshape(g, nb * bs, cache.shape[2], cache.shape[3])[:, :keys]
-    if x.shape[1] < keys:
-        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, keys - x.shape[1]))
     return x.float().repeat_interleave(rep, dim=2).transpose(1, 2).contiguous()
 
 

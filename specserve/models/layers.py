@@ -15,11 +15,11 @@ from specserve.kernels import ops
 from specserve.models import device_attention
 from specserve.models.weights import RawTensor
 
-# GGUF block formats our CPU kernels read directly (no re-quantization)
 # CUDA: a linear's rows go through cuBLAS in tiles of this many (the last one padded), so every
 # row is computed by the same kernel whatever else is in the batch (cuBLAS picks its kernel, and
 # with it the order of a row's sums, by the matrix shapes). 0: one call over every row.
 CUDA_ROW_TILE = 64
+# GGUF block formats our CPU kernels read directly (no re-quantization)
 NATIVE_GGUF = frozenset(ops.GGUF_QTYPES)
 
 

@@ -60,12 +60,15 @@ class TensorParallel:
         # for the next call as long as the server idles (a driver that dies closes the connection)
         self.control = control if control is not None else pg
         self.data = data if data is not None else pg  # the model's collectives (NCCL, or gloo)
-        self.backend = "nccl" if data is not None else "gloo"
         self._depth = 0  # calls nested inside a mirrored one (forward -> embed) are not sent again
         self.busy_since: float | None = None  # driver: when the call in progress started (watchdog)
         self.failed: ParallelError | None = None
         self.closing = False  # the driver is stopping the workers: their exits are expected
         self.processes: dict = {}  # rank -> its local worker process (parallel/launch.py)
+
+    @property
+    def backend(self) -> str:  # of the model's collectives
+        return "gloo" if self.data is self.pg else "nccl"
 
     @property
     def driver(self) -> bool:
@@ -113,7 +116,7 @@ class TensorParallel:
         decode step on one machine much quicker than gloo's ring all-reduce (timed by hand on 2
         ranks, 896 floats: ~0.2 ms against ~1.6 ms); a CUDA tensor goes through host memory."""
         t = t.contiguous()
-        if self.data is not self.pg:
+        if self.backend == "nccl":
             parts = [torch.empty_like(t) for _ in range(self.world)]
             self._wait(self.data.allgather([parts], [t]), what)
             return parts
