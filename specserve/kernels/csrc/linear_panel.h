@@ -563,18 +563,20 @@ static int linear_panel(const float *x, int64_t M, int64_t K, int64_t ldx, const
         for (int64_t p2 = 0; p2 < (np + G - 1) / G; p2++) { /* groups of G panels */
             const int64_t p = G * p2, n0 = p * PN;
             const int NP = p + 1 < np ? G : 1;
-            const int nb = (int)(N - n0 < NP * PN ? N - n0 : NP * PN);
             for (int64_t m0 = 0; m0 < M; m0 += rt) {
                 const int R = (int)(M - m0 < rt ? M - m0 : rt);
                 pq_rows(fmt, R, NP, xb + m0 * L.stride, &L, pw + p * pstride, pstride, K, acc);
-                for (int r = 0; r < R; r++) {
-                    float *o = out + (m0 + r) * ldo + n0;
-                    for (int j = 0; j < nb; j++) {
-                        float a = acc[PN * ((j / PN) * QP_R + r) + j % PN];
-                        if (fmt == FMT_I8) a = a * scale[n0 + j];
-                        o[j] = bias ? a + bias[n0 + j] : a;
+                for (int r = 0; r < R; r++) /* panel by panel: 16 contiguous floats, no gather */
+                    for (int h = 0; h < NP; h++) {
+                        const float *a = acc + PN * (h * QP_R + r);
+                        const int64_t c0 = n0 + PN * h;
+                        const int nc = (int)(N - c0 < PN ? N - c0 : PN);
+                        float *o = out + (m0 + r) * ldo + c0;
+                        for (int c = 0; c < nc; c++) {
+                            const float v = fmt == FMT_I8 ? a[c] * scale[c0 + c] : a[c];
+                            o[c] = bias ? v + bias[c0 + c] : v;
+                        }
                     }
-                }
             }
         }
     }
