@@ -2,7 +2,9 @@
 
 ``tiny_target``: a tiny random Llama with a byte-level tokenizer, built in the test process
 (no download), for tests of the scheduler, the cache coordinator and speculation that need a
-real model but not a real checkpoint. ``tiny_engine``: an engine over it."""
+real model but not a real checkpoint. ``tiny_engine``: an engine over it. ``srv``: a live HTTP
+server over a FakeEngine (live_server.py), one per test module; ``engine``: its engine, reset to
+its defaults after each test."""
 
 from __future__ import annotations
 
@@ -31,3 +33,22 @@ def tiny_engine(tiny_target):
         return LLMEngine(tiny_target, EngineConfig(**ecfg), spec, drafter)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def srv():
+    from live_server import make_server
+
+    server = make_server()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def engine(srv):
+    from fake_engine import SCRIPT
+
+    yield srv.engine
+    srv.engine.responder = lambda prompt, params: SCRIPT
+    srv.engine.step_delay = 0.0
+    srv.engine.fail_next = None

@@ -18,7 +18,7 @@ from specserve.server.config import ServerConfig
 from specserve.server.fingerprint import describe, system_fingerprint
 from specserve.server.serving import timings
 from specserve.server.streaming import Choice
-from test_server import MSGS, make_server
+from live_server import MSGS, make_server
 
 ORIGIN = "http://app.example.com"
 PREFLIGHT = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
-from test_server import TOOL_TEMPLATE, make_server  # noqa: E402
+from live_server import TOOL_TEMPLATE, make_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

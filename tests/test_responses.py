@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from fake_engine import SCRIPT, SCRIPT_TOKENS
-from test_server import CALL, MSGS, TOOL_TEMPLATE, extra, make_server, wait_for
+from live_server import CALL, MSGS, TOOL_TEMPLATE, extra, make_server, wait_for
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
