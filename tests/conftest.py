@@ -4,7 +4,8 @@
 (no download), for tests of the scheduler, the cache coordinator and speculation that need a
 real model but not a real checkpoint. ``tiny_engine``: an engine over it. ``srv``: a live HTTP
 server over a FakeEngine (live_server.py), one per test module; ``engine``: its engine, reset to
-its defaults after each test."""
+its defaults after each test. ``one_thread`` (the kernel tests opt in with ``pytestmark``): torch
+and the C kernels single-threaded for the test, unless it sets a thread count itself."""
 
 from __future__ import annotations
 
@@ -52,3 +53,18 @@ def engine(srv):
     srv.engine.responder = lambda prompt, params: SCRIPT
     srv.engine.step_delay = 0.0
     srv.engine.fail_next = None
+
+
+@pytest.fixture
+def one_thread():
+    """Single-threaded unless a test compares thread counts: the per-row torch fallback issues many
+    tiny ops, and on an oversubscribed machine every OpenMP barrier can wait a whole scheduler slice."""
+    import torch
+
+    from kernel_utils import set_threads
+
+    n = torch.get_num_threads()
+    set_threads(1)
+    yield
+    torch.set_num_threads(n)
+    set_threads(None)

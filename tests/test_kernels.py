@@ -17,30 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.kernels import build, ops
+from kernel_utils import IMPLS, ROW_COUNTS, attention_case, needs_c, set_threads
+from specserve.kernels import ops
 
-HAVE_C = ops.kernels_available()
-needs_c = pytest.mark.skipif(not HAVE_C, reason="C kernels unavailable (no compiler?)")
-
-ROW_COUNTS = (1, 2, 3, 7, 8, 9, 12, 16, 17, 64)
-IMPLS = [pytest.param("c", marks=needs_c), "torch"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread_by_default():
-    """Tests run single-threaded unless they compare thread counts: the
-    per-row torch fallback issues many tiny ops, and on an oversubscribed
-    machine every OpenMP barrier can wait a whole scheduler slice."""
-    n = torch.get_num_threads()
-    _set_threads(1)
-    yield
-    torch.set_num_threads(n)
-    ops.set_num_threads(None)
-
-
-def _set_threads(n: int) -> None:
-    torch.set_num_threads(n)
-    ops.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: single-threaded unless a test compares
 
 
 # --------------------------------------------------------------------------
@@ -251,12 +231,12 @@ def test_int_dot_batch_and_thread_invariance(fmt):
     assert w.act_block is not None
     bias = torch.randn(n)
     x = torch.randn(40, k) * torch.linspace(0.01, 10, 40)[:, None]
-    _set_threads(1)
+    set_threads(1)
     single = torch.stack([ops.linear(x[i:i + 1], w, bias, impl="c")[0] for i in range(40)])
     ref = _ref_linear(x, w, bias)
     assert float((single.double() - ref).abs().max() / ref.abs().max()) < 1e-5
     for threads in (1, 2, 3):
-        _set_threads(threads)
+        set_threads(threads)
         for m in range(1, 41):
             assert torch.equal(ops.linear(x[:m], w, bias, impl="c"), single[:m]), (fmt, threads, m)
         for start in (1, 3, 6):  # the same rows at other positions in the call
@@ -268,7 +248,7 @@ def test_int_dot_large_m():
     """More rows than one 64-row super tile, with rows of very different magnitudes."""
     w = make_weight("Q4_1", 21, 576, seed=8)
     x = torch.randn(150, 576) * torch.logspace(-4, 4, 150)[:, None]
-    _set_threads(2)
+    set_threads(2)
     y = ops.linear(x, w, impl="c")
     for i in (0, 63, 64, 65, 127, 128, 149):
         assert torch.equal(y[i], ops.linear(x[i:i + 1], w, impl="c")[0]), i
@@ -349,16 +329,16 @@ def test_linear_batch_and_thread_invariance(fmt):
     w = make_weight(fmt, n, k, seed=2)
     bias = torch.randn(n)
     x = torch.randn(max(ROW_COUNTS), k)
-    _set_threads(2)
+    set_threads(2)
     single = [ops.linear(x[i:i + 1], w, bias, impl="c")[0] for i in range(x.shape[0])]
     for threads in (2, 1):
-        _set_threads(threads)
+        set_threads(threads)
         for m in ROW_COUNTS:
             y = ops.linear(x[:m], w, bias, impl="c")
             for i in range(m):
                 assert torch.equal(y[i], single[i]), (fmt, threads, m, i)
     # a row in the middle of a large (prefill-like) call with other offsets
-    _set_threads(2)
+    set_threads(2)
     y = ops.linear(x[5:], w, bias, impl="c")
     assert all(torch.equal(y[i], single[5 + i]) for i in range(y.shape[0]))
 
@@ -399,7 +379,7 @@ def test_simd_and_scalar_builds_bit_identical(variant):
                     x = torch.randn(m, k)
                     a = ops.linear(x, w, bias, impl="c")
                     assert torch.equal(a, ops.linear(x, w, bias, impl=variant)), (fmt, shape, int_dot, m)
-    q, kc, vc, bt, sid, pos = _attention_case(D=72, Hq=4, Hkv=2)
+    q, kc, vc, bt, sid, pos = attention_case(D=72, Hq=4, Hkv=2)
     for window, cap in [(0, 0.0), (5, 30.0)]:
         a = ops.paged_attention(q, kc, vc, bt, sid, pos, 0.3, window, cap, impl="c")
         b = ops.paged_attention(q, kc, vc, bt, sid, pos, 0.3, window, cap, impl=variant)
@@ -458,7 +438,7 @@ def test_linear_fallback_invariance(fmt):
     bias = torch.randn(n)
     single = [ops.linear(x[i:i + 1], w, bias, impl="torch")[0] for i in range(9)]
     for threads in (2, 1):
-        _set_threads(threads)
+        set_threads(threads)
         for m in (1, 2, 3, 8, 9):
             y = ops.linear(x[:m], w, bias, impl="torch")
             assert all(torch.equal(y[i], single[i]) for i in range(m)), (fmt, threads, m)
@@ -505,350 +485,3 @@ def test_linear_argument_checks():
     # a row-strided 2-D view (e.g. a slice of a fused projection) is accepted
     big = torch.randn(4, 64)
     assert torch.equal(ops.linear(big[:, :32], w), ops.linear(big[:, :32].contiguous(), w))
-
-
-# --------------------------------------------------------------------------
-# paged attention
-# --------------------------------------------------------------------------
-
-
-def _attention_case(D=64, Hq=6, Hkv=2, BS=16, lengths=(37, 70), seed=0, score_scale=1.0):
-    """Two sequences sharing one block pool with scattered block ids.
-    Every position of each sequence has a query (prefill-like)."""
-    g = torch.Generator().manual_seed(seed)
-    nblocks_needed = [(L + BS - 1) // BS for L in lengths]
-    NB = sum(nblocks_needed) + 5
-    perm = torch.randperm(NB, generator=g).to(torch.int32)
-    maxb = max(nblocks_needed) + 1
-    bt = torch.full((len(lengths), maxb), -1, dtype=torch.int32)  # unused entries invalid
-    o = 0
-    for s, nb in enumerate(nblocks_needed):
-        bt[s, :nb] = perm[o:o + nb]
-        o += nb
-    kc = torch.randn(NB, BS, Hkv, D, generator=g) * score_scale
-    vc = torch.randn(NB, BS, Hkv, D, generator=g)
-    sid = torch.cat([torch.full((L,), s, dtype=torch.int32) for s, L in enumerate(lengths)])
-    pos = torch.cat([torch.arange(L, dtype=torch.int32) for L in lengths])
-    q = torch.randn(len(sid), Hq, D, generator=g)
-    return q, kc, vc, bt, sid, pos
-
-
-def _dense_reference(q, kc, vc, bt, sid, pos, scale, window=0, softcap=0.0):
-    """float64 attention per sequence on the gathered (dense) keys/values."""
-    T, Hq, D = q.shape
-    _, BS, Hkv, _ = kc.shape
-    group = Hq // Hkv
-    out = torch.empty(T, Hq, D, dtype=torch.float64)
-    for s in sid.unique().tolist():
-        idx = (sid == s).nonzero().flatten()
-        qpos = pos[idx].long()
-        kp = torch.arange(int(qpos.max()) + 1)
-        blocks = bt[s].long()[kp // BS]
-        k = kc[blocks, kp % BS].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
-        v = vc[blocks, kp % BS].double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("thd,lhd->thl", q[idx].double(), k) * scale
-        if softcap > 0:
-            scores = softcap * torch.tanh(scores / softcap)
-        masked = kp[None, :] > qpos[:, None]
-        if window > 0:
-            masked |= kp[None, :] <= qpos[:, None] - window
-        scores = scores.masked_fill(masked[:, None, :], float("-inf"))
-        out[idx] = torch.einsum("thl,lhd->thd", torch.softmax(scores, -1), v)
-    return out
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize(
-    "D,Hq,Hkv,window,cap",
-    [(64, 6, 2, 0, 0.0), (128, 4, 4, 0, 0.0), (256, 8, 4, 0, 0.0), (64, 6, 3, 9, 0.0),
-     (36, 4, 1, 0, 5.0), (64, 4, 2, 17, 20.0), (32, 130, 1, 0, 0.0)],  # 130 heads per kv head: 3 items
-)
-def test_paged_attention_matches_dense(impl, D, Hq, Hkv, window, cap):
-    q, kc, vc, bt, sid, pos = _attention_case(D=D, Hq=Hq, Hkv=Hkv, score_scale=3.0 if cap else 1.0)
-    scale = D ** -0.5
-    out = ops.paged_attention(q, kc, vc, bt, sid, pos, scale, window, cap, impl=impl)
-    ref = _dense_reference(q, kc, vc, bt, sid, pos, scale, window, cap)
-    assert out.shape == q.shape
-    assert (out.double() - ref).abs().max() < 1e-5
-
-
-@pytest.mark.parametrize("D,Hq,Hkv,window,cap", [(64, 6, 2, 0, 0.0), (64, 6, 3, 9, 0.0), (64, 4, 2, 17, 20.0)])
-def test_device_paged_attention_matches_dense_and_is_batch_invariant(D, Hq, Hkv, window, cap):
-    """The CUDA path's torch attention (run here on CPU tensors): prefill runs, single decode
-    rows, and rows of one sequence split into several runs all match the dense reference, and
-    every row gets the bits it gets alone, whatever else is in the step."""
-    from specserve.models import device_attention
-
-    def run(idx):
-        return device_attention.paged_attention(q[idx], kc, vc, bt, sid[idx], pos[idx], scale, window, cap)
-
-    q, kc, vc, bt, sid, pos = _attention_case(D=D, Hq=Hq, Hkv=Hkv, score_scale=3.0 if cap else 1.0)
-    scale = D ** -0.5
-    ref = _dense_reference(q, kc, vc, bt, sid, pos, scale, window, cap)
-    everything = torch.arange(q.shape[0])
-    out = run(everything)
-    assert out.shape == q.shape and (out.double() - ref).abs().max() < 1e-5
-    idx = torch.tensor([40, 3, 41, 100, 5, 36, 106])  # interleaved sequences, mixed positions
-    assert torch.equal(run(idx), out[idx])
-    for i in (0, 3, 40, 106):  # alone, and as the only short row beside the longest context
-        assert torch.equal(run(torch.tensor([i]))[0], out[i])
-        assert torch.equal(run(torch.tensor([i, int(pos.argmax())]))[0], out[i])
-
-
-def test_device_linear_rows_do_not_depend_on_the_other_rows():
-    from specserve.models.layers import device_linear
-
-    g = torch.Generator().manual_seed(0)
-    w, b, x = torch.randn(96, 80, generator=g), torch.randn(96, generator=g), torch.randn(150, 80, generator=g)
-    out = device_linear(x, w, b, tile=64)
-    assert out.shape == (150, 96) and torch.allclose(out, torch.nn.functional.linear(x, w, b), atol=1e-4)
-    for rows in (slice(0, 1), slice(3, 11), slice(60, 130), slice(149, 150)):
-        assert torch.equal(device_linear(x[rows], w, b, tile=64), out[rows])
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("D,Hq,Hkv,cap", [(64, 6, 2, 0.0), (36, 4, 1, 5.0), (100, 8, 2, 0.0), (128, 4, 4, 0.0),
-                                         (32, 130, 1, 0.0)])
-@pytest.mark.parametrize("window", [0, 9])
-def test_paged_attention_grouping_invariance(impl, D, Hq, Hkv, cap, window):
-    """Prefill-like runs (rows of one sequence share each K / V row between them and the group's
-    heads in the C kernel; with a window, rows at consecutive positions) give every row the bits
-    it gets alone or in any other batch."""
-    q, kc, vc, bt, sid, pos = _attention_case(D=D, Hq=Hq, Hkv=Hkv, lengths=(29, 45), score_scale=3.0 if cap else 1.0)
-    T = q.shape[0]
-    args = dict(scale=D ** -0.5, sliding_window=window, softcap=cap, impl=impl)
-    full = ops.paged_attention(q, kc, vc, bt, sid, pos, **args)
-    # one query at a time (decode-like)
-    for t in range(T):
-        one = ops.paged_attention(q[t:t + 1], kc, vc, bt, sid[t:t + 1], pos[t:t + 1], **args)
-        assert torch.equal(one[0], full[t]), t
-    # random groupings / orders (verification blocks of mixed sequences)
-    g = torch.Generator().manual_seed(7)
-    perm = torch.randperm(T, generator=g)
-    for size in (3, 8, 17):
-        for i in range(0, T, size):
-            idx = perm[i:i + size]
-            part = ops.paged_attention(q[idx].contiguous(), kc, vc, bt, sid[idx].contiguous(),
-                                       pos[idx].contiguous(), **args)
-            assert torch.equal(part, full[idx])
-
-
-@needs_c
-@pytest.mark.parametrize("variant", ["c-avx2", "c-scalar"])
-@pytest.mark.parametrize("D,Hq,Hkv", [(64, 8, 2), (100, 6, 3), (36, 4, 4), (64, 9, 3)])
-def test_paged_attention_same_bits_in_every_build(variant, D, Hq, Hkv):
-    """The AVX-512 (two query vectors per register, odd counts padded), AVX2 and scalar attention
-    give the same bits on prefill-like runs (several rows of a sequence per work item) and single
-    rows."""
-    try:
-        ops._select(variant)
-    except ops.KernelError as e:
-        pytest.skip(str(e))
-    q, kc, vc, bt, sid, pos = _attention_case(D=D, Hq=Hq, Hkv=Hkv, lengths=(29, 75), score_scale=3.0)
-    for window, cap in ((0, 0.0), (0, 20.0), (17, 0.0)):
-        native = ops.paged_attention(q, kc, vc, bt, sid, pos, D ** -0.5, window, cap, impl="c")
-        other = ops.paged_attention(q, kc, vc, bt, sid, pos, D ** -0.5, window, cap, impl=variant)
-        assert torch.equal(native, other), (window, cap)
-
-
-@needs_c
-def test_paged_attention_thread_invariance():
-    q, kc, vc, bt, sid, pos = _attention_case(D=128, Hq=4, Hkv=2, lengths=(50, 33))
-    _set_threads(2)
-    a = ops.paged_attention(q, kc, vc, bt, sid, pos, 0.1, 16, 0.0, impl="c")
-    _set_threads(1)
-    b = ops.paged_attention(q, kc, vc, bt, sid, pos, 0.1, 16, 0.0, impl="c")
-    assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-def test_paged_attention_index_errors(impl):
-    q, kc, vc, bt, sid, pos = _attention_case(D=32, Hq=2, Hkv=1, lengths=(20,))
-    bad = bt.clone()
-    bad[0, 0] = kc.shape[0]  # block id out of range
-    with pytest.raises(IndexError):
-        ops.paged_attention(q, kc, vc, bad, sid, pos, 0.1, impl=impl)
-    bad_pos = pos.clone()
-    bad_pos[-1] = bt.shape[1] * kc.shape[1]  # beyond the block table
-    with pytest.raises(IndexError):
-        ops.paged_attention(q, kc, vc, bt, sid, bad_pos, 0.1, impl=impl)
-    with pytest.raises(IndexError):
-        ops.paged_attention(q, kc, vc, bt, sid + 1, pos, 0.1, impl=impl)
-    with pytest.raises(ValueError):
-        ops.paged_attention(q, kc, vc, bt, sid.long(), pos, 0.1, impl=impl)
-    with pytest.raises(ValueError):
-        ops.paged_attention(q[:, :, :16].contiguous(), kc, vc, bt, sid, pos, 0.1, impl=impl)
-
-
-# --------------------------------------------------------------------------
-# RMSNorm
-# --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("unit", [False, True])
-def test_rms_norm(impl, unit):
-    K = 576
-    x = torch.randn(max(ROW_COUNTS), K) * 3
-    w = torch.randn(K)
-    eps = 1e-6
-    y = ops.rms_norm(x, w, eps, add_unit_offset=unit, impl=impl)
-    xd = x.double()
-    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * ((1 + w.double()) if unit else w.double())
-    assert ((y.double() - ref).abs().max() / ref.abs().max()) < 1e-6
-    for threads in (2, 1):
-        _set_threads(threads)
-        for m in ROW_COUNTS:
-            ym = ops.rms_norm(x[:m], w, eps, add_unit_offset=unit, impl=impl)
-            assert torch.equal(ym, y[:m]), (threads, m)
-    # leading dims
-    assert torch.equal(ops.rms_norm(x[:8].reshape(2, 4, K), w, eps, unit, impl=impl).reshape(8, K), y[:8])
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-def test_add_rms_norm(impl):
-    x = torch.randn(9, 200)
-    r = torch.randn(9, 200)
-    w = torch.randn(200)
-    out, h = ops.add_rms_norm(x, r, w, 1e-5, impl=impl)
-    assert torch.equal(h, x + r)
-    assert torch.equal(out, ops.rms_norm(x + r, w, 1e-5, impl=impl))
-    out1, h1 = ops.add_rms_norm(x[4:5], r[4:5], w, 1e-5, impl=impl)
-    assert torch.equal(out1[0], out[4]) and torch.equal(h1[0], h[4])
-
-
-# --------------------------------------------------------------------------
-# build / info
-# --------------------------------------------------------------------------
-
-
-def test_kernels_info():
-    info = ops.kernels_info()
-    for key in ("available", "library", "flags", "avx2", "num_threads"):
-        assert key in info
-    assert info["available"] == HAVE_C
-    if HAVE_C:
-        assert info["library"] and any(f.startswith("-O") for f in info["flags"])
-
-
-@needs_c
-def test_build_cache_reuse(tmp_path):
-    a = build.build("scalar", directory=tmp_path)
-    assert a.lib is not None and a.path.startswith(str(tmp_path))
-    libs = list(tmp_path.glob("*.so"))
-    assert len(libs) == 1 and not list(tmp_path.glob(".*.so"))  # no temp files left
-    b = build.build("scalar", directory=tmp_path)  # cache hit: same file, no rebuild
-    assert b.path == a.path and b.flags == a.flags
-    assert list(tmp_path.glob("*.so")) == libs
-
-
-def test_build_without_compiler(monkeypatch, tmp_path):
-    monkeypatch.setattr(build, "find_compiler", lambda: None)
-    res = build.build("native", directory=tmp_path)
-    assert res.lib is None and "compiler" in res.error
-
-
-# --------------------------------------------------------------------------
-# rope, act_mul
-# --------------------------------------------------------------------------
-
-
-def _rope_tables(D: int, max_pos: int = 300) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
-    f = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
-    return f.cos(), f.sin()
-
-
-def _rope_torch(x, pos, cos, sin):
-    c, s = cos[pos.long()].unsqueeze(1), sin[pos.long()].unsqueeze(1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
-@needs_c
-@pytest.mark.parametrize("variant", ["c", "c-avx2", "c-scalar"])
-@pytest.mark.parametrize("D", [2, 10, 26, 64, 128])
-def test_rope_equals_torch_formula(variant, D):
-    """Each product and sum rounded on its own: the very bits of the torch formula, in the vector
-    loop and the scalar tail (D / 2 = 1, 5, 13: tails; 32, 64: vector only), in every build."""
-    try:
-        ops._select(variant)
-    except ops.KernelError as e:
-        pytest.skip(str(e))
-    cos, sin = _rope_tables(D)
-    T, H = 9, 3
-    fused = torch.randn(T, 2 * H * D + 5) * 3  # q as a strided view of a wider (q|k|v-like) row
-    x = fused[:, :H * D].view(T, H, D)
-    pos = torch.randint(0, 300, (T,), dtype=torch.int32)
-    got = ops.rope(x, pos, cos, sin, impl=variant)
-    assert got.is_contiguous() and torch.equal(got, _rope_torch(x, pos, cos, sin))
-    assert torch.equal(got, ops.rope(x, pos, cos, sin, impl="torch"))
-    for t in (0, 4, T - 1):  # batch invariance
-        assert torch.equal(ops.rope(x[t:t + 1], pos[t:t + 1], cos, sin, impl=variant), got[t:t + 1])
-
-
-@needs_c
-def test_rope_position_errors():
-    cos, sin = _rope_tables(8, max_pos=10)
-    x = torch.randn(2, 1, 8)
-    for bad in (10, -1):
-        with pytest.raises(IndexError):
-            ops.rope(x, torch.tensor([0, bad], dtype=torch.int32), cos, sin, impl="c")
-
-
-def _act_ref(g: torch.Tensor, u: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float64 act(g) * u, the exponent a of act(g) = g / (1 + exp(a))): gelu_tanh as
-    g * sigmoid(2 u) (its 0.5 g (1 + tanh u) form cancels in float64 too for g << 0)."""
-    g, u = g.double(), u.double()
-    a = -g if act == "silu" else -2 * (2 / torch.pi) ** 0.5 * (g + 0.044715 * g ** 3)
-    return g / (1 + torch.exp(a)) * u, a
-
-
-def _act_inputs(T: int, N: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    gate = torch.randn(T, N, generator=g) * 4
-    gate.view(-1)[:8] = torch.tensor([0.0, -0.0, 1e-30, -1e-7, 20.0, -20.0, 95.0, -95.0])
-    return gate, torch.randn(T, N, generator=g)
-
-
-@needs_c
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_act_mul_matches_torch(act):
-    """Within a few ulp of the float64 result, close to torch's F.silu / F.gelu (the torch fallback,
-    which cancels in float32 for gelu's negative tail)."""
-    gate, up = _act_inputs(7, 301)
-    got = ops.act_mul(gate, up, act, impl="c")
-    ref, a = _act_ref(gate, up, act)
-    err = (got.double() - ref).abs()
-    # a few ulp, plus the rounding of gelu's exponent a (float32) that exp turns into |a| ulp
-    tol = (4 + (a.abs() if act == "gelu_tanh" else 0)) * torch.finfo(torch.float32).eps * ref.abs() + 1e-30
-    assert bool((err <= tol).all()), float((err / ref.abs().clamp_min(1e-30)).max())
-    torch.testing.assert_close(got, ops.act_mul(gate, up, act, impl="torch"), rtol=1e-6, atol=1e-6)
-
-
-@needs_c
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_act_mul_vector_scalar_and_batch_invariance(act):
-    """The AVX2 loop and the scalar tail give the same bits for the same values (rows of 13 and 29:
-    the same values in the vector loop at two offsets and in the tail), as do the AVX2 and scalar
-    builds; rows are independent."""
-    gate, up = _act_inputs(5, 8)
-    g13, u13 = torch.cat([gate, gate[:, :5]], 1), torch.cat([up, up[:, :5]], 1)
-    got = ops.act_mul(g13, u13, act, impl="c")
-    assert torch.equal(got[:, 8:], got[:, :5])
-    g16, u16 = _act_inputs(5, 16, seed=5)
-    got29 = ops.act_mul(torch.cat([g16, g16[:, :8], g16[:, :5]], 1), torch.cat([u16, u16[:, :8], u16[:, :5]], 1),
-                        act, impl="c")
-    assert torch.equal(got29[:, 16:24], got29[:, :8]) and torch.equal(got29[:, 24:], got29[:, :5])
-    fused = torch.cat([gate, up], 1)  # gate|up halves as strided views
-    assert torch.equal(ops.act_mul(fused[:, :8], fused[:, 8:], act, impl="c"), got[:, :8])
-    for t in range(5):
-        assert torch.equal(ops.act_mul(g13[t:t + 1], u13[t:t + 1], act, impl="c"), got[t:t + 1])
-    big_g, big_u = _act_inputs(3, 77, seed=3)
-    ref = ops.act_mul(big_g, big_u, act, impl="c")
-    for variant in ("c-avx2", "c-scalar"):
-        try:
-            ops._select(variant)
-        except ops.KernelError:
-            continue
-        assert torch.equal(ops.act_mul(big_g, big_u, act, impl=variant), ref), variant
