@@ -151,65 +151,90 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from specserve.engine.builder import set_threads
-    from specserve.models.loader import LoadOptions, load_model
-    from specserve.models.catalog import drafter_location
-    from specserve.speculative.drafter_files import load_token_counts, save_token_counts
-    from specserve.speculative.layers import target_identity
-    from specserve.speculative.train import data as tdata
-    from specserve.speculative.train.trainer import (FrozenTarget, HParams, Trainer, make_model, model_from_checkpoint,
-                                              model_from_drafter, split)
+    from specserve.speculative.train.trainer import split
 
     def say(msg: str) -> None:
         print(f"[train-drafter {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
     set_threads(args.threads)
     torch.manual_seed(args.seed)
-    out = Path(args.out).expanduser()
-    target = load_model(args.model, LoadOptions(args.device, args.dtype, args.quantization))
-    if args.target_layers is not None and args.target_layers > target.config.num_layers:
-        raise SpecserveError(f"--target-layers {args.target_layers}: {target.name} has "
-                             f"{target.config.num_layers} layers")
-    try:
-        out.mkdir(parents=True, exist_ok=True)  # after the model loads: a bad --model leaves no directory
-    except OSError as exc:
-        raise SpecserveError(f"cannot create --out {out}: {exc.strerror or exc}") from exc
-    device = target.model.device
-    if device.type == "cuda":  # the frozen target's hidden states and the drafter's float32 matmuls in TF32
-        torch.backends.cuda.matmul.allow_tf32 = True
-    say(f"target {target.name}: {target.config.num_layers} layers, hidden {target.config.hidden_size}, on {device}")
-
-    if args.resume:
-        model = model_from_checkpoint(args.method, out)
-    elif args.init_from is not None:
-        model = model_from_drafter(args.method, args.init_from, target)
-        say(f"fine-tuning {args.init_from}")
-    else:
-        shape = {"layers": args.layers, "block_size": args.block_size, "num_target_layers": args.target_layers,
-                 "intermediate_size": args.intermediate_size, "depth": args.depth}
-        model = make_model(args.method, target, seed=args.seed, init_from_target=args.init_from_target,
-                           **{k: v for k, v in shape.items() if v is not None})  # else make_model's defaults
+    target, out = _target_and_out(args, say)
+    model = _initial_model(args, target, out, say)
     if args.method == "dflash":
         layers, final_norm = tuple(model.cfg.target_layer_ids), False
     else:
         layers, final_norm = (target.config.num_layers - 1,), True
-
-    answers_meta = {"model": target.name, "vocab": target_identity(target)["vocab_hash"], "data": args.data,
-                    "max_new_tokens": args.max_new_tokens, "seq_len": args.seq_len,
-                    "temperature": args.temperature, "seed": args.seed}
-    if args.prompts:  # the answers depend on the files' contents
-        answers_meta["prompts"] = tdata.prompt_files_meta(args.prompts)
+    answers_meta = _answers_meta(args, target)
     if args.answers_only:
         answers = _answers(args, target, out, answers_meta, say)
         n_tok = sum(len(a.ids) - a.prompt_len for a in answers)
         say(f"{len(answers)} answers, {n_tok} answer tokens in {out / 'data' / 'answers.pt'}")
         return 0
     examples = _examples(args, target, out, answers_meta, layers, final_norm, say)
-    train, val = split(examples, args.val_fraction, args.seed)
+    trainer = _train(args, model, target, split(examples, args.val_fraction, args.seed), out, say)
+    _export(args, model, target, examples, trainer, out, say)
+    return 0
 
+
+def _target_and_out(args: argparse.Namespace, say):
+    """The target model (loaded first: a bad --model leaves no directory) and the --out directory."""
+    import torch
+
+    from specserve.models.loader import LoadOptions, load_model
+
+    target = load_model(args.model, LoadOptions(args.device, args.dtype, args.quantization))
+    if args.target_layers is not None and args.target_layers > target.config.num_layers:
+        raise SpecserveError(f"--target-layers {args.target_layers}: {target.name} has "
+                             f"{target.config.num_layers} layers")
+    out = Path(args.out).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SpecserveError(f"cannot create --out {out}: {exc.strerror or exc}") from exc
+    device = target.model.device
+    if device.type == "cuda":  # the frozen target's hidden states and the drafter's float32 matmuls in TF32
+        torch.backends.cuda.matmul.allow_tf32 = True
+    say(f"target {target.name}: {target.config.num_layers} layers, hidden {target.config.hidden_size}, on {device}")
+    return target, out
+
+
+def _initial_model(args: argparse.Namespace, target, out: Path, say):
+    """The drafter to train: --resume's checkpoint, --init-from's drafter, or a new one of the asked shape."""
+    from specserve.speculative.train.trainer import make_model, model_from_checkpoint, model_from_drafter
+
+    if args.resume:
+        return model_from_checkpoint(args.method, out)
+    if args.init_from is not None:
+        say(f"fine-tuning {args.init_from}")
+        return model_from_drafter(args.method, args.init_from, target)
+    shape = {"layers": args.layers, "block_size": args.block_size, "num_target_layers": args.target_layers,
+             "intermediate_size": args.intermediate_size, "depth": args.depth}
+    return make_model(args.method, target, seed=args.seed, init_from_target=args.init_from_target,
+                      **{k: v for k, v in shape.items() if v is not None})  # else make_model's defaults
+
+
+def _answers_meta(args: argparse.Namespace, target) -> dict:
+    """What the saved answers depend on: a saved set is reused only when all of it matches."""
+    from specserve.speculative.layers import target_identity
+    from specserve.speculative.train import data as tdata
+
+    meta = {"model": target.name, "vocab": target_identity(target)["vocab_hash"], "data": args.data,
+            "max_new_tokens": args.max_new_tokens, "seq_len": args.seq_len,
+            "temperature": args.temperature, "seed": args.seed}
+    if args.prompts:  # the answers depend on the files' contents
+        meta["prompts"] = tdata.prompt_files_meta(args.prompts)
+    return meta
+
+
+def _train(args: argparse.Namespace, model, target, train_val, out: Path, say):
+    """Train (or resume) to --steps, with a validation before (a new run) and after."""
+    from specserve.speculative.train.trainer import FrozenTarget, HParams, Trainer
+
+    device = target.model.device
     hp = HParams(steps=args.steps, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, batch=args.batch,
                  seq_len=args.seq_len, anchors=args.anchors, decay=args.decay, seed=args.seed,
                  eval_every=args.eval_every, save_every=args.save_every)
-    trainer = Trainer(args.method, model, FrozenTarget.from_target(target, device), train, val, hp, out, device)
+    trainer = Trainer(args.method, model, FrozenTarget.from_target(target, device), *train_val, hp, out, device)
     if args.resume:
         trainer.load_checkpoint()
         say(f"resumed at step {trainer.state.step}")
@@ -224,6 +249,16 @@ def _run(args: argparse.Namespace) -> int:
         trainer.state.log.append({"step": trainer.state.step, "final": True, **ev})
         say(f"final validation mean acceptance length {ev['mean_acceptance_length']:.3f} "
             f"(per position {', '.join(f'{x:.2f}' for x in ev['accept_rate_per_pos'])})")
+    return trainer
+
+
+def _export(args: argparse.Namespace, model, target, examples, trainer, out: Path, say) -> None:
+    """The drafter's files in --out: weights, config and (dflash, mtp) the token counts of all it was trained on."""
+    import torch
+
+    from specserve.models.catalog import drafter_location
+    from specserve.speculative.drafter_files import load_token_counts, save_token_counts
+
     if args.method == "dflash" and args.draft_vocab_size is not None:  # else a fine-tuned drafter's default stays
         model.cfg.draft_vocab_size = args.draft_vocab_size
     if args.method in ("dflash", "mtp"):  # the counts that rank a draft vocabulary (draft_vocab_size)
@@ -232,11 +267,10 @@ def _run(args: argparse.Namespace) -> int:
         counts = torch.bincount(answer_ids, minlength=V)  # one op: cheap on any machine
         start = (model.cfg.training.get("init_from") or {}).get("drafter")  # also after --resume
         before = None if start is None else load_token_counts(Path(drafter_location(start)))
-        save_token_counts(counts if before is None else counts + before[:V], out)  # all it was trained on
+        save_token_counts(counts if before is None else counts + before[:V], out)
     trainer.export(getattr(torch, args.export_dtype))
     say(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}; use --speculative-config "
         + json.dumps(json.dumps({"method": args.method, "model": str(out)})))
-    return 0
 
 
 def _answers(args, target, out: Path, meta: dict, say):

@@ -172,15 +172,36 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for int4). Rows are dequantized while read; the result is bit-identical
     to the fp32 kernel over kv_dequantize(cache) (still batch invariant).
     """
-    if not (isinstance(q, torch.Tensor) and q.dim() == 3):
-        raise ValueError("paged_attention: q must be a [T, Hq, D] tensor")
-    T, Hq, D = q.shape
-    fmt, store = _kv_format(kv_dtype)
     if kv_dtype == "fp8_e4m3":  # a float8_e4m3fn pool is read as its bytes
         if isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.float8_e4m3fn:
             k_cache = k_cache.view(torch.uint8)
         if isinstance(v_cache, torch.Tensor) and v_cache.dtype == torch.float8_e4m3fn:
             v_cache = v_cache.view(torch.uint8)
+    _check_attention_args(q, k_cache, v_cache, block_tables, seq_ids, positions, kv_dtype, k_scales, v_scales)
+    window = int(sliding_window or 0)
+    cap = float(softcap or 0.0)
+    if window < 0 or cap < 0.0:
+        raise ValueError("paged_attention: sliding_window and softcap must be >= 0")
+    out = torch.empty(q.shape, dtype=torch.float32)  # [T, Hq, D]
+    if q.shape[0] == 0:
+        return out
+    lib = _select(impl)
+    if lib is not None:
+        _c_attention(lib, q, k_cache, v_cache, block_tables, seq_ids, positions, float(scale), window, cap,
+                     kv_dtype, k_scales, v_scales, out)
+    else:
+        _torch_attention(q, k_cache, v_cache, block_tables, seq_ids, positions, float(scale), window, cap,
+                         kv_dtype, k_scales, v_scales, out)
+    return out
+
+
+def _check_attention_args(q, k_cache, v_cache, block_tables, seq_ids, positions, kv_dtype, k_scales,
+                          v_scales) -> None:
+    """paged_attention's argument checks: a ValueError naming the argument, before any kernel runs."""
+    if not (isinstance(q, torch.Tensor) and q.dim() == 3):
+        raise ValueError("paged_attention: q must be a [T, Hq, D] tensor")
+    T, Hq, D = q.shape
+    _, store = _kv_format(kv_dtype)
     for name, t, dt in (("q", q, torch.float32), ("k_cache", k_cache, store), ("v_cache", v_cache, store)):
         if not (isinstance(t, torch.Tensor) and t.dtype == dt and t.is_contiguous()
                 and t.device.type == "cpu"):
@@ -211,31 +232,39 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _check_i32_1d(positions, "positions", T)
     if D > 1024:
         raise ValueError("paged_attention: head dim > 1024 not supported")
-    window = int(sliding_window or 0)
-    cap = float(softcap or 0.0)
-    if window < 0 or cap < 0.0:
-        raise ValueError("paged_attention: sliding_window and softcap must be >= 0")
-    out = torch.empty(T, Hq, D, dtype=torch.float32)
-    if T == 0:
-        return out
+
+
+def _c_attention(lib, q, k_cache, v_cache, block_tables, seq_ids, positions, scale: float, window: int, cap: float,
+                 kv_dtype: str, k_scales, v_scales, out: torch.Tensor) -> None:
+    """The C kernels into out [T, Hq, D] (checked arguments)."""
+    T, Hq, D = q.shape
+    NB, BS, Hkv, _ = k_cache.shape
     S, MAXB = block_tables.shape
-    lib = _select(impl)
-    if lib is not None:
-        if fmt == 0:
-            rc = lib.ss_paged_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), NB, BS, Hkv,
-                                        block_tables.data_ptr(), S, MAXB, seq_ids.data_ptr(), positions.data_ptr(),
-                                        T, Hq, D, float(scale), window, cap, out.data_ptr(), get_num_threads())
-        else:
-            rc = lib.ss_paged_attention_kv(fmt, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                           k_scales.data_ptr() if sshape is not None else None,
-                                           v_scales.data_ptr() if sshape is not None else None,
-                                           kv_c_group(kv_dtype, D),
-                                           NB, BS, Hkv, block_tables.data_ptr(), S, MAXB, seq_ids.data_ptr(),
-                                           positions.data_ptr(), T, Hq, D, float(scale), window, cap,
-                                           out.data_ptr(), get_num_threads())
-        _check(rc, "paged_attention")
-        return out
-    # torch fallback: one query per torch call (batch invariant by construction)
+    fmt, _ = _kv_format(kv_dtype)
+    if fmt == 0:
+        rc = lib.ss_paged_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), NB, BS, Hkv,
+                                    block_tables.data_ptr(), S, MAXB, seq_ids.data_ptr(), positions.data_ptr(),
+                                    T, Hq, D, scale, window, cap, out.data_ptr(), get_num_threads())
+    else:
+        scaled = kv_scale_shape(kv_dtype, D) is not None
+        rc = lib.ss_paged_attention_kv(fmt, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                       k_scales.data_ptr() if scaled else None,
+                                       v_scales.data_ptr() if scaled else None,
+                                       kv_c_group(kv_dtype, D),
+                                       NB, BS, Hkv, block_tables.data_ptr(), S, MAXB, seq_ids.data_ptr(),
+                                       positions.data_ptr(), T, Hq, D, scale, window, cap,
+                                       out.data_ptr(), get_num_threads())
+    _check(rc, "paged_attention")
+
+
+def _torch_attention(q, k_cache, v_cache, block_tables, seq_ids, positions, scale: float, window: int, cap: float,
+                     kv_dtype: str, k_scales, v_scales, out: torch.Tensor) -> None:
+    """The torch fallback into out [T, Hq, D]: one query per torch call (batch invariant by construction)."""
+    T, Hq, D = q.shape
+    NB, BS, Hkv, _ = k_cache.shape
+    S, MAXB = block_tables.shape
+    fmt, _ = _kv_format(kv_dtype)
+    scaled = kv_scale_shape(kv_dtype, D) is not None
     group = Hq // Hkv
     sid = seq_ids.tolist()
     pos_l = positions.tolist()
@@ -255,8 +284,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             k = k_cache[blocks, offs]  # [L, Hkv, D]
             v = v_cache[blocks, offs]
             if fmt != 0:
-                k = kv_dequantize(k, None if sshape is None else k_scales[blocks, offs], kv_dtype)
-                v = kv_dequantize(v, None if sshape is None else v_scales[blocks, offs], kv_dtype)
+                k = kv_dequantize(k, k_scales[blocks, offs] if scaled else None, kv_dtype)
+                v = kv_dequantize(v, v_scales[blocks, offs] if scaled else None, kv_dtype)
             if group > 1:
                 k = k.repeat_interleave(group, dim=1)
                 v = v.repeat_interleave(group, dim=1)
@@ -265,4 +294,3 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 scores = torch.tanh(scores / cap) * cap
             probs = torch.softmax(scores, dim=-1)
             out[t] = torch.einsum("hl,lhd->hd", probs, v)
-    return out
