@@ -227,6 +227,32 @@ def test_unexpected_exception_is_500_and_server_keeps_serving(srv, engine):
     assert srv.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", {"messages": MSGS}),
+                                        ("/v1/completions", {"prompt": "x"})])
+def test_a_stream_that_fails_after_its_headers_ends_with_an_error_event(srv, engine, monkeypatch, path, body):
+    """The status line is out (200), so the failure is reported in the stream: an OpenAI error event
+    (no internals), then [DONE]; the next request is served."""
+    real = engine.generate
+
+    async def fails_after_two(*args, **kw):
+        n = 0
+        async for out in real(*args, **kw):
+            yield out
+            n += 1
+            if n == 2:
+                raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "generate", fails_after_two)
+    r = srv.http.post(path, json={**body, "stream": True, "max_tokens": 20})
+    events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == "server_error" and err["code"] == "internal_error" and "boom" not in r.text
+    assert len(events) > 3  # some chunks came before the error
+    monkeypatch.undo()
+    assert srv.http.post(path, json={**body, "max_tokens": 2}).status_code == 200
+
+
 def test_api_key():
     s = make_server(api_key="sekret")
     try:

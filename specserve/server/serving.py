@@ -10,15 +10,17 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
+from typing import AsyncIterator
 
 from specserve.engine.types import INT64_MIN, INT64_MAX, SamplingParams, AcceptanceStats
-from specserve.errors import RequestError
+from specserve.errors import RequestError, ServiceUnavailable
 from specserve.server.chat import ChatRenderer, image_urls
 from specserve.server.media import MediaLoader, expand_images
 from specserve.server.config import ServerConfig
 from specserve.server.metrics import ServerMetrics
-from specserve.server.protocol import ApiError, SamplingFields
-from specserve.server.streaming import Choice
+from specserve.server.drain import unavailable_body
+from specserve.server.protocol import ApiError, SamplingFields, error_body
+from specserve.server.streaming import SSE_DONE, Choice, sse
 from specserve.server.structured import StructuredOutputs
 
 logger = logging.getLogger("specserve.server")
@@ -313,3 +315,22 @@ def timings(choices: list[Choice]) -> dict:
 
 def clean_logprob(value: float) -> float:
     return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
+async def openai_sse(events: AsyncIterator[str], what: str, request_id: str) -> AsyncIterator[str]:
+    """A chat or completion stream's events, then [DONE]. The headers are sent by then, so an error
+    becomes an OpenAI error event in the stream: a bad request's 4xx body, the shutdown drain's
+    (a clean ending, no traceback), or an internal error's (logged)."""
+    try:
+        async for event in events:
+            yield event
+    except RequestError as exc:
+        yield sse(error_body(str(exc), param=exc.param, code=exc.code))
+    except ServiceUnavailable as exc:
+        yield sse(unavailable_body(str(exc)))
+    except Exception as exc:  # noqa: BLE001 - report in-band
+        logger.exception("%s stream %s failed", what, request_id)
+        yield sse(error_body(f"internal error: {type(exc).__name__}", "server_error", code="internal_error"))
+    finally:
+        await events.aclose()  # a client gone mid-stream closes this generator: close the inner one too
+    yield SSE_DONE

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -10,19 +9,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from specserve.engine.types import RequestOutput, TokenLogprob
-from specserve.errors import RequestError, ServiceUnavailable
+from specserve.errors import RequestError
 from specserve.server.chat import prompt_opens_think
-from specserve.server.drain import unavailable_body
-from specserve.server.protocol import ChatCompletionRequest, error_body, parse_body
+from specserve.server.protocol import ChatCompletionRequest, parse_body
 from specserve.server.reasoning import ReasoningParser, make_parser, split_all
 from specserve.server.serving import (ServingContext, check_n, check_unsupported, clean_logprob, make_choices,
-                                      new_id, now, resolve_max_tokens, timings, usage)
-from specserve.server.streaming import SSE_DONE, Choice, Fanout, SSEResponse, sse, start_fanout
+                                      new_id, now, openai_sse, resolve_max_tokens, timings, usage)
+from specserve.server.streaming import Choice, Fanout, SSEResponse, sse, start_fanout
 from specserve.server.structured import constrain, start_for
 from specserve.server.tools import ToolCall, ToolCallParser, ToolPlan, plan_tools
 from specserve.server.tools import split_all as split_calls
 
-logger = logging.getLogger("specserve.server")
 
 
 def requested_top_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -61,7 +58,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     await start_fanout(request.receive, fan, drain=not req.stream)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return SSEResponse(chat_events(ctx, request_id, fan, split, include_usage), fan.close)
+        return SSEResponse(openai_sse(chat_events(ctx, request_id, fan, split, include_usage), "chat", request_id),
+                           fan.close)
     return JSONResponse(chat_response(ctx, request_id, choices, split))
 
 
@@ -180,31 +178,22 @@ async def chat_events(ctx: ServingContext, request_id: str, fan: Fanout, split: 
         base["usage"] = None
     parsers = {c.index: split.streams() for c in fan.choices}
     unfinished = len(fan.choices)
-    try:
-        for c in fan.choices:
-            first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}
-            yield sse({**base, "choices": [first]})
-        async for choice, out in fan:
-            delta = chat_delta(parsers[choice.index], out)
-            lps = _logprobs_field(ctx, choice, out.new_logprobs) if out.new_logprobs else None
-            if not delta and lps is None and not out.finished:
-                continue
-            called = parsers[choice.index][1] is not None and parsers[choice.index][1].calls > 0
-            reason = finish_reason(out.finish_reason, called) if out.finished else None
-            chunk = {**base, "choices": [{"index": choice.index, "delta": delta, "logprobs": lps,
-                                          "finish_reason": reason}]}
-            unfinished -= out.finished
-            if unfinished == 0 and not include_usage:
-                chunk["timings"] = timings(fan.choices)
-            yield sse(chunk)
-        if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(fan.choices), "timings": timings(fan.choices)})
-    except RequestError as exc:
-        yield sse(error_body(str(exc), param=exc.param, code=exc.code))
-    except ServiceUnavailable as exc:  # ended by the shutdown drain: a clean ending, no traceback
-        yield sse(unavailable_body(str(exc)))
-    except Exception as exc:  # noqa: BLE001 - the headers are sent; report in-band
-        logger.exception("chat stream %s failed", request_id)
-        yield sse(error_body(f"internal error: {type(exc).__name__}", "server_error", code="internal_error"))
-    yield SSE_DONE
+    for c in fan.choices:
+        first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}
+        yield sse({**base, "choices": [first]})
+    async for choice, out in fan:
+        delta = chat_delta(parsers[choice.index], out)
+        lps = _logprobs_field(ctx, choice, out.new_logprobs) if out.new_logprobs else None
+        if not delta and lps is None and not out.finished:
+            continue
+        called = parsers[choice.index][1] is not None and parsers[choice.index][1].calls > 0
+        reason = finish_reason(out.finish_reason, called) if out.finished else None
+        chunk = {**base, "choices": [{"index": choice.index, "delta": delta, "logprobs": lps,
+                                      "finish_reason": reason}]}
+        unfinished -= out.finished
+        if unfinished == 0 and not include_usage:
+            chunk["timings"] = timings(fan.choices)
+        yield sse(chunk)
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": usage(fan.choices), "timings": timings(fan.choices)})

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import logging
 from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from specserve.engine.types import TokenLogprob
-from specserve.errors import RequestError, ServiceUnavailable
-from specserve.server.drain import unavailable_body
-from specserve.server.protocol import CompletionRequest, error_body, parse_body
+from specserve.errors import RequestError
+from specserve.server.protocol import CompletionRequest, parse_body
 from specserve.server.serving import (ServingContext, check_n, check_unsupported, clean_logprob, make_choices,
-                                      new_id, now, resolve_max_tokens, timings, usage)
-from specserve.server.streaming import SSE_DONE, Choice, Fanout, SSEResponse, sse, start_fanout
+                                      new_id, now, openai_sse, resolve_max_tokens, timings, usage)
+from specserve.server.streaming import Choice, Fanout, SSEResponse, sse, start_fanout
 from specserve.server.structured import constrain
 
-logger = logging.getLogger("specserve.server")
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for legacy completions
 
@@ -67,7 +64,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     await start_fanout(request.receive, fan, drain=not req.stream)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return SSEResponse(completion_events(ctx, request_id, fan, echo, include_usage), fan.close)
+        return SSEResponse(openai_sse(completion_events(ctx, request_id, fan, echo, include_usage), "completion",
+                                      request_id), fan.close)
     return JSONResponse(completion_response(ctx, request_id, choices, echo))
 
 
@@ -114,31 +112,22 @@ async def completion_events(ctx: ServingContext, request_id: str, fan: Fanout, e
         base["usage"] = None
     offsets = {c.index: 0 for c in fan.choices}
     unfinished = len(fan.choices)
-    try:
-        if echo:
-            for c in fan.choices:
-                entry = {"index": c.index, "text": echo[c.prompt_index], "logprobs": None, "finish_reason": None}
-                yield sse({**base, "choices": [entry]})
-        async for choice, out in fan:
-            lps = None
-            if choice.params.logprobs is not None and out.new_logprobs:
-                lps = legacy_logprobs(ctx, out.new_logprobs, choice.params.logprobs, offsets[choice.index])
-                offsets[choice.index] += sum(len(t) for t in lps["tokens"])
-            if not out.new_text and lps is None and not out.finished:
-                continue
-            chunk = {**base, "choices": [{"index": choice.index, "text": out.new_text, "logprobs": lps,
-                                          "finish_reason": out.finish_reason if out.finished else None}]}
-            unfinished -= out.finished
-            if unfinished == 0 and not include_usage:
-                chunk["timings"] = timings(fan.choices)
-            yield sse(chunk)
-        if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(fan.choices), "timings": timings(fan.choices)})
-    except RequestError as exc:
-        yield sse(error_body(str(exc), param=exc.param, code=exc.code))
-    except ServiceUnavailable as exc:  # ended by the shutdown drain: a clean ending, no traceback
-        yield sse(unavailable_body(str(exc)))
-    except Exception as exc:  # noqa: BLE001 - the headers are sent; report in-band
-        logger.exception("completion stream %s failed", request_id)
-        yield sse(error_body(f"internal error: {type(exc).__name__}", "server_error", code="internal_error"))
-    yield SSE_DONE
+    if echo:
+        for c in fan.choices:
+            entry = {"index": c.index, "text": echo[c.prompt_index], "logprobs": None, "finish_reason": None}
+            yield sse({**base, "choices": [entry]})
+    async for choice, out in fan:
+        lps = None
+        if choice.params.logprobs is not None and out.new_logprobs:
+            lps = legacy_logprobs(ctx, out.new_logprobs, choice.params.logprobs, offsets[choice.index])
+            offsets[choice.index] += sum(len(t) for t in lps["tokens"])
+        if not out.new_text and lps is None and not out.finished:
+            continue
+        chunk = {**base, "choices": [{"index": choice.index, "text": out.new_text, "logprobs": lps,
+                                      "finish_reason": out.finish_reason if out.finished else None}]}
+        unfinished -= out.finished
+        if unfinished == 0 and not include_usage:
+            chunk["timings"] = timings(fan.choices)
+        yield sse(chunk)
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": usage(fan.choices), "timings": timings(fan.choices)})
