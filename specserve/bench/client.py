@@ -126,6 +126,26 @@ def parse_response(res: RequestResult, data: dict[str, Any], endpoint: str, wall
     return finish(res, _choice_text(choice, endpoint, "message"), wall)
 
 
+def transport_error(exc: httpx.HTTPError, timeout: float) -> str:
+    """A request that got no response: its timeout, or the transport's exception."""
+    if isinstance(exc, httpx.TimeoutException):
+        return f"timeout after {timeout:g} s"
+    return f"{exc.__class__.__name__}: {exc}"
+
+
+def read_response(res: RequestResult, resp: httpx.Response, endpoint: str, wall: float) -> RequestResult:
+    """A non-streaming response into ``res``: its status, and its error or its parsed body."""
+    res.http_status = resp.status_code
+    if resp.status_code != 200:
+        res.error, res.wall_s = http_error(resp), wall
+        return res
+    try:
+        return parse_response(res, resp.json(), endpoint, wall)
+    except ValueError:
+        res.error, res.wall_s = "response is not JSON", wall
+        return res
+
+
 def http_error(resp: httpx.Response) -> str:
     """Short text for a non-200 response."""
     body = resp.text.strip().replace("\n", " ")
@@ -244,22 +264,10 @@ class BenchClient:
         t0 = self.clock()
         try:
             resp = self.http.post(path, json=body)
-        except httpx.TimeoutException:
-            res.error, res.wall_s = f"timeout after {self.timeout:g} s", self.clock() - t0
-            return res
         except httpx.HTTPError as exc:
-            res.error, res.wall_s = f"{exc.__class__.__name__}: {exc}", self.clock() - t0
+            res.error, res.wall_s = transport_error(exc, self.timeout), self.clock() - t0
             return res
-        wall = self.clock() - t0
-        res.http_status = resp.status_code
-        if resp.status_code != 200:
-            res.error, res.wall_s = http_error(resp), wall
-            return res
-        try:
-            return parse_response(res, resp.json(), self.endpoint, wall)
-        except ValueError:
-            res.error, res.wall_s = "response is not JSON", wall
-            return res
+        return read_response(res, resp, self.endpoint, self.clock() - t0)
 
     def stream(self, prompt: Prompt, max_tokens: int, res: RequestResult) -> RequestResult:
         """Streaming request: TTFT = time to the first content chunk; errors recorded."""
@@ -275,11 +283,8 @@ class BenchClient:
                     return res
                 for line in resp.iter_lines():
                     self._stream_line(line, parts, res, t0)
-        except httpx.TimeoutException:
-            res.error, res.wall_s = f"timeout after {self.timeout:g} s", self.clock() - t0
-            return res
         except httpx.HTTPError as exc:
-            res.error, res.wall_s = f"{exc.__class__.__name__}: {exc}", self.clock() - t0
+            res.error, res.wall_s = transport_error(exc, self.timeout), self.clock() - t0
             return res
         return finish(res, "".join(parts), self.clock() - t0, need_usage=False)
 

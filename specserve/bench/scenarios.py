@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from specserve.bench.analysis import spread
-from specserve.bench.client import BenchClient, RequestResult, build_request, http_error, parse_response
+from specserve.bench.client import BenchClient, RequestResult, build_request, read_response, transport_error
 from specserve.bench.documents import insert_at, take
 from specserve.bench.suites import Prompt
 
@@ -127,22 +127,10 @@ async def _one(http: httpx.AsyncClient, client: BenchClient, prompt: Prompt, max
     t0 = time.perf_counter()
     try:
         resp = await http.post(path, json=body)
-    except httpx.TimeoutException:
-        res.error, res.wall_s = f"timeout after {client.timeout:g} s", time.perf_counter() - t0
-        return res
     except httpx.HTTPError as exc:
-        res.error, res.wall_s = f"{exc.__class__.__name__}: {exc}", time.perf_counter() - t0
+        res.error, res.wall_s = transport_error(exc, client.timeout), time.perf_counter() - t0
         return res
-    wall = time.perf_counter() - t0
-    res.http_status = resp.status_code
-    if resp.status_code != 200:
-        res.error, res.wall_s = http_error(resp), wall
-        return res
-    try:
-        return parse_response(res, resp.json(), client.endpoint, wall)
-    except ValueError:
-        res.error, res.wall_s = "response is not JSON", wall
-        return res
+    return read_response(res, resp, client.endpoint, time.perf_counter() - t0)
 
 
 async def _level(client: BenchClient, label: str, prompts: list[Prompt], clients: int,
