@@ -5,7 +5,10 @@
 real model but not a real checkpoint. ``tiny_engine``: an engine over it. ``srv``: a live HTTP
 server over a FakeEngine (live_server.py), one per test module; ``engine``: its engine, reset to
 its defaults after each test. ``one_thread`` (the kernel tests opt in with ``pytestmark``): torch
-and the C kernels single-threaded for the test, unless it sets a thread count itself."""
+and the C kernels single-threaded for the test, unless it sets a thread count itself.
+``tiny_models`` / ``smollm2_quantized`` (the model-equivalence modules): kind -> a tiny random
+checkpoint written by transformers, loaded by ours (and the transformers model); quantization ->
+smollm2-135m loaded so; each built on first use, once per module (equivalence_utils.py)."""
 
 from __future__ import annotations
 
@@ -68,3 +71,17 @@ def one_thread():
     yield
     torch.set_num_threads(n)
     set_threads(None)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    from equivalence_utils import tiny_model_builder
+
+    return tiny_model_builder(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def smollm2_quantized():
+    from equivalence_utils import quantized_smollm2_builder
+
+    return quantized_smollm2_builder()

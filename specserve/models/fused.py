@@ -4,7 +4,7 @@
 descriptors of its layers (weight pointers, formats, norms, rope tables) and of the KV pools it
 writes; ``run`` executes layers ``l0 .. l1 - 1`` of a forward pass with one ``ss_decoder_layers``
 call. The C code chains the same kernels the Python path (``DecoderLayer.forward``) calls one by
-one, on the same shapes, so the results are bit-identical to it (tests/test_model_equivalence.py).
+one, on the same shapes, so the results are bit-identical to it (tests/test_fused_decoder.py).
 
 Covered: Llama / SmolLM2 / Mistral / Qwen2 (q/k/v biases) / Qwen3 (qk-norm) / Gemma 3, any weight format,
 fused or separate q/k/v and gate/up weights, sliding layers that share the global block tables,
