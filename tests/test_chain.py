@@ -182,7 +182,8 @@ def test_chain_cost_is_what_runs():
 # ---- in the engine (tiny models) ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from test_dflash import make_tiny_target, random_drafter
+    from drafter_utils import random_drafter
+    from tiny_models import make_tiny_target
     from specserve.speculative.drafter_files import save_drafter
 
     tiny = make_tiny_target(tmp_path_factory.mktemp("tiny_chain"))

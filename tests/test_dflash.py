@@ -10,7 +10,6 @@ import torch
 
 from specserve.engine.config import EngineConfig
 from specserve.engine.llm_engine import LLMEngine
-from specserve.engine.sequence import Sequence
 from specserve.engine.types import SamplingParams
 from specserve.models.layers import linears
 from specserve.models.loader import load_model
@@ -18,22 +17,12 @@ from specserve.models.transformer import DecoderLayer
 from specserve.speculative.config import SpeculativeConfig
 from specserve.speculative.dflash import DFlashConfig, DFlashDrafter, DFlashModel
 from specserve.speculative.drafter_files import save_drafter
-from tiny_models import CHAT_TEMPLATE, FP32, TINY_VOCAB, make_tiny_target, write_byte_tokenizer  # noqa: F401
+from drafter_utils import CHAT4, check_prefix_hits_keep_context, random_drafter, seq_with_output
+from tiny_models import FP32, TINY_VOCAB, make_tiny_target
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_tiny_target(tmp_path_factory.mktemp("tiny"))
-
-
-def random_drafter(target, block_size: int = 4, layers: int = 2, seed: int = 0) -> DFlashModel:
-    cfg = DFlashConfig.for_target(target, num_layers=layers, block_size=block_size)
-    m = DFlashModel(cfg)
-    m.init_weights(1.0, target.model.final_norm, seed)
-    with torch.no_grad():  # big enough that every input matters
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(10)
-    return m
 
 
 def test_train_forward_shapes_and_block_mask(tiny):
@@ -85,12 +74,6 @@ def test_block_sees_context_before_anchor_and_its_block_only(tiny):
     assert (diff[1] > 1e-4).all() and diff[0].max() == 0 and diff[2].max() == 0
 
 
-def _seq(ids: list[int], n_prompt: int, params=SamplingParams()) -> Sequence:
-    s = Sequence("s0", ids[:n_prompt], params, detok=None)
-    s.output_ids = ids[n_prompt:]
-    return s
-
-
 def test_inference_block_equals_training_block(tiny, tmp_path):
     """The drafter's cached per-sequence context gives the same block as the training forward."""
     m = random_drafter(tiny, block_size=4)
@@ -100,7 +83,7 @@ def test_inference_block_equals_training_block(tiny, tmp_path):
     k = len(m.cfg.target_layer_ids)
     hid = torch.randn(T, k * 64)
     ids = torch.randint(0, 256, (T + 1,)).tolist()
-    seq = _seq(ids, 10)
+    seq = seq_with_output(ids, 10)
     H = 64
     layer_h = {lid: hid[:, j * H:(j + 1) * H] for j, lid in enumerate(m.cfg.target_layer_ids)}
     # observe in two chunks, as the engine does (prefill, then decode rows)
@@ -128,7 +111,7 @@ def test_queued_context_is_bounded_and_gives_the_eager_block(tiny):
     lazy, eager = DFlashDrafter(m, tiny), DFlashDrafter(m, tiny)
     T = 100
     hid = {lid: torch.randn(T, 64) for lid in cfg.target_layer_ids}
-    seq_l, seq_e = _seq(list(range(T + 1)), 10), _seq(list(range(T + 1)), 10)
+    seq_l, seq_e = seq_with_output(list(range(T + 1)), 10), seq_with_output(list(range(T + 1)), 10)
     for t in range(T):
         rows = {k: v[t:t + 1] for k, v in hid.items()}
         lazy.observe(seq_l, rows, [t])
@@ -147,7 +130,7 @@ def test_sampling_proposals_carry_probabilities(tiny, tmp_path):
     drafter = DFlashDrafter.load(tmp_path / "d", tiny)
     params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.2, seed=3)
     hid = {lid: torch.randn(12, 64) for lid in m.cfg.target_layer_ids}
-    seq = _seq(list(range(40, 53)), 8, params)
+    seq = seq_with_output(list(range(40, 53)), 8, params)
     drafter.observe(seq, hid, list(range(12)))
     prop = drafter.propose([seq], [4])[0]
     assert len(prop.token_ids) == 4 and prop.probs.shape == (4, TINY_VOCAB)
@@ -182,54 +165,6 @@ def test_tiny_greedy_lossless_and_seeded_sampling_reproduces(tiny, tmp_path):
     a = _run(_engine(tiny, DFlashDrafter.load(tmp_path / "d", tiny)), prompts, samp)
     b = _run(_engine(tiny, DFlashDrafter.load(tmp_path / "d", tiny)), prompts, samp)
     assert a == b
-
-
-def _logged_engine(target, drafter, method: str, prefix_caching: bool):
-    """An engine whose drafter records every proposal as (anchor position, drafts)."""
-    eng = LLMEngine(target, EngineConfig(max_num_seqs=1, max_model_len=256, block_size=8,
-                                         enable_prefix_caching=prefix_caching),
-                    SpeculativeConfig(method, num_speculative_tokens=3, model="x", adaptive=False), drafter)
-    eng.log = []
-    propose = drafter.propose
-
-    def logged(seqs, ks):
-        props = propose(seqs, ks)
-        eng.log += [(s.num_tokens - 1, p.token_ids) for s, p in zip(seqs, props)]
-        return props
-
-    drafter.propose = logged
-    return eng
-
-
-def check_prefix_hits_keep_context(target, load, method: str) -> None:
-    """A request that starts from cached blocks (a repeated prompt, then a second chat turn that
-    extends the first one's prompt and answer) drafts exactly as without prefix caching; without
-    the drafter's prefix store it drafts differently (blind to the cached blocks).
-    load(store) -> a fresh drafter using that PrefixStore (or None)."""
-    from specserve.speculative.prefix_store import PrefixStore
-
-    g = torch.Generator().manual_seed(5)
-    prompt = torch.randint(0, 256, (37,), generator=g).tolist()
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
-    cold = _logged_engine(target, load(None), method, prefix_caching=False)
-    want = _run(cold, [prompt], params)[0]
-    turn2 = prompt + want + torch.randint(0, 256, (9,), generator=g).tolist()
-    want2 = _run(cold, [turn2], params)[0]
-    for store in (PrefixStore(64, 8), None):
-        eng = _logged_engine(target, load(store), method, prefix_caching=True)
-        assert _run(eng, [prompt], params)[0] == want  # fills the prefix cache (and the store)
-        eng.log.clear()
-        assert _run(eng, [prompt], params)[0] == want  # 32 of 37 prompt tokens cached
-        assert _run(eng, [turn2], params)[0] == want2  # the first turn's prompt + answer cached
-        assert eng.blocks.num_free == eng.blocks.num_blocks
-        if store is None:
-            assert eng.log != cold.log
-        else:
-            assert eng.log == cold.log
-            assert len(store) == (len(turn2) + 20 - 1) // 8  # every full block of verified tokens
-            per_block = max(sum(t.nbytes for t in rows) for _, rows in store._rows.values())
-            assert eng.drafter.kv_bytes() == store.capacity * per_block  # what plan counts: the store when full
-            assert eng.plan.drafter_kv_bytes == eng.drafter.kv_bytes()
 
 
 def test_prefix_cache_hit_keeps_the_drafters_context(tiny, tmp_path):
@@ -292,10 +227,7 @@ def test_spec_config_builds_dflash_through_the_registry(tiny, tmp_path):
 
 # ---- smollm2-135m: greedy with the drafter is plain greedy ------------------------------------
 SHIPPED = Path(__file__).resolve().parent.parent / "specserve" / "drafters" / "smollm2-135m-dflash"
-CHAT4 = ["Write a Python function that checks whether a number is prime.",
-         "What is 12 * 13? Explain briefly.",
-         "Describe a sunrise over the sea in two sentences.",
-         "List three uses of a paperclip."]
+
 
 
 def test_lossless_greedy_smollm2_dflash(tmp_path):
@@ -332,7 +264,7 @@ def test_drafts_are_distributed_as_their_returned_probabilities(tiny, tmp_path):
     save_drafter(m, m.cfg.to_json(), tmp_path / "d")
     drafter = DFlashDrafter.load(tmp_path / "d", tiny)
     params = SamplingParams(temperature=1.5, top_k=4, seed=1)
-    seq = _seq(list(range(30, 45)), 10, params)
+    seq = seq_with_output(list(range(30, 45)), 10, params)
     drafter.observe(seq, {lid: torch.randn(14, 64) for lid in m.cfg.target_layer_ids}, list(range(14)))
     counts = torch.zeros(2, TINY_VOCAB, dtype=torch.float64)
     probs = None
@@ -362,7 +294,7 @@ def test_draft_vocabulary_cuts_the_head_and_stays_lossless(tiny, tmp_path):
     kept = drafter.vocab.member.clone()
     assert drafter.vocab.size == 128 and not kept[:64].any() and kept[256:258].all()  # + the specials
     prompt = list(range(70, 90)) + [5, 6]  # 5 and 6 join the set as the request uses them
-    seq = _seq(prompt, len(prompt), SamplingParams(max_tokens=10))
+    seq = seq_with_output(prompt, len(prompt), SamplingParams(max_tokens=10))
     drafter.observe(seq, {lid: torch.randn(len(prompt), 64) for lid in m.cfg.target_layer_ids},
                     list(range(len(prompt))))
     drafts = drafter.propose([seq], [3])[0].token_ids
@@ -408,7 +340,7 @@ def test_int8_drafter_weights_are_lossless(tiny, tmp_path):
     prompt = list(range(40, 60))
     blocks = []
     for d in (d8, DFlashDrafter.load(tmp_path / "d", tiny)):
-        seq = _seq(prompt, len(prompt), SamplingParams(max_tokens=4))
+        seq = seq_with_output(prompt, len(prompt), SamplingParams(max_tokens=4))
         g = torch.Generator().manual_seed(3)
         d.observe(seq, {lid: torch.randn(len(prompt), 64, generator=g) for lid in m.cfg.target_layer_ids},
                   list(range(len(prompt))))
@@ -450,16 +382,16 @@ def test_pick_tokens_p_min_stops_at_the_first_unsure_draft():
     from specserve.speculative.drafter import pick_tokens
 
     logits = torch.tensor([[5.0, 0.0, 0.0], [0.0, 0.2, 0.0], [9.0, 0.0, 0.0]])  # row 1 is unsure
-    greedy = _seq([0, 1], 2)
+    greedy = seq_with_output([0, 1], 2)
     assert pick_tokens(greedy, logits, None).token_ids == [0, 1, 0]
     assert pick_tokens(greedy, logits, None, p_min=0.5).token_ids == [0]
     assert pick_tokens(greedy, logits, None, p_min=0.3).token_ids == [0, 1, 0]  # row 1's top is 0.36
-    biased = _seq([0, 1], 2, SamplingParams(logit_bias=((1, 3.0),)))  # row 1 becomes sure of token 1
+    biased = seq_with_output([0, 1], 2, SamplingParams(logit_bias=((1, 3.0),)))  # row 1 becomes sure of token 1
     assert pick_tokens(biased, logits, None, p_min=0.5).token_ids == [0, 1, 0]
-    pen = _seq([0, 1], 2, SamplingParams(frequency_penalty=2.0, presence_penalty=2.0))
+    pen = seq_with_output([0, 1], 2, SamplingParams(frequency_penalty=2.0, presence_penalty=2.0))
     assert pick_tokens(pen, logits, None, p_min=0.45).token_ids == [0, 1, 0]
     assert pick_tokens(pen, logits, None, earlier=[0, 0], p_min=0.45).token_ids == []  # earlier drafts count
-    samp = _seq([0, 1], 2, SamplingParams(temperature=1.0, seed=0))
+    samp = seq_with_output([0, 1], 2, SamplingParams(temperature=1.0, seed=0))
     full = pick_tokens(samp, logits, torch.Generator().manual_seed(0))
     cut = pick_tokens(samp, logits, torch.Generator().manual_seed(0), p_min=0.5)
     assert len(full.token_ids) == 3 and cut.token_ids == full.token_ids[:1]

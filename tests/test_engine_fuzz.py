@@ -23,7 +23,8 @@ from specserve.speculative.mtp import MTPDrafter
 from specserve.speculative.ngram import NgramDrafter
 from specserve.speculative.prefix_store import PrefixStore
 from specserve.speculative.suffix import SuffixDrafter
-from test_dflash import make_tiny_target, random_drafter
+from drafter_utils import random_drafter
+from tiny_models import make_tiny_target
 from test_mtp import random_head
 
 

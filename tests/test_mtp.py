@@ -16,7 +16,8 @@ from specserve.models.loader import load_model
 from specserve.speculative.config import SpeculativeConfig
 from specserve.speculative.drafter_files import save_drafter
 from specserve.speculative.mtp import MTPConfig, MTPDrafter, MTPModel, read_checkpoint_mtp
-from test_dflash import FP32, TINY_VOCAB, _seq, check_prefix_hits_keep_context, make_tiny_target
+from drafter_utils import check_prefix_hits_keep_context, seq_with_output
+from tiny_models import FP32, TINY_VOCAB, make_tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def test_cached_rows_equal_a_full_forward_and_chain(tiny, tmp_path):
     T = 25
     hid = torch.randn(T, 64)
     ids = torch.randint(0, 256, (T + 1,)).tolist()
-    seq = _seq(ids, 12)
+    seq = seq_with_output(ids, 12)
     drafter.observe(seq, {L: hid[:12]}, list(range(12)))
     drafter.observe(seq, {L: hid[12:]}, list(range(12, T)))
     g = drafter._catch_up(seq)  # rows 1..T (last token at position T)
@@ -185,7 +186,7 @@ def test_tiny_greedy_lossless_and_sampling_probs(tiny, tmp_path):
     b = run_all(_engine(tiny, MTPDrafter.load(str(tmp_path / "h"), tiny)), prompts, samp)
     assert a == b
     d = MTPDrafter.load(str(tmp_path / "h"), tiny)
-    seq = _seq(list(range(60, 75)), 10, samp)
+    seq = seq_with_output(list(range(60, 75)), 10, samp)
     d.observe(seq, {tiny.config.num_layers - 1: torch.randn(14, 64)}, list(range(14)))
     prop = d.propose([seq], [3])[0]
     assert prop.probs.shape == (3, TINY_VOCAB)
@@ -213,7 +214,7 @@ def test_draft_vocabulary_and_int8_head(tiny, tmp_path):
 
     d = load()
     assert d.vocab.size == 128 and not d.vocab.member[:64].any()
-    seq = _seq(list(range(70, 90)) + [5, 6], 22)
+    seq = seq_with_output(list(range(70, 90)) + [5, 6], 22)
     d.observe(seq, {tiny.config.num_layers - 1: torch.randn(22, 64)}, list(range(22)))
     drafts = d.propose([seq], [3])[0].token_ids
     assert d.vocab.member[[5, 6]].all() and drafts and all(d.vocab.member[t] for t in drafts)
@@ -230,7 +231,7 @@ def test_lossless_greedy_smollm2_mtp(tmp_path):
 
     from engine_utils import chat_ids, make_engine, run_all
     from specserve.speculative.train.trainer import make_model
-    from test_dflash import CHAT4
+    from drafter_utils import CHAT4
 
     target = load_model("smollm2-135m")
     m = make_model("mtp", target, seed=0)  # untrained (random-init) head
@@ -256,7 +257,7 @@ def test_draft_p_min_stops_the_chain(tiny, tmp_path):
 
     def propose(p_min: float):
         d = MTPDrafter.load(str(tmp_path / "h"), tiny, p_min=p_min)
-        seq = _seq(list(range(60, 75)), 10, samp)
+        seq = seq_with_output(list(range(60, 75)), 10, samp)
         d.observe(seq, {tiny.config.num_layers - 1: torch.randn(14, 64, generator=torch.Generator().manual_seed(1))},
                   list(range(14)))
         return d.propose([seq], [3])[0]

@@ -223,7 +223,7 @@ def test_preempted_and_empty_sequences_are_not_cached():
 # ---- in the engine ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from test_dflash import make_tiny_target
+    from tiny_models import make_tiny_target
 
     return make_tiny_target(tmp_path_factory.mktemp("tiny_suffix"))
 

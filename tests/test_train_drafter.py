@@ -13,7 +13,7 @@ from specserve.errors import SpecserveError
 from specserve.speculative.train import data as tdata
 from specserve.speculative.train import prompts as tprompts
 from specserve.speculative.train.trainer import FrozenTarget, HParams, Trainer, make_model
-from test_dflash import make_tiny_target
+from tiny_models import make_tiny_target
 
 
 @pytest.fixture(scope="module")
