@@ -8,7 +8,9 @@ its defaults after each test. ``one_thread`` (the kernel tests opt in with ``pyt
 and the C kernels single-threaded for the test, unless it sets a thread count itself.
 ``tiny_models`` / ``smollm2_quantized`` (the model-equivalence modules): kind -> a tiny random
 checkpoint written by transformers, loaded by ours (and the transformers model); quantization ->
-smollm2-135m loaded so; each built on first use, once per module (equivalence_utils.py)."""
+smollm2-135m loaded so; each built on first use, once per module (equivalence_utils.py).
+``hybrid`` (the hybrid modules): the committed tiny Qwen3.5 checkpoint, ours and transformers'
+model over the same files (hybrid_utils.py)."""
 
 from __future__ import annotations
 
@@ -85,3 +87,10 @@ def smollm2_quantized():
     from equivalence_utils import quantized_smollm2_builder
 
     return quantized_smollm2_builder()
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    from hybrid_utils import load_hybrid
+
+    return load_hybrid()

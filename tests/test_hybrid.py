@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,57 +24,22 @@ transformers = pytest.importorskip("transformers", minversion="5.0")
 pytest.importorskip("transformers.models.qwen3_5")
 
 from specserve.engine.config import EngineConfig  # noqa: E402
-from specserve.engine.llm_engine import LLMEngine, plan_for  # noqa: E402
+from specserve.engine.llm_engine import plan_for  # noqa: E402
 from specserve.engine.types import SamplingParams  # noqa: E402
 from specserve.errors import ModelLoadError  # noqa: E402
 from specserve.kernels import ops  # noqa: E402
 from specserve.models.layers import linears  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
 from specserve.speculative.config import SpeculativeConfig  # noqa: E402
-from specserve.speculative.drafter import Drafter, Proposal  # noqa: E402
-from specserve.speculative.mtp import MTPDrafter  # noqa: E402
 from specserve.speculative.ngram import NgramDrafter  # noqa: E402
 from engine_utils import drafter_makers, logits_of_every_position  # noqa: E402
-from tiny_models import FP32, make_tiny_qwen3_next, make_tiny_target  # noqa: E402
-
-RTOL = 1e-4
-
-
-DATA = Path(__file__).resolve().parent / "data" / "tiny_qwen35"  # made by tests/data/make_tiny_qwen35.py
-LLAMA_CPP = json.loads((DATA / "llama_cpp_tokens.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def hybrid():
-    """The committed tiny checkpoint (tests/tiny_models.make_tiny_hybrid, mtp.* included): ours and
-    transformers' Qwen3_5ForCausalLM over the same files."""
-    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(str(DATA / "hf"), dtype=torch.float32).eval()
-    return load_model(str(DATA / "hf"), FP32), hf
-
+from hybrid_utils import (DATA, LLAMA_CPP, RTOL, OracleDrafter, copy_checkpoint, greedy_outputs,  # noqa: E402
+                          make_engine, random_prompt, repetitive)
+from tiny_models import FP32, make_tiny_target  # noqa: E402
 
 @pytest.fixture(scope="module")
 def draft(tmp_path_factory):
     return make_tiny_target(tmp_path_factory.mktemp("tiny_draft"), seed=1, layers=1)
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), generator=g).tolist()
-
-
-def _engine(model, spec=None, drafter=None, **kw) -> LLMEngine:
-    kw.setdefault("max_model_len", 256)
-    return LLMEngine(model, EngineConfig(**kw), spec, drafter)
-
-
-def _greedy(eng: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0))
-    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    while eng.has_work():
-        for out in eng.step():
-            got[out.request_id] += out.new_token_ids
-    return [got[f"r{i}"] for i in range(len(prompts))]
 
 
 # ---- against transformers --------------------------------------------------------------------
@@ -93,8 +56,8 @@ def test_config_reads_layer_types_and_shapes(hybrid):
 
 def test_logits_match_transformers_prefill_and_64_decode_steps(hybrid):
     ours, hf = hybrid
-    ids = _prompt(0, 48)
-    eng = _engine(ours)
+    ids = random_prompt(0, 48)
+    eng = make_engine(ours)
     eng.add_request("a", ids, SamplingParams(max_tokens=65, ignore_eos=True))
     got, seq = logits_of_every_position(eng, "a")  # the prompt in one forward, logits at every position
     tokens = ids + seq.output_ids
@@ -109,12 +72,12 @@ def test_logits_match_transformers_prefill_and_64_decode_steps(hybrid):
 def test_greedy_equals_transformers_generate(hybrid):
     ours, hf = hybrid
     for seed in range(3):
-        ids = _prompt(10 + seed, 20 + 7 * seed)
+        ids = random_prompt(10 + seed, 20 + 7 * seed)
         with torch.no_grad():
             x = torch.tensor([ids])  # (an explicit mask: generate would mask the pad id 0 in a prompt)
             ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False)
             ref = ref[0, len(ids):].tolist()  # generate stops at the eos token, we ignore it
-        assert len(ref) >= 16 and _greedy(_engine(ours), [ids], 48)[0][:len(ref)] == ref
+        assert len(ref) >= 16 and greedy_outputs(make_engine(ours), [ids], 48)[0][:len(ref)] == ref
 
 
 # ---- the kernel ------------------------------------------------------------------------------
@@ -156,7 +119,7 @@ def test_rollback_fuzz_states_equal_plain_decoding_bit_for_bit(hybrid):
     ours, _ = hybrid
     cfg, model = ours.config, ours.model
     n, planes, bs = 60, 6, 16
-    seqs = [_prompt(70 + i, n) for i in range(2)]
+    seqs = [random_prompt(70 + i, n) for i in range(2)]
     blocks = [list(range(i * 8, i * 8 + 8)) for i in range(2)]
 
     def fresh():
@@ -226,35 +189,11 @@ def test_deltanet_kernel_c_and_torch_match_transformers_recurrence(v_tiled):
 
 
 # ---- lossless --------------------------------------------------------------------------------
-class OracleDrafter(Drafter):
-    """Proposes a random number of the true greedy continuation's next tokens, then random ones:
-    every accepted count from 0 to k occurs, so every snapshot plane gets rolled back to."""
-
-    name = "oracle"
-
-    def __init__(self, truth: dict[tuple[int, ...], list[int]], seed: int = 0):
-        self.truth, self.rnd = truth, random.Random(seed)
-
-    def propose(self, seqs, num_tokens):
-        out = []
-        for seq, k in zip(seqs, num_tokens):
-            cont = self.truth.get(tuple(seq.prompt_ids), [])[len(seq.output_ids):]
-            good = self.rnd.randrange(k + 1)
-            out.append(Proposal(cont[:good] + [self.rnd.randrange(256) for _ in range(k - min(good, len(cont)))]))
-        return out
-
-
-def _repetitive(seed: int) -> list[int]:
-    rnd = random.Random(seed)
-    unit = [rnd.randrange(256) for _ in range(rnd.randrange(3, 7))]
-    return (unit * 12)[:rnd.randrange(20, 60)]
-
-
 @pytest.mark.parametrize("method", ["oracle", "ngram", "suffix", "draft_model", "mtp", "dflash"])
 def test_speculation_is_lossless_alone_and_in_a_batch_of_8(hybrid, draft, method):
     ours, _ = hybrid
-    prompts = [_repetitive(s) if s % 2 else _prompt(s, 30 + s) for s in range(8)]
-    plain = _greedy(_engine(ours, max_num_seqs=8), prompts, 40)
+    prompts = [repetitive(s) if s % 2 else random_prompt(s, 30 + s) for s in range(8)]
+    plain = greedy_outputs(make_engine(ours, max_num_seqs=8), prompts, 40)
     truth = {tuple(p): out for p, out in zip(prompts, plain)}
 
     def make():
@@ -262,21 +201,21 @@ def test_speculation_is_lossless_alone_and_in_a_batch_of_8(hybrid, draft, method
             return SpeculativeConfig("ngram", num_speculative_tokens=5), OracleDrafter(truth)
         return drafter_makers(DATA / "hf", ours, draft, 256)[method]()
 
-    eng = _engine(ours, *make(), max_num_seqs=8)
-    assert _greedy(eng, prompts, 40) == plain
+    eng = make_engine(ours, *make(), max_num_seqs=8)
+    assert greedy_outputs(eng, prompts, 40) == plain
     assert eng.totals.draft_tokens > 0
     if method == "oracle":  # accepted counts 0 .. 3 at least: rollbacks to several snapshot planes
         assert eng.totals.accepted_tokens > 0 and all(n > 0 for n in eng.totals.accepted_per_pos[:3])
-    assert _greedy(_engine(ours, *make()), prompts[1:2], 40) == plain[1:2]
+    assert greedy_outputs(make_engine(ours, *make()), prompts[1:2], 40) == plain[1:2]
     assert eng.cache.idle()
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_chunked_prefill_and_batch_invariance(hybrid, kv_dtype):
     ours, _ = hybrid
-    prompts = [_prompt(40 + s, 70 + 9 * s) for s in range(4)]
-    alone = [_greedy(_engine(ours, kv_cache_dtype=kv_dtype), [p], 24)[0] for p in prompts]
-    chunked = _greedy(_engine(ours, kv_cache_dtype=kv_dtype, max_num_batched_tokens=16, max_step_ms=0), prompts, 24)
+    prompts = [random_prompt(40 + s, 70 + 9 * s) for s in range(4)]
+    alone = [greedy_outputs(make_engine(ours, kv_cache_dtype=kv_dtype), [p], 24)[0] for p in prompts]
+    chunked = greedy_outputs(make_engine(ours, kv_cache_dtype=kv_dtype, max_num_batched_tokens=16, max_step_ms=0), prompts, 24)
     assert chunked == alone
 
 
@@ -285,18 +224,18 @@ def test_prefix_cache_hits_restore_state_checkpoints(hybrid):
     every 512 tokens, and at each prompt's last full block); a follow-up turn hits the previous
     prompt's last full block. Outputs equal those without prefix caching."""
     ours, _ = hybrid
-    system = _prompt(90, 600)
-    a, b = system + _prompt(91, 40), system + _prompt(92, 30)
-    off = _engine(ours, max_model_len=1024, enable_prefix_caching=False)
+    system = random_prompt(90, 600)
+    a, b = system + random_prompt(91, 40), system + random_prompt(92, 30)
+    off = make_engine(ours, max_model_len=1024, enable_prefix_caching=False)
     want = [_greedy_one(off, p, 16, f"o{i}") for i, p in enumerate((a, b))]
-    eng = _engine(ours, max_model_len=1024)
+    eng = make_engine(ours, max_model_len=1024)
     outs = []
     for i, p in enumerate((a, b)):
         res = list(eng.generate(p, SamplingParams(max_tokens=16, ignore_eos=True), request_id=f"c{i}"))
         outs.append(([t for o in res for t in o.new_token_ids], res[-1].cached_tokens))
     assert [o[0] for o in outs] == want
     assert outs[0][1] == 0 and outs[1][1] == 512  # the checkpoint at 512 of the 592 shared full-block tokens
-    turn2 = a + want[0] + _prompt(93, 20)
+    turn2 = a + want[0] + random_prompt(93, 20)
     res = list(eng.generate(turn2, SamplingParams(max_tokens=16, ignore_eos=True), request_id="t2"))
     assert [t for o in res for t in o.new_token_ids] == _greedy_one(off, turn2, 16, "o-t2")
     assert res[-1].cached_tokens == len(a) // 16 * 16  # the last full block of the first turn's prompt
@@ -305,7 +244,7 @@ def test_prefix_cache_hits_restore_state_checkpoints(hybrid):
 
 def test_random_traffic_keeps_outputs_and_frees_state_slots(hybrid, draft):
     ours, _ = hybrid
-    ref, preempted, hits, eng_cached = _engine(ours, max_num_seqs=4, enable_prefix_caching=False), 0, 0, {}
+    ref, preempted, hits, eng_cached = make_engine(ours, max_num_seqs=4, enable_prefix_caching=False), 0, 0, {}
     for trial in range(3):
         rnd = random.Random(trial)
         method = ("ngram", "draft_model", "suffix")[trial]
@@ -313,15 +252,15 @@ def test_random_traffic_keeps_outputs_and_frees_state_slots(hybrid, draft):
         seqs = rnd.choice([2, 3])
         probe = plan_for(ours, EngineConfig(max_model_len=96, block_size=8, max_num_seqs=seqs), spec, drafter)
         memory = probe.kv_bytes_per_token * 8 * 14 + probe.state_bytes  # a tight pool: preemptions happen
-        eng = _engine(ours, spec, drafter, max_num_seqs=seqs, max_model_len=96, block_size=8,
+        eng = make_engine(ours, spec, drafter, max_num_seqs=seqs, max_model_len=96, block_size=8,
                       max_num_batched_tokens=rnd.choice([8, 24]), max_step_ms=0, kv_cache_memory=memory)
         reqs, got, aborted = {}, {}, set()
-        bases = [_repetitive(trial), _prompt(50 + trial, 60)]
+        bases = [repetitive(trial), random_prompt(50 + trial, 60)]
         while len(reqs) < 10 or eng.has_work():
             if len(reqs) < 10 and rnd.random() < 0.5:
                 rid = f"t{trial}-{len(reqs)}"
                 base = bases[rnd.randrange(len(bases))]  # shared prefixes: prefix-cache hits and checkpoints
-                ids = base[:rnd.randrange(8, len(base))] + _prompt(rnd.randrange(99), rnd.randrange(1, 12))
+                ids = base[:rnd.randrange(8, len(base))] + random_prompt(rnd.randrange(99), rnd.randrange(1, 12))
                 reqs[rid], got[rid] = (ids, rnd.randrange(1, 30)), []
                 eng.add_request(rid, ids, SamplingParams(max_tokens=reqs[rid][1], ignore_eos=True))
             if reqs and rnd.random() < 0.03:
@@ -357,7 +296,7 @@ def test_memory_plan_counts_the_states(hybrid):
     assert plan.total_bytes >= plan.state_bytes + plan.pool_bytes
     # only the full-attention layers keep K/V
     assert plan.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
-    eng = _engine(ours, spec, NgramDrafter(1, 3), max_num_seqs=3)
+    eng = make_engine(ours, spec, NgramDrafter(1, 3), max_num_seqs=3)
     assert eng.kv.states.nbytes() == plan.state_bytes and eng.cache.prefix_caching
     off = plan_for(ours, EngineConfig(max_model_len=256, max_num_seqs=3, enable_prefix_caching=False), spec, None)
     assert off.state_checkpoints == 0 and off.state_bytes == 4 * 6 * per
@@ -365,7 +304,7 @@ def test_memory_plan_counts_the_states(hybrid):
     from specserve.errors import SpecserveError
 
     with pytest.raises(SpecserveError, match="kv-cache-memory"):
-        _engine(ours, spec, NgramDrafter(1, 3), max_num_seqs=3, kv_cache_memory=plan.state_bytes)
+        make_engine(ours, spec, NgramDrafter(1, 3), max_num_seqs=3, kv_cache_memory=plan.state_bytes)
 
 
 # ---- GGUF: llama.cpp's converter and llama.cpp itself as the oracle ----------------------------
@@ -376,9 +315,9 @@ def test_gguf_f32_greedy_equals_llama_cpp_and_the_safetensors(hybrid):
     ours = load_model(str(DATA / "tiny-qwen35-f32.gguf"), FP32)
     assert ours.config.deltanet.v_tiled and ours.config.mtp_layers == 1 and ours.config.num_layers == 4
     ref = LLAMA_CPP["files"]["tiny-qwen35-f32.gguf"]
-    got = [_greedy(_engine(ours), [p], LLAMA_CPP["tokens"])[0] for p in LLAMA_CPP["prompts"]]
+    got = [greedy_outputs(make_engine(ours), [p], LLAMA_CPP["tokens"])[0] for p in LLAMA_CPP["prompts"]]
     assert got == ref and all(len(r) == LLAMA_CPP["tokens"] for r in ref)
-    assert got == [_greedy(_engine(hybrid[0]), [p], LLAMA_CPP["tokens"])[0] for p in LLAMA_CPP["prompts"]]
+    assert got == [greedy_outputs(make_engine(hybrid[0]), [p], LLAMA_CPP["tokens"])[0] for p in LLAMA_CPP["prompts"]]
 
 
 def test_gguf_q8_0_loads_and_stays_lossless(hybrid):
@@ -389,11 +328,11 @@ def test_gguf_q8_0_loads_and_stays_lossless(hybrid):
     assert any(lin.format == "Q8_0" for lin in linears(ours.model.layers[0]))
     ref = LLAMA_CPP["files"]["tiny-qwen35-q8_0.gguf"]
     prompts = LLAMA_CPP["prompts"]
-    plain = _greedy(_engine(ours, max_num_seqs=4), prompts, LLAMA_CPP["tokens"])
+    plain = greedy_outputs(make_engine(ours, max_num_seqs=4), prompts, LLAMA_CPP["tokens"])
     assert all(a[:4] == b[:4] for a, b in zip(plain, ref))
     truth = {tuple(p): out for p, out in zip(prompts, plain)}
-    eng = _engine(ours, SpeculativeConfig("ngram", num_speculative_tokens=4), OracleDrafter(truth), max_num_seqs=4)
-    assert _greedy(eng, prompts, LLAMA_CPP["tokens"]) == plain
+    eng = make_engine(ours, SpeculativeConfig("ngram", num_speculative_tokens=4), OracleDrafter(truth), max_num_seqs=4)
+    assert greedy_outputs(eng, prompts, LLAMA_CPP["tokens"]) == plain
 
 
 def test_gguf_of_another_architecture_names_it(tmp_path):
@@ -416,191 +355,9 @@ def test_gguf_of_another_architecture_names_it(tmp_path):
         load_model(str(tmp_path / "bad.gguf"), FP32)
 
 
-# ---- the checkpoint's own MTP head -----------------------------------------------------------
-def _reference_mtp_logits(hf, ids: list[int], ckpt: Path = DATA / "hf") -> torch.Tensor:
-    """The MTP head (mtp.* of the checkpoint) in transformers' own modules (Qwen3.5's or
-    Qwen3-Next's): row i reads token i's embedding and the target's final-normed hidden state at
-    i - 1, through its norms, fc, one gated-attention decoder layer (causal over its rows; a MoE
-    MLP for Qwen3-Next), its norm and the LM head."""
-    from safetensors.torch import load_file
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
-
-    w = {k[4:]: v for k, v in load_file(str(ckpt / "model.safetensors")).items() if k.startswith("mtp.")}
-    cfg = hf.config
-    nxt = cfg.model_type == "qwen3_next"
-    layer_cls, norm_cls = (Qwen3NextDecoderLayer, Qwen3NextRMSNorm) if nxt else (Qwen3_5DecoderLayer, Qwen3_5RMSNorm)
-    layer = layer_cls(cfg, cfg.layer_types.index("full_attention")).eval()
-    sd = {k[len("layers.0."):]: v for k, v in w.items() if k.startswith("layers.0.")}
-    if nxt:  # transformers keeps its experts as 3-D tensors
-        e = cfg.num_experts
-        sd["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([sd.pop(f"mlp.experts.{j}.gate_proj.weight"),
-                                                                 sd.pop(f"mlp.experts.{j}.up_proj.weight")])
-                                                      for j in range(e)])
-        sd["mlp.experts.down_proj"] = torch.stack([sd.pop(f"mlp.experts.{j}.down_proj.weight") for j in range(e)])
-    layer.load_state_dict(sd)
-    norms = {}
-    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        norms[n] = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
-        norms[n].load_state_dict({"weight": w[f"{n}.weight"]})
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        h = hf.model(x).last_hidden_state  # after the final norm
-        e = hf.model.embed_tokens(x)
-        z = torch.cat([norms["pre_fc_norm_embedding"](e[:, 1:]), norms["pre_fc_norm_hidden"](h[:, :-1])], -1)
-        z = z @ w["fc.weight"].T
-        pos = torch.arange(1, len(ids))[None]
-        n = len(ids) - 1
-        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-        out = layer(z, hf.model.rotary_emb(z, pos), attention_mask=mask, position_ids=pos)
-        return hf.lm_head(norms["norm"](out))[0]  # [n, V]: row j predicts token j + 2
-
-
-@pytest.mark.parametrize("source", ["hf", "tiny-qwen35-f32.gguf", "qwen3_next", "tiny-qwen3next-f32.gguf"])
-def test_checkpoint_mtp_head_matches_transformers_modules(hybrid, qwen3_next, source):
-    """The head read from the safetensors (mtp.*, zero-centred norms), from llama.cpp's GGUF
-    (blk.4.nextn.*, norms folded), or Qwen3-Next's (a mixture-of-experts layer; from GGUF its
-    experts merged into 3-D tensors) computes what transformers' modules compute."""
-    if source == "qwen3_next":
-        ours, hf = qwen3_next
-        ckpt, target = ours.resolved.path, ours
-    elif "qwen3next" in source:
-        ckpt = DATA / "next_hf"
-        hf = transformers.Qwen3NextForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
-        target = load_model(str(DATA / source), FP32)
-    else:
-        hf, ckpt, target = hybrid[1], DATA / "hf", load_model(str(DATA / source), FP32)
-    ids = _prompt(7, 30)
-    ref = _reference_mtp_logits(hf, ids, ckpt)
-    head = MTPDrafter.load(None, target).net  # the family's gated-attention layer (and MoE) in float32
-    assert head.cfg.output_gate and head.cfg.rotary_dim == 8
-    eng = _engine(target)
-    eng.add_request("a", ids, SamplingParams(max_tokens=1))
-    eng.scheduler.admit()
-    rows = eng.scheduler.schedule(drafting=False)
-    batch = eng.runner.batch(rows)
-    hidden = target.model.forward(batch, eng.kv).final_hidden  # [T, H] after the final norm
-    with torch.no_grad():
-        emb = target.model.embed(torch.tensor(ids[1:]))
-        g, _ = head(emb, hidden[:-1], torch.arange(1, len(ids)), None, None, causal=True)
-        got = target.model.logits(head.out_norm(g))
-    assert (got - ref).abs().max() <= RTOL * ref.abs().max()
-
-
-def test_trained_mtp_head_keeps_the_sampling_distribution(hybrid, tmp_path):
-    """train-drafter --method mtp on the hybrid target: greedy stays lossless, its mean acceptance
-    length is what the training reports, and at temperature > 0 the joint distribution of the
-    first three tokens is the target's exact one."""
-    import subprocess
-    import sys
-
-    from test_suffix import sampled_joint_pvalue
-
-    ours, _ = hybrid
-    prompts = tmp_path / "p.json"
-    rnd = random.Random(0)
-    prompts.write_text(json.dumps([{"prompt": "".join(rnd.choice("abcdefgh ") for _ in range(rnd.randrange(20, 60)))}
-                                   for _ in range(40)]))
-    out = subprocess.run([sys.executable, "-m", "specserve", "train-drafter", "--model", str(DATA / "hf"), "--method",
-                          "mtp", "--out", str(tmp_path / "mtp"), "--prompts", str(prompts), "--steps", "150",
-                          "--max-new-tokens", "48", "--batch", "8", "--seq-len", "96", "--quantization", "none"],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    report = next(ln for ln in (out.stderr + out.stdout).splitlines() if "final validation mean acceptance length" in ln)
-    print(report)  # the trained head's mean acceptance length (pytest -s shows it)
-    lines = (out.stderr + out.stdout).splitlines()
-    untrained = next(ln for ln in lines if "step 0 validation mean acceptance length" in ln)
-    length = lambda line: float(line.split("acceptance length")[1].split()[0])  # noqa: E731
-    assert length(report) > length(untrained)  # training taught the head something (1.0 is the floor)
-    assert (tmp_path / "mtp" / "token_counts.safetensors").is_file()  # what ranks its draft_vocab_size
-    spec = SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False, model=str(tmp_path / "mtp"))
-    eng = _engine(ours, spec, MTPDrafter.load(str(tmp_path / "mtp"), ours), max_num_seqs=32)
-    prompts = [_repetitive(s) for s in range(8)]
-    assert _greedy(eng, prompts, 24) == _greedy(_engine(ours, max_num_seqs=8), prompts, 24)
-    assert eng.totals.accepted_tokens > 0
-    assert sampled_joint_pvalue(eng, ours, [11, 12, 13, 14] * 5, 1000) > 0.001
-
-
-def test_mtp_without_mtp_tensors_fails_at_start_up(hybrid, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    from specserve.errors import SpecserveError
-
-    dst, _ = _copy(hybrid, tmp_path)
-    f = dst / "model.safetensors"
-    save_file({k: v for k, v in load_file(str(f)).items() if not k.startswith("mtp.")}, str(f),
-              metadata={"format": "pt"})
-    with pytest.raises(SpecserveError, match="ships no MTP head"):
-        MTPDrafter.load(None, load_model(str(dst), FP32))
-
-
-# ---- Qwen3-Next: mixture-of-experts MLPs, interleaved DeltaNet projections ---------------------
-@pytest.fixture(scope="module")
-def qwen3_next(tmp_path_factory):
-    return make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"), mtp=True)
-
-
-def test_qwen3_next_matches_transformers(qwen3_next):
-    ours, hf = qwen3_next
-    cfg = ours.config
-    assert cfg.arch == "qwen3next" and cfg.moe.num_experts == 4 and cfg.moe.sparse(2) and not cfg.moe.sparse(3)
-    ids = _prompt(3, 40)
-    eng = _engine(ours)
-    eng.add_request("a", ids, SamplingParams(max_tokens=1))
-    eng.scheduler.admit()
-    rows = eng.scheduler.schedule(drafting=False)
-    batch = eng.runner.batch(rows)
-    batch.logits_indices = torch.arange(len(ids))
-    got = ours.model.forward(batch, eng.kv).logits
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    assert (got - ref).abs().max() <= RTOL * ref.abs().max()
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False)[0, len(ids):]
-    want = want.tolist()
-    assert len(want) >= 8 and _greedy(_engine(ours), [ids], 32)[0][:len(want)] == want
-
-
-def test_qwen3_next_speculation_and_chunking_are_lossless(qwen3_next):
-    ours, _ = qwen3_next
-    prompts = [_prompt(60 + s, 25 + 11 * s) for s in range(4)]
-    plain = _greedy(_engine(ours, max_num_seqs=4), prompts, 24)
-    truth = {tuple(p): out for p, out in zip(prompts, plain)}
-    spec = SpeculativeConfig("ngram", num_speculative_tokens=4)
-    eng = _engine(ours, spec, OracleDrafter(truth), max_num_seqs=4, max_num_batched_tokens=16, max_step_ms=0)
-    assert _greedy(eng, prompts, 24) == plain
-    assert eng.totals.accepted_tokens > 0 and eng.cache.idle()
-    mtp = _engine(ours, SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False),
-                  MTPDrafter.load(None, ours), max_num_seqs=4)  # the checkpoint's MoE MTP head
-    assert _greedy(mtp, prompts, 24) == plain and mtp.totals.draft_tokens > 0
-
-
-def test_qwen3_next_gguf_greedy_equals_llama_cpp():
-    """llama.cpp's GGUF of a Qwen3-Next (experts merged into 3-D tensors, ssm_ba interleaved per
-    key head, value heads in the grouped order): native llama-server's greedy tokens, all of them
-    (32 per prompt, or up to its end-of-text token); and lossless under speculation."""
-    ours = load_model(str(DATA / "tiny-qwen3next-f32.gguf"), FP32)
-    assert ours.config.arch == "qwen3next" and ours.config.moe.num_experts == 4 and not ours.config.deltanet.v_tiled
-    prompts, n = LLAMA_CPP["prompts"], LLAMA_CPP["tokens"]
-    plain = [_greedy(_engine(ours), [p], n)[0] for p in prompts]
-    ref = LLAMA_CPP["files"]["tiny-qwen3next-f32.gguf"]  # llama.cpp stops at the end-of-text token
-    assert [g[:len(r)] for g, r in zip(plain, ref)] == ref and sum(map(len, ref)) >= 3 * n
-    truth = {tuple(p): out for p, out in zip(prompts, plain)}
-    eng = _engine(ours, SpeculativeConfig("ngram", num_speculative_tokens=4), OracleDrafter(truth), max_num_seqs=4)
-    assert _greedy(eng, prompts, n) == plain
-
-
 # ---- bad checkpoints -------------------------------------------------------------------------
-def _copy(hybrid, tmp_path):
-    src = hybrid[0].resolved.path
-    dst = tmp_path / "ckpt"
-    shutil.copytree(src, dst)
-    return dst, json.loads((dst / "config.json").read_text())
-
-
 def test_unknown_layer_type_fails_at_load(hybrid, tmp_path):
-    dst, cfg = _copy(hybrid, tmp_path)
+    dst, cfg = copy_checkpoint(hybrid, tmp_path)
     cfg["layer_types"][1] = "mamba2"
     (dst / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="mamba2"):
@@ -610,7 +367,7 @@ def test_unknown_layer_type_fails_at_load(hybrid, tmp_path):
 def test_missing_tensor_fails_at_load(hybrid, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    dst, _ = _copy(hybrid, tmp_path)
+    dst, _ = copy_checkpoint(hybrid, tmp_path)
     f = next(dst.glob("*.safetensors"))
     tensors = load_file(str(f))
     del tensors["model.layers.2.linear_attn.conv1d.weight"]

@@ -1,0 +1,84 @@
+"""What the hybrid (Qwen3.5 / Qwen3-Next) test modules share: the committed tiny checkpoint (ours
+and transformers' model over the same files), random prompts, an engine and its greedy outputs,
+a drafter that knows the true continuation, and a writable copy of the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+
+from specserve.engine.config import EngineConfig
+from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.types import SamplingParams
+from specserve.models.loader import load_model
+from specserve.speculative.drafter import Drafter, Proposal
+from tiny_models import FP32
+
+RTOL = 1e-4
+
+
+DATA = Path(__file__).resolve().parent / "data" / "tiny_qwen35"  # made by tests/data/make_tiny_qwen35.py
+LLAMA_CPP = json.loads((DATA / "llama_cpp_tokens.json").read_text())
+
+
+def load_hybrid():
+    """The committed tiny checkpoint (tests/tiny_models.make_tiny_hybrid, mtp.* included): ours and
+    transformers' Qwen3_5ForCausalLM over the same files."""
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(str(DATA / "hf"), dtype=torch.float32).eval()
+    return load_model(str(DATA / "hf"), FP32), hf
+
+
+def random_prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def make_engine(model, spec=None, drafter=None, **kw) -> LLMEngine:
+    kw.setdefault("max_model_len", 256)
+    return LLMEngine(model, EngineConfig(**kw), spec, drafter)
+
+
+def greedy_outputs(eng: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0))
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while eng.has_work():
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    return [got[f"r{i}"] for i in range(len(prompts))]
+
+
+class OracleDrafter(Drafter):
+    """Proposes a random number of the true greedy continuation's next tokens, then random ones:
+    every accepted count from 0 to k occurs, so every snapshot plane gets rolled back to."""
+
+    name = "oracle"
+
+    def __init__(self, truth: dict[tuple[int, ...], list[int]], seed: int = 0):
+        self.truth, self.rnd = truth, random.Random(seed)
+
+    def propose(self, seqs, num_tokens):
+        out = []
+        for seq, k in zip(seqs, num_tokens):
+            cont = self.truth.get(tuple(seq.prompt_ids), [])[len(seq.output_ids):]
+            good = self.rnd.randrange(k + 1)
+            out.append(Proposal(cont[:good] + [self.rnd.randrange(256) for _ in range(k - min(good, len(cont)))]))
+        return out
+
+
+def repetitive(seed: int) -> list[int]:
+    rnd = random.Random(seed)
+    unit = [rnd.randrange(256) for _ in range(rnd.randrange(3, 7))]
+    return (unit * 12)[:rnd.randrange(20, 60)]
+
+
+def copy_checkpoint(hybrid, tmp_path):
+    src = hybrid[0].resolved.path
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst, json.loads((dst / "config.json").read_text())
