@@ -22,17 +22,10 @@ TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item
 
 
 @pytest.fixture(scope="module")
-def srv():
+def srv():  # conftest.py's engine fixture resets this server's engine after each test
     server = make_server(chat_template=TOOL_TEMPLATE, max_stored_responses=3)
     yield server
     server.close()
-
-
-@pytest.fixture
-def engine(srv):
-    yield srv.engine
-    srv.engine.responder = lambda prompt, params: SCRIPT
-    srv.engine.step_delay = 0.0
 
 
 def squeeze(types: list[str]) -> list[str]:
