@@ -227,7 +227,8 @@ def test_timings_are_llama_cpps():
     assert t["predicted_n"] == 20 and t["predicted_ms"] == 500.0
     assert t["predicted_per_token_ms"] == 25.0 and t["predicted_per_second"] == 40.0
     spec = AcceptanceStats(steps=5, draft_tokens=20, accepted_tokens=11, accepted_per_pos=[4, 3, 2, 2])
-    t = timings([_choice(0, 10, 0, 16, 0.01, 0.2, spec), _choice(1, 10, 8, 4, 0.02, 0.1, AcceptanceStats(1, 4, 0, [0]))])
+    t = timings([_choice(0, 10, 0, 16, 0.01, 0.2, spec),
+                 _choice(1, 10, 8, 4, 0.02, 0.1, AcceptanceStats(1, 4, 0, [0]))])
     assert list(t) == LLAMA_TIMINGS + ["draft_n", "draft_n_accepted"]
     assert (t["draft_n"], t["draft_n_accepted"]) == (24, 11)
     assert (t["prompt_n"], t["cache_n"], t["predicted_n"]) == (12, 8, 20)  # summed over the choices

@@ -215,7 +215,8 @@ def test_chunked_prefill_and_batch_invariance(hybrid, kv_dtype):
     ours, _ = hybrid
     prompts = [random_prompt(40 + s, 70 + 9 * s) for s in range(4)]
     alone = [greedy_outputs(make_engine(ours, kv_cache_dtype=kv_dtype), [p], 24)[0] for p in prompts]
-    chunked = greedy_outputs(make_engine(ours, kv_cache_dtype=kv_dtype, max_num_batched_tokens=16, max_step_ms=0), prompts, 24)
+    eng = make_engine(ours, kv_cache_dtype=kv_dtype, max_num_batched_tokens=16, max_step_ms=0)
+    chunked = greedy_outputs(eng, prompts, 24)
     assert chunked == alone
 
 

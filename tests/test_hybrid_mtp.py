@@ -117,7 +117,8 @@ def test_trained_mtp_head_keeps_the_sampling_distribution(hybrid, tmp_path):
                           "--max-new-tokens", "48", "--batch", "8", "--seq-len", "96", "--quantization", "none"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    report = next(ln for ln in (out.stderr + out.stdout).splitlines() if "final validation mean acceptance length" in ln)
+    lines = (out.stderr + out.stdout).splitlines()
+    report = next(ln for ln in lines if "final validation mean acceptance length" in ln)
     print(report)  # the trained head's mean acceptance length (pytest -s shows it)
     lines = (out.stderr + out.stdout).splitlines()
     untrained = next(ln for ln in lines if "step 0 validation mean acceptance length" in ln)

@@ -129,8 +129,6 @@ def test_reasoning_parser_any_chunking(kind, opened, text):
 # ---------------------------------------------------------------- tool calls
 
 
-
-
 @pytest.fixture(scope="module")
 def tool_srv():
     s = make_server(chat_template=TOOL_TEMPLATE)  # auto: the template writes <tool_call>, so hermes

@@ -238,7 +238,8 @@ def test_max_answers_is_a_seeded_subset(tiny, tmp_path, capsys):
 def test_write_this_function_prompts_come_from_signature_and_docstring():
     code = ('def area(width: float, height=2.0) -> float:\n'
             '    """Return the area of a rectangle.\n\n    More text."""\n    return width * height\n')
-    assert tprompts._function_spec(code) == ("area(width: float, height=2.0) -> float", "return the area of a rectangle.")
+    assert tprompts._function_spec(code) == ("area(width: float, height=2.0) -> float",
+                                            "return the area of a rectangle.")
     assert tprompts._function_spec("def f(x):\n    return x\n") is None  # no docstring
     assert tprompts._function_spec("def f(x):\n    \"\"\"Short.\"\"\"\n    return x\n") is None  # too short
     got = tprompts.stdlib_prompts(8, random.Random(0))

@@ -35,18 +35,20 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int_in(1), default=1000)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--stop-at", type=int_in(1), default=None, help="stop (and checkpoint) after this step")
-    p.add_argument("--time-limit", type=positive_float, default=None, help="stop (and checkpoint) after this many minutes")
+    p.add_argument("--time-limit", type=positive_float, default=None,
+                   help="stop (and checkpoint) after this many minutes")
     p.add_argument("--time-budget", type=positive_float, default=None,
                    help="train for this many minutes, the learning-rate schedule following the time spent "
                         "(ends on time on any device; not bit-reproducible on --resume)")
     p.add_argument("--init-from", default=None, metavar="DRAFTER",
                    help="fine-tune a trained drafter (a train-drafter output directory or a catalog drafter "
                         "such as smollm2-135m-dflash) instead of starting a fresh one; its shape is kept")
-    p.add_argument("--block-size", type=int_in(2, 64), default=None, help="dflash block size B (B-1 drafts per forward; "
-                   "default 8)")
+    p.add_argument("--block-size", type=int_in(2, 64), default=None,
+                   help="dflash block size B (B-1 drafts per forward; default 8)")
     p.add_argument("--layers", type=int_in(1, 5), default=None, help="dflash drafter layers (1-5; default 1)")
     p.add_argument("--target-layers", type=int_in(1), default=None, help="dflash: target layers to read (default 3)")
-    p.add_argument("--intermediate-size", type=int_in(1), default=None, help="drafter MLP width (default: the target's)")
+    p.add_argument("--intermediate-size", type=int_in(1), default=None,
+                   help="drafter MLP width (default: the target's)")
     p.add_argument("--init-from-target", action="store_true",
                    help="dflash: start the drafter's layers as copies of the target's last layers "
                         "(needs --intermediate-size equal to the target's)")
@@ -63,7 +65,8 @@ def add_parser(sub) -> None:
     p.add_argument("--anchors", type=int_in(1), default=8, help="dflash: blocks per sequence per step")
     p.add_argument("--decay", type=positive_float, default=0.8, help="loss weight decay per block position / depth")
     p.add_argument("--max-new-tokens", type=int_in(1), default=256, help="answer length when generating data")
-    p.add_argument("--temperature", type=nonnegative_float, default=0.0, help="sampling temperature of the target's answers")
+    p.add_argument("--temperature", type=nonnegative_float, default=0.0,
+                   help="sampling temperature of the target's answers")
     p.add_argument("--gen-batch", type=int_in(1), default=16, help="sequences the engine decodes together for the data")
     p.add_argument("--answers-only", action="store_true",
                    help="only generate the target's answers (OUT/data/answers.pt, saved as they come, resumable) "

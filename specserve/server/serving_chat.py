@@ -21,7 +21,6 @@ from specserve.server.tools import ToolCall, ToolCallParser, ToolPlan, plan_tool
 from specserve.server.tools import split_all as split_calls
 
 
-
 def requested_top_logprobs(req: ChatCompletionRequest) -> int | None:
     """Chat logprobs: ``logprobs`` (bool) turns them on, ``top_logprobs`` (0..20) sets the alternatives."""
     if req.top_logprobs is not None:
