@@ -65,8 +65,9 @@ def test_device_paged_attention_matches_dense_and_is_batch_invariant(D, Hq, Hkv,
     every row gets the bits it gets alone, whatever else is in the step."""
     from specserve.models import device_attention
 
-    def run(idx):
-        return device_attention.paged_attention(q[idx], kc, vc, bt, sid[idx], pos[idx], scale, window, cap)
+    def run(idx, max_position=None):
+        return device_attention.paged_attention(q[idx], kc, vc, bt, sid[idx], pos[idx], scale, window, cap,
+                                                max_position)
 
     q, kc, vc, bt, sid, pos = attention_case(D=D, Hq=Hq, Hkv=Hkv, score_scale=3.0 if cap else 1.0)
     scale = D ** -0.5
@@ -79,6 +80,9 @@ def test_device_paged_attention_matches_dense_and_is_batch_invariant(D, Hq, Hkv,
     for i in (0, 3, 40, 106):  # alone, and as the only short row beside the longest context
         assert torch.equal(run(torch.tensor([i]))[0], out[i])
         assert torch.equal(run(torch.tensor([i, int(pos.argmax())]))[0], out[i])
+        # the forward's largest position given by the caller (read once per forward, not per layer),
+        # here far past this row's, so its keys span 3 chunks of 256 where its own span one
+        assert torch.equal(run(torch.tensor([i]), max_position=int(pos.max()) + 600)[0], out[i])
 
 
 def test_device_linear_rows_do_not_depend_on_the_other_rows():

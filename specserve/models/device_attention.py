@@ -26,13 +26,15 @@ GROUP_BYTES = 256 << 20  # the largest [rows, heads, keys, D] float32 product bu
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_ids: torch.Tensor, positions: torch.Tensor, scale: float, window: int,
-                    softcap: float) -> torch.Tensor:
+                    softcap: float, max_position: int | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [S, nb];
-    seq_ids / positions: [T] -> [T, Hq, D] in q's dtype."""
+    seq_ids / positions: [T] -> [T, Hq, D] in q's dtype. max_position: positions.max() if the
+    caller has it on the host (one sync per forward instead of one per layer)."""
     t_len, hq, d = q.shape
     if t_len == 0:
         return q.clone()
-    keys = -(-(int(positions.max()) + 1) // KEY_CHUNK) * KEY_CHUNK  # [0, keys) covers every row's context
+    top = int(positions.max()) if max_position is None else max_position
+    keys = -(-(top + 1) // KEY_CHUNK) * KEY_CHUNK  # [0, keys) covers every row's context
     rows = max(1, GROUP_BYTES // (hq * keys * d * 4))
     out = [_rows(q[i:i + rows], k_cache, v_cache, block_tables, seq_ids[i:i + rows], positions[i:i + rows],
                  keys, scale, window, softcap) for i in range(0, t_len, rows)]

@@ -229,10 +229,11 @@ class Rope(nn.Module):
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_ids: torch.Tensor, positions: torch.Tensor, scale: float, window: int,
                     softcap: float, kv_dtype: str = "fp32", k_scales: torch.Tensor | None = None,
-                    v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scales: torch.Tensor | None = None, max_position: int | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D] -> [T, Hq, D].
 
-    kv_dtype / k_scales / v_scales: the cache's storage format (see models/kv_cache.py)."""
+    kv_dtype / k_scales / v_scales: the cache's storage format (see models/kv_cache.py).
+    max_position: positions.max() when the caller knows it (devices: saves a host sync)."""
     if q.device.type == "cpu":
         return ops.paged_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_ids, positions,
                                    scale, window, softcap, kv_dtype=kv_dtype, k_scales=k_scales,
@@ -242,7 +243,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
         raise SpecserveError(f"--kv-cache-dtype {kv_dtype} is not supported on CUDA yet")
     return device_attention.paged_attention(q, k_cache, v_cache, block_tables, seq_ids, positions, scale, window,
-                                            softcap)
+                                            softcap, max_position)
 
 
 def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:

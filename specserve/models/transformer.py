@@ -57,6 +57,8 @@ class ForwardBatch:
     mm_rows: torch.Tensor | None = None  # [N] int64, rows whose input is an image embedding
     mm_embeds: torch.Tensor | None = None  # [N, H] float32, those embeddings
     rope_table: object = field(default=None, repr=False, compare=False)  # the forward's M-RoPE rows, built once
+    # the largest position, read from the device once per forward (device attention sizes its key range by it)
+    max_position: int | None = field(default=None, repr=False, compare=False)
 
     TENSORS = ("input_ids", "positions", "seq_ids", "logits_indices", "state_slots", "state_read", "state_write",
                "state_ckpt_read", "state_ckpt_write", "rope_positions", "mm_rows", "mm_embeds")
@@ -152,6 +154,10 @@ def attend(cfg: ModelConfig, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.
     paging = batch.paging[kv.group(i)]
     kv.write(i, paging.slot_mapping, k, v)  # quantized on write for int8 / fp8 / int4 caches
     k_pool, v_pool, kv_extra = kv.attention_args(i)
+    if q.device.type != "cpu":  # one host sync per forward, not one per layer
+        if batch.max_position is None:
+            batch.max_position = int(batch.positions.max())
+        kv_extra = {**kv_extra, "max_position": batch.max_position}
     return paged_attention(q, k_pool, v_pool, paging.block_tables, batch.seq_ids, batch.positions, cfg.scale,
                            window, cfg.attn_softcap, **kv_extra)
 
