@@ -65,3 +65,54 @@ def test_speculative_steps_equal_plain_and_leave_the_cache_idle(tiny_engine):
     eng = tiny_engine(spec, NgramDrafter(1, 3), max_num_batched_tokens=8, block_size=4)
     assert run_all(eng, PROMPTS, GREEDY) == plain
     assert eng.totals.draft_tokens > 0 and eng.cache.idle()
+
+
+def prefill_tokens(eng) -> list[tuple[str, int]]:
+    """Run eng to the end; (request, rows) of every prefill chunk it computed."""
+    seen, real = [], eng.scheduler.schedule
+
+    def schedule(*a, **kw):
+        rows = real(*a, **kw)
+        seen.extend((r.seq.request_id, r.count) for r in rows if not r.decode)
+        return rows
+
+    eng.scheduler.schedule = schedule
+    while eng.scheduler.waiting or eng.running:
+        eng.step()
+    return seen
+
+
+def test_requests_sharing_a_prompt_compute_it_once(tiny_engine):
+    shared = list(range(100, 150))  # 50 tokens: 3 full blocks of 16
+    prompts = {"a": shared, "b": shared, "c": [7] * 20, "d": shared[:40] + [1, 2, 3]}
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    alone = {k: run_all(tiny_engine(), [p], params)[0] for k, p in prompts.items()}
+    eng = tiny_engine()
+    got = {k: [] for k in prompts}
+    for rid, ids in prompts.items():
+        eng.add_request(rid, ids, params)
+    eng.scheduler.admit()  # c does not share a's prompt: it does not wait behind b and d
+    assert [s.request_id for s in eng.running] == ["a", "c"]
+    assert [s.request_id for s in eng.scheduler.waiting] == ["b", "d"]
+    real_step = eng.step
+
+    def step():
+        outs = real_step()
+        for o in outs:
+            got[o.request_id] += o.new_token_ids
+        return outs
+
+    eng.step = step
+    computed = prefill_tokens(eng)
+    # b and d attach a's three (d: two) blocks once a's prefill commits them, and compute the rest
+    assert sorted(computed) == [("a", 50), ("b", 2), ("c", 20), ("d", 11)]
+    assert got == alone  # the same tokens as each request alone
+    assert eng.cache.idle()
+
+
+def test_without_prefix_caching_requests_sharing_a_prompt_do_not_wait(tiny_engine):
+    eng = tiny_engine(enable_prefix_caching=False)
+    for rid in ("a", "b"):
+        eng.add_request(rid, list(range(100, 150)), SamplingParams(max_tokens=2, ignore_eos=True))
+    eng.scheduler.admit()
+    assert [s.request_id for s in eng.running] == ["a", "b"]

@@ -60,10 +60,16 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------
     def admit(self) -> None:
+        deferred: list[Sequence] = []  # waiting for a running prefill of their prefix, in queue order
         while self.waiting and len(self.running) < self.ecfg.max_num_seqs:
             seq = self.waiting[0]
             if not self.cache.has_tables(seq):
                 seq.num_cached = seq.num_computed = self.cache.match_prefix(seq)
+                if self._prefix_in_flight(seq):
+                    self.cache.free(seq)
+                    seq.num_cached = seq.num_computed = 0
+                    deferred.append(self.waiting.popleft())
+                    continue
             if not self.cache.can_admit(seq, seq.num_tokens + 1) and self.running:
                 # wait until running sequences free memory, without pinning the cached blocks it
                 # matched: a running sequence may need them (it would preempt itself forever)
@@ -73,6 +79,23 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
+        self.waiting.extendleft(reversed(deferred))
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """Whether a running prompt's prefill is computing more of seq's prefix than the cache
+        holds now. seq then waits until those blocks are committed and computes only the rest:
+        the n choices of one prompt, or requests arriving together with one system prompt,
+        compute their common prefix once (as vLLM's prefix cache does)."""
+        if not self.cache.prefix_caching:
+            return False
+        bs, keys = self.cache.main.spec.block_size, seq.cache_keys
+        reach = (len(keys) - 1) // bs * bs  # the most match_prefix attaches (the last token is computed)
+        for r in self.running:
+            end = min(self.prefill_end(r), reach)
+            if r.num_computed < self.prefill_end(r) and end > seq.num_cached:
+                if shared_blocks(keys, r.cache_keys, end, bs) * bs > seq.num_cached:
+                    return True
+        return False
 
     @staticmethod
     def prefill_end(seq: Sequence) -> int:
@@ -152,3 +175,11 @@ class Scheduler:
         seq.status = Status.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)
+
+
+def shared_blocks(a: list[int], b: list[int], limit: int, bs: int) -> int:
+    """How many whole blocks of bs tokens the lists a and b share from the start, within a[:limit]."""
+    n = 0
+    while (n + 1) * bs <= limit and a[n * bs:(n + 1) * bs] == b[n * bs:(n + 1) * bs]:
+        n += 1
+    return n
