@@ -116,3 +116,18 @@ def test_without_prefix_caching_requests_sharing_a_prompt_do_not_wait(tiny_engin
         eng.add_request(rid, list(range(100, 150)), SamplingParams(max_tokens=2, ignore_eos=True))
     eng.scheduler.admit()
     assert [s.request_id for s in eng.running] == ["a", "b"]
+
+
+def test_a_request_waiting_for_a_prefill_runs_when_that_request_is_aborted(tiny_engine):
+    shared, params = list(range(100, 150)), SamplingParams(max_tokens=5, ignore_eos=True)
+    alone = run_all(tiny_engine(), [shared], params)[0]
+    eng = tiny_engine(max_num_batched_tokens=16)  # a's prompt takes several steps
+    eng.add_request("a", shared, params)
+    eng.add_request("b", shared, params)
+    eng.step()
+    assert [s.request_id for s in eng.scheduler.waiting] == ["b"]
+    eng.abort("a")
+    got = []
+    while eng.scheduler.waiting or eng.running:
+        got += [t for o in eng.step() if o.request_id == "b" for t in o.new_token_ids]
+    assert got == alone and eng.cache.idle()
