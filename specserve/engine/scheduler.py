@@ -121,7 +121,8 @@ class Scheduler:
         if step_ms > 0 and spent_ms > 0:  # (a budget spent already still gives the minimum chunk)
             step_ms = max(step_ms - spent_ms, 1e-9)
         budget = prefill_budget(self.policy.cost.passes, step_ms,  # --max-step-ms
-                                [(r.count, r.seq.num_computed) for r in rows], [s.num_computed for s in prefill], budget)
+                                [(r.count, r.seq.num_computed) for r in rows], [s.num_computed for s in prefill],
+                                budget)
         for seq in prefill:
             chunk = min(max(budget, 0), self.prefill_end(seq) - seq.num_computed)
             if chunk > 0 and seq.mm is not None:  # stop before an image still being encoded
