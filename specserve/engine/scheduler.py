@@ -64,12 +64,10 @@ class Scheduler:
         while self.waiting and len(self.running) < self.ecfg.max_num_seqs:
             seq = self.waiting[0]
             if not self.cache.has_tables(seq):
-                seq.num_cached = seq.num_computed = self.cache.match_prefix(seq)
                 if self._prefix_in_flight(seq):
-                    self.cache.free(seq)
-                    seq.num_cached = seq.num_computed = 0
                     deferred.append(self.waiting.popleft())
                     continue
+                seq.num_cached = seq.num_computed = self.cache.match_prefix(seq)
             if not self.cache.can_admit(seq, seq.num_tokens + 1) and self.running:
                 # wait until running sequences free memory, without pinning the cached blocks it
                 # matched: a running sequence may need them (it would preempt itself forever)
@@ -82,19 +80,19 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
 
     def _prefix_in_flight(self, seq: Sequence) -> bool:
-        """Whether a running prompt's prefill is computing more of seq's prefix than the cache
-        holds now. seq then waits until those blocks are committed and computes only the rest:
-        the n choices of one prompt, or requests arriving together with one system prompt,
-        compute their common prefix once (as vLLM's prefix cache does)."""
+        """Whether a running prompt's prefill has yet to compute blocks of seq's prefix. seq then
+        waits until they are committed and computes only the rest: the n choices of one prompt,
+        or requests arriving together with one system prompt, compute their common prefix once
+        (as vLLM's prefix cache does). Blocks it computed already are in the cache (committed
+        chunk by chunk), so it is not asked to match them."""
         if not self.cache.prefix_caching:
             return False
         bs, keys = self.cache.main.spec.block_size, seq.cache_keys
         reach = (len(keys) - 1) // bs * bs  # the most match_prefix attaches (the last token is computed)
         for r in self.running:
             end = min(self.prefill_end(r), reach)
-            if r.num_computed < self.prefill_end(r) and end > seq.num_cached:
-                if shared_blocks(keys, r.cache_keys, end, bs) * bs > seq.num_cached:
-                    return True
+            if r.num_computed < end and shared_blocks(keys, r.cache_keys, end, bs) * bs > r.num_computed:
+                return True
         return False
 
     @staticmethod
