@@ -11,3 +11,6 @@ run gemma3-270m gemma3 "llama.cpp plain,specserve plain,specserve suffix"
 run qwen2.5-coder-0.5b qwen0.5b "llama.cpp plain,specserve plain,specserve suffix"
 run qwen2.5-coder-1.5b qwen1.5b \
   "llama.cpp plain,specserve plain,specserve draft q4_0 32K,specserve suffix then draft q4_0 32K"
+python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --rounds 2 --limit 2 \
+  --configs "llama.cpp plain,specserve plain,specserve draft q4_0 32K" \
+  --out $D/native_qwen1.5b_run2.json --markdown $D/native_qwen1.5b_run2.md  # a second run, an hour later
