@@ -8,10 +8,11 @@ In one process, one engine; two cases of --requests requests added at the same m
 --tokens tokens each: "n choices" (one prompt --requests times, as a request with n does) and
 "burst" (a shared --prefix-tokens system text, then a different short question each). Each case
 runs with the waiting on ("shared") and off ("each its own": the scheduler's check patched out,
-what every request did before), alternating, --rounds times, the prefix cache emptied before every
-run. Reported per case and mode: prompt tokens the engine computed, time to first token (median
-and last request), time until every request finished (medians over the rounds), and whether every
-output equals the other mode's.
+what every request did before), alternating, --rounds times, each run in a fresh engine (an empty
+prefix cache) around the one loaded model. Reported per case and mode: prompt tokens the engine
+computed (prompt tokens less the cached tokens each request reports, as `timings.prompt_n`), time
+to first token (median and last request), time until every request finished (medians over the
+rounds), and whether every output equals the other mode's.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from specserve.commands.args import add_engine_args  # noqa: E402
-from specserve.engine.builder import build_engine  # noqa: E402
+from specserve.engine.builder import build_parts  # noqa: E402
+from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 from specserve.engine.types import SamplingParams  # noqa: E402
 
 WORDS = ("harbour ledger clerk bridge council tide lantern archive copper signal route ferry warden "
@@ -41,22 +43,13 @@ def cases(tok, a: argparse.Namespace) -> dict[str, list[list[int]]]:
     return {"n choices": [prefix + questions[0]] * a.requests, "burst": [prefix + q for q in questions]}
 
 
-def run(engine, prompts: list[list[int]], tokens: int, shared: bool) -> dict:
-    sched = engine.scheduler
+def run(parts, prompts: list[list[int]], tokens: int, shared: bool) -> dict:
+    engine = LLMEngine(parts.target, parts.ecfg, parts.speculative, parts.drafter)
     if not shared:
-        sched._prefix_in_flight = lambda seq: False  # noqa: SLF001 (the behaviour before the change)
-    computed, real = [0], sched.schedule
-
-    def schedule(*args, **kw):
-        rows = real(*args, **kw)
-        computed[0] += sum(r.count for r in rows if not r.decode)
-        return rows
-
-    sched.schedule = schedule
-    engine.cache.main.pool.cached.clear()  # no hits from earlier runs
+        engine.scheduler._prefix_in_flight = lambda seq: False  # noqa: SLF001 (the behaviour before the change)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    ids = [f"r{t0}-{i}" for i in range(len(prompts))]
+    ids = [f"r{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, params)
     out, first, done = {r: [] for r in ids}, {}, {}
@@ -65,12 +58,10 @@ def run(engine, prompts: list[list[int]], tokens: int, shared: bool) -> dict:
             out[o.request_id] += o.new_token_ids
             first.setdefault(o.request_id, time.perf_counter() - t0)
             if o.finished:
-                done[o.request_id] = time.perf_counter() - t0
-    del sched.schedule
-    sched.__dict__.pop("_prefix_in_flight", None)
+                done[o.request_id] = (time.perf_counter() - t0, o.prompt_tokens - o.cached_tokens)
     ttft = sorted(first.values())
-    return {"computed": computed[0], "ttft_median": statistics.median(ttft), "ttft_last": ttft[-1],
-            "all_done": max(done.values()), "tokens": [out[r] for r in ids]}
+    return {"computed": sum(n for _, n in done.values()), "ttft_median": statistics.median(ttft),
+            "ttft_last": ttft[-1], "all_done": max(t for t, _ in done.values()), "tokens": [out[r] for r in ids]}
 
 
 def main() -> int:
@@ -85,13 +76,13 @@ def main() -> int:
     a = ap.parse_args()
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    engine = build_engine(p.parse_args(["--model", a.model, "--max-num-seqs", str(a.requests)]))
+    parts = build_parts(p.parse_args(["--model", a.model, "--max-num-seqs", str(a.requests)]))
     results = []
-    for case, prompts in cases(engine.tokenizer, a).items():
+    for case, prompts in cases(parts.target.tokenizer, a).items():
         runs = {True: [], False: []}
         for rnd in range(a.rounds):
             for shared in ((True, False) if rnd % 2 == 0 else (False, True)):
-                runs[shared].append(run(engine, prompts, a.tokens, shared))
+                runs[shared].append(run(parts, prompts, a.tokens, shared))
         same = all(r["tokens"] == runs[True][0]["tokens"] for rs in runs.values() for r in rs)
         for shared, rs in runs.items():
             row = {"case": case, "mode": "shared" if shared else "each its own", "identical": same,

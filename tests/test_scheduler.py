@@ -77,9 +77,18 @@ def prefill_tokens(eng) -> list[tuple[str, int]]:
         return rows
 
     eng.scheduler.schedule = schedule
-    while eng.scheduler.waiting or eng.running:
-        eng.step()
+    run_to_end(eng)
     return seen
+
+
+def run_to_end(eng, max_steps: int = 200) -> list:
+    """Step eng until nothing waits or runs (a request stuck waiting fails, not hangs); its outputs."""
+    outs = []
+    for _ in range(max_steps):
+        if not (eng.scheduler.waiting or eng.running):
+            return outs
+        outs += eng.step()
+    raise AssertionError(f"still running after {max_steps} steps")
 
 
 def test_requests_sharing_a_prompt_compute_it_once(tiny_engine):
@@ -96,10 +105,13 @@ def test_requests_sharing_a_prompt_compute_it_once(tiny_engine):
     assert [s.request_id for s in eng.scheduler.waiting] == ["b", "d"]
     real_step = eng.step
 
+    last = {}
+
     def step():
         outs = real_step()
         for o in outs:
             got[o.request_id] += o.new_token_ids
+            last[o.request_id] = o
         return outs
 
     eng.step = step
@@ -107,6 +119,8 @@ def test_requests_sharing_a_prompt_compute_it_once(tiny_engine):
     # b and d attach a's three (d: two) blocks once a's prefill commits them, and compute the rest
     assert sorted(computed) == [("a", 50), ("b", 2), ("c", 20), ("d", 11)]
     assert got == alone  # the same tokens as each request alone
+    # what each reports as cached (the server's usage and timings.cache_n)
+    assert {rid: o.cached_tokens for rid, o in last.items()} == {"a": 0, "b": 48, "c": 0, "d": 32}
     assert eng.cache.idle()
 
 
@@ -127,7 +141,5 @@ def test_a_request_waiting_for_a_prefill_runs_when_that_request_is_aborted(tiny_
     eng.step()
     assert [s.request_id for s in eng.scheduler.waiting] == ["b"]
     eng.abort("a")
-    got = []
-    while eng.scheduler.waiting or eng.running:
-        got += [t for o in eng.step() if o.request_id == "b" for t in o.new_token_ids]
+    got = [t for o in run_to_end(eng) if o.request_id == "b" for t in o.new_token_ids]
     assert got == alone and eng.cache.idle()

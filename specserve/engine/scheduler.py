@@ -85,11 +85,12 @@ class Scheduler:
         or requests arriving together with one system prompt, compute their common prefix once
         (as vLLM's prefix cache does). Blocks it computed already are in the cache (committed
         chunk by chunk), so it is not asked to match them."""
-        if not self.cache.prefix_caching:
+        prefilling = [r for r in self.running if r.num_computed < self.prefill_end(r)]
+        if not prefilling or not self.cache.prefix_caching:
             return False
         bs, keys = self.cache.main.spec.block_size, seq.cache_keys
         reach = (len(keys) - 1) // bs * bs  # the most match_prefix attaches (the last token is computed)
-        for r in self.running:
+        for r in prefilling:
             end = min(self.prefill_end(r), reach)
             if r.num_computed < end and shared_blocks(keys, r.cache_keys, end, bs) * bs > r.num_computed:
                 return True
