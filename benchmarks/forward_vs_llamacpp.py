@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -31,7 +32,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from native_llamacpp import HUGE_PAGES_ENV, build_native, gguf_of, llama_bench_rows  # noqa: E402
+from native_llamacpp import (HUGE_PAGES_ENV, ISA_ENV, ISA_FLAGS, build_native, gguf_of,  # noqa: E402
+                             llama_bench_rows)
 from specserve.lock.fingerprint import cpu_info  # noqa: E402
 
 
@@ -49,20 +51,23 @@ def llama_bench(bench: Path, gguf: Path, rows: list[int], context: int, huge: bo
     return out
 
 
-def ours(model: str, rows: list[int], context: int, min_time: float) -> dict[int, float]:
+def ours(model: str, rows: list[int], context: int, min_time: float, isa: str = "native") -> dict[int, float]:
+    """decode_cost.py's median ms per forward, in its own process, with our kernel build for ISA."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "r.json"
         subprocess.run([sys.executable, str(HERE / "decode_cost.py"), "--models", model, "--formats", "auto",
                         "--rows", ",".join(map(str, rows)), "--context", str(context), "--min-time", str(min_time),
-                        "--out", str(out)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        "--out", str(out)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       env={**os.environ, **ISA_ENV[isa]})
         r = json.loads(out.read_text())["results"][0]
     return {int(m): v for m, v in r["median_ms"].items()}
 
 
-def markdown(runs: list[dict], rows: list[int], context: int, huge: bool = True) -> str:
+def markdown(runs: list[dict], rows: list[int], context: int, huge: bool = True, isa: str = "native") -> str:
     wide = max(rows)
     pages = "huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1)" if huge else "4 KiB pages"
-    head = (f"ms per forward at {context} tokens of context, 2 threads, llama-bench's weights in {pages}; "
+    builds = "" if isa == "native" else f"both engines built for {isa} alone; "
+    head = (f"ms per forward at {context} tokens of context, 2 threads, {builds}llama-bench's weights in {pages}; "
             f"ratio = llama.cpp / ours "
             f"(above 1: we are faster); t({wide})/t(1) per engine\n\n"
             f"| model | round | llama.cpp 1 row | ours 1 row | ratio | llama.cpp {wide} rows | ours {wide} rows "
@@ -97,11 +102,13 @@ def main() -> None:
     ap.add_argument("--min-time", type=float, default=3.0, help="decode_cost's seconds per row count")
     ap.add_argument("--llama-pages", choices=("huge", "4k"), default="huge",
                     help="llama-bench's weights in huge pages (glibc's malloc tunable) as ours are, or 4 KiB pages")
+    ap.add_argument("--isa", choices=tuple(ISA_FLAGS), default="native",
+                    help="both engines built for this CPU, or for AVX2 alone (as on a Zen 3)")
     ap.add_argument("--out")
     ap.add_argument("--markdown")
     a = ap.parse_args()
     rows = sorted({1, *(int(m) for m in a.rows.split(","))})
-    bench = build_native() / "llama-bench"
+    bench = build_native(isa=a.isa) / "llama-bench"
     runs = []
     for rnd in range(a.rounds):
         for model in a.models.split(","):
@@ -109,10 +116,10 @@ def main() -> None:
             for side in (("llama", "ours") if rnd % 2 == 0 else ("ours", "llama")):
                 res[side] = (llama_bench(bench, gguf_of(model), rows, a.context, a.llama_pages == "huge")
                              if side == "llama"
-                             else ours(model, rows, a.context, a.min_time))
+                             else ours(model, rows, a.context, a.min_time, a.isa))
             runs.append({"model": model, "round": rnd + 1, **res})
             print(f"round {rnd + 1} {model}: llama.cpp {res['llama']} ours {res['ours']}", file=sys.stderr, flush=True)
-    md = markdown(runs, rows, a.context, a.llama_pages == "huge")
+    md = markdown(runs, rows, a.context, a.llama_pages == "huge", a.isa)
     print(md)
     if a.out:
         Path(a.out).write_text(json.dumps({"args": vars(a), "cpu": cpu_info(), "runs": runs}, indent=1))

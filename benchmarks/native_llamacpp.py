@@ -2,11 +2,14 @@
 
     python benchmarks/native_llamacpp.py [--model qwen2.5-coder-1.5b] [--tokens 128] [--rounds 2]
         [--suites code,math,prose,edit] [--limit 2] [--configs all] [--out r.json] [--markdown r.md]
-    python benchmarks/native_llamacpp.py --build-only      # just build llama-server / llama-bench
+    python benchmarks/native_llamacpp.py --build-only [--isa avx2]     # just build llama-server / llama-bench
 
 llama.cpp is built from the source inside the llama-cpp-python sdist (``vendor/llama.cpp``, pinned
 below) with cmake and ``-DGGML_NATIVE=ON`` on this machine, cached under the user cache dir
 (``~/.cache/specserve/llama.cpp-native/VERSION``); the first build takes several minutes on 2 cores.
+``--isa avx2`` builds llama.cpp for AVX2 alone (``-DGGML_NATIVE=OFF``: AVX, AVX2, FMA, F16C, BMI2,
+no AVX-512, no VNNI; a second build directory) and runs our servers with
+``SPECSERVE_KERNEL_VARIANT=avx2``: both engines as an AVX2-only CPU (a Zen 3) runs them.
 
 One server runs at a time (the machines are shared: two servers would share the cores). Every
 round starts each configuration's server in turn (the order rotated per round), warms it up with
@@ -64,14 +67,27 @@ def native_dir(version: str = LLAMACPP_VERSION) -> Path:
     return cache_root() / "llama.cpp-native" / version
 
 
-def build_native(version: str = LLAMACPP_VERSION) -> Path:
-    """The directory holding llama-server and llama-bench, built once from the sdist's source."""
-    top = native_dir(version)
-    bindir = top / "build" / "bin"
-    stamp = top / "build" / "specserve-flags"
-    want = f"{NO_AMX}\n{cpu_signature()}"  # -march=native: a build from another CPU is rebuilt
+# the instruction sets a build targets: this CPU's (-march=native), or AVX2 alone as on a Zen 3
+# (ggml's GGML_NATIVE=OFF default: SSE4.2, AVX, AVX2, FMA, F16C, BMI2; no AVX-512, no VNNI)
+ISA_FLAGS = {"native": ["-DGGML_NATIVE=ON"], "avx2": ["-DGGML_NATIVE=OFF"]}
+# our kernels' build for each: the one the start-up contest picks, or the AVX2 one
+ISA_ENV = {"native": {}, "avx2": {"SPECSERVE_KERNEL_VARIANT": "avx2"}}
+
+
+def build_dir(version: str = LLAMACPP_VERSION, isa: str = "native") -> Path:
+    return native_dir(version) / ("build" if isa == "native" else f"build-{isa}")
+
+
+def build_native(version: str = LLAMACPP_VERSION, isa: str = "native") -> Path:
+    """The directory holding llama-server and llama-bench for ISA (ISA_FLAGS), built once from the
+    sdist's source."""
+    top, build = native_dir(version), build_dir(version, isa)
+    bindir = build / "bin"
+    stamp = build / "specserve-flags"
+    # objects for this CPU (native) or for any AVX2 CPU; a native build from another CPU is rebuilt
+    want = f"{NO_AMX}\n{cpu_signature()}" if isa == "native" else f"{NO_AMX}\n{isa}"
     if stamp.exists() and stamp.read_text() != want:  # cmake would relink the old objects: start over
-        shutil.rmtree(top / "build")
+        shutil.rmtree(build)
     if all((bindir / t).exists() for t in TARGETS) and stamp.exists():
         return bindir
     top.mkdir(parents=True, exist_ok=True)
@@ -83,17 +99,18 @@ def build_native(version: str = LLAMACPP_VERSION) -> Path:
             pip_download(f"llama-cpp-python=={version}", top)
             sdists = list(top.glob("llama_cpp_python-*.tar.gz"))
         _extract_vendor(sdists[0], src)
-    log = top / "build.log"
-    print(f"building {', '.join(TARGETS)} from {src} (minutes on 2 cores; log: {log})", file=sys.stderr, flush=True)
+    log = top / ("build.log" if isa == "native" else f"build-{isa}.log")
+    print(f"building ({isa}) {', '.join(TARGETS)} from {src} (minutes on 2 cores; log: {log})",
+          file=sys.stderr, flush=True)
     jobs = os.environ.get("BUILD_JOBS", str(len(os.sched_getaffinity(0))))
-    configure = ["cmake", "-S", str(src), "-B", str(top / "build"), "-DCMAKE_BUILD_TYPE=Release",
-                 "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF",
+    configure = ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                 *ISA_FLAGS[isa], "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF",
                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
                  "-DLLAMA_BUILD_TOOLS=ON", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
-    build = ["cmake", "--build", str(top / "build"), "-j", jobs, "--target", *TARGETS]
+    make = ["cmake", "--build", str(build), "-j", jobs, "--target", *TARGETS]
     t0 = time.time()
     with open(log, "w") as f:
-        for cmd in (configure, build):
+        for cmd in (configure, make):
             if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
                 sys.exit(f"llama.cpp build failed ({' '.join(cmd[:2])}); tail of {log}:\n{log.read_text()[-3000:]}")
     stamp.write_text(want)
@@ -135,18 +152,24 @@ def llama_bench_rows(bench: Path, gguf: Path, *args: str, env: dict | None = Non
     return json.loads(res.stdout)
 
 
-def configurations(model: str, bindir: Path) -> dict[str, list[str]]:
-    """label -> server command line without the port (added per start)."""
+def env_prefix(env: dict[str, str]) -> list[str]:
+    """A command line's start that runs the rest with ENV added (``env VAR=value ...``)."""
+    return ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
+
+
+def configurations(model: str, bindir: Path, isa: str = "native") -> dict[str, list[str]]:
+    """label -> server command line without the port (added per start); ours with the kernel build
+    for ISA (ISA_ENV), llama.cpp's from BINDIR."""
     gguf = str(gguf_of(model))
     lcpp = [str(bindir / "llama-server"), "-m", gguf, "-t", "2", "-fa", "on", "-c", str(CTX),
             "--no-webui", "--host", "127.0.0.1"]
-    ours = [sys.executable, "-m", "specserve", "serve", "--model", model, "--max-model-len", str(CTX),
-            "--host", "127.0.0.1"]
+    ours = [*env_prefix(ISA_ENV[isa]), sys.executable, "-m", "specserve", "serve", "--model", model,
+            "--max-model-len", str(CTX), "--host", "127.0.0.1"]
     draft = DRAFT_FOR.get(model)
     out = {"llama.cpp plain": lcpp,
            "llama.cpp ngram-simple": lcpp + ["--spec-type", "ngram-simple"],
            "llama.cpp ngram-mod": lcpp + ["--spec-type", "ngram-mod"],
-           "llama.cpp plain THP": ["env", *(f"{k}={v}" for k, v in HUGE_PAGES_ENV.items())] + lcpp}
+           "llama.cpp plain THP": env_prefix(HUGE_PAGES_ENV) + lcpp}
     if draft:
         # -md alone loads the draft and leaves it unused: this llama.cpp drafts only with a --spec-type
         out["llama.cpp draft-simple"] = lcpp + ["--spec-type", "draft-simple", "-md", str(gguf_of(draft)),
@@ -261,8 +284,9 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     suites = list(dict.fromkeys(r["suite"] for r in rows if r["suite"] != "all"))
     by = {(r["config"], r["suite"]): r for r in rows}
+    isa = "" if getattr(args, "isa", "native") == "native" else f" --isa {args.isa}"
     lines = [f"`benchmarks/native_llamacpp.py --model {args.model} --tokens {args.tokens} --rounds {args.rounds} "
-             f"--limit {args.limit}` on {cpu}, {len(os.sched_getaffinity(0))} cores (median tok/s):", "",
+             f"--limit {args.limit}{isa}` on {cpu}, {len(os.sched_getaffinity(0))} cores (median tok/s):", "",
              "| configuration | " + " | ".join(suites) + " | same text as its plain |",
              "|---|" + "---|" * (len(suites) + 1)]
     for label in dict.fromkeys(r["config"] for r in rows):
@@ -295,15 +319,17 @@ def main() -> None:
     ap.add_argument("--suites", default="code,math,prose,edit")
     ap.add_argument("--limit", type=int, default=2, help="prompts per suite")
     ap.add_argument("--configs", default="all", help="comma list of labels (default: all)")
+    ap.add_argument("--isa", choices=tuple(ISA_FLAGS), default="native",
+                    help="both engines built for this CPU, or for AVX2 alone (as on a Zen 3)")
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--markdown")
     args = ap.parse_args()
-    bindir = build_native()
+    bindir = build_native(isa=args.isa)
     if args.build_only:
         print(bindir)
         return
-    configs = configurations(args.model, bindir)
+    configs = configurations(args.model, bindir, args.isa)
     labels = list(configs) if args.configs == "all" else args.configs.split(",")
     suites = args.suites.split(",")
     prompts = [p for ps in load_suites(args.suites, args.limit).values() for p in ps]

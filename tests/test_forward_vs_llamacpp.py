@@ -4,6 +4,7 @@ ratios and medians (the README's one-forward table comes from them)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,22 @@ def test_table_gives_each_rounds_ratio_and_the_medians(fvl):
     median = lines[2].split(" | ")
     assert median[4] == "1.50 (1.00-2.00)" and median[7] == "3.50 (2.00-5.00)"
     assert median[2:4] == ["35.0", "25.0"]  # median ms per engine
+
+
+def test_ours_runs_decode_cost_with_the_kernel_build_asked_for(fvl, monkeypatch):
+    """--isa avx2: decode_cost runs in its own process with the AVX2 kernel build (as on a Zen 3);
+    the default leaves the build to the start-up contest."""
+    envs = []
+
+    def fake_run(cmd, env=None, **kw):
+        envs.append(env)
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.write_text('{"results": [{"median_ms": {"1": 5.0, "8": 9.0}}]}')
+
+    monkeypatch.setattr(fvl.subprocess, "run", fake_run)
+    assert fvl.ours("m", [1, 8], 512, 1.0, "avx2") == {1: 5.0, 8: 9.0}
+    fvl.ours("m", [1, 8], 512, 1.0)
+    assert envs[0]["SPECSERVE_KERNEL_VARIANT"] == "avx2"
+    assert envs[1].get("SPECSERVE_KERNEL_VARIANT") == os.environ.get("SPECSERVE_KERNEL_VARIANT")
+    assert "both engines built for avx2" in fvl.markdown(
+        [{"model": "m", "round": 1, "llama": {1: 4.0, 8: 9.0}, "ours": {1: 5.0, 8: 9.0}}], [1, 8], 512, isa="avx2")

@@ -95,3 +95,37 @@ def test_every_llamacpp_speculative_row_names_its_spec_type(monkeypatch, tmp_pat
     # the huge-page row is plain llama-server under glibc's tunable, nothing else changed
     thp = ["env", "GLIBC_TUNABLES=glibc.malloc.hugetlb=1"]
     assert configs["llama.cpp plain THP"] == thp + configs["llama.cpp plain"]
+
+
+def test_the_avx2_build_has_its_own_directory_and_our_servers_run_the_avx2_kernels(tmp_path, monkeypatch):
+    """--isa avx2: llama.cpp configured without -march=native (ggml's AVX2 default) beside the native
+    build, reused on any CPU; our servers run with the AVX2 kernel build, llama.cpp's rows unchanged."""
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    (nl.native_dir() / "src").mkdir(parents=True)
+    (nl.native_dir() / "src" / "CMakeLists.txt").write_text("")
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        if "--build" in cmd:
+            bindir = Path(cmd[cmd.index("--build") + 1]) / "bin"
+            bindir.mkdir(parents=True, exist_ok=True)
+            for t in nl.TARGETS:
+                (bindir / t).write_text("built")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(nl.subprocess, "run", fake_run)
+    bindir = nl.build_native(isa="avx2")
+    assert bindir == nl.native_dir() / "build-avx2" / "bin"
+    assert "-DGGML_NATIVE=OFF" in calls[0] and "-DGGML_NATIVE=ON" not in calls[0]
+    calls.clear()
+    monkeypatch.setattr(nl, "cpu_signature", lambda: "another CPU")
+    assert nl.build_native(isa="avx2") == bindir and calls == []  # not tied to this CPU
+    monkeypatch.setattr(nl, "gguf_of", lambda model: tmp_path / f"{model}.gguf")
+    native = nl.configurations("qwen2.5-coder-1.5b", bindir)
+    avx2 = nl.configurations("qwen2.5-coder-1.5b", bindir, "avx2")
+    for label, argv in avx2.items():
+        if label.startswith("specserve"):
+            assert argv == ["env", "SPECSERVE_KERNEL_VARIANT=avx2"] + native[label], label
+        else:
+            assert argv == native[label], label
