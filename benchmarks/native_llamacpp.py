@@ -1,7 +1,8 @@
 """specserve vs native llama.cpp servers: the same GGUF, chat prompts and token counts over HTTP.
 
     python benchmarks/native_llamacpp.py [--model qwen2.5-coder-1.5b] [--tokens 128] [--rounds 2]
-        [--suites code,math,prose,edit] [--limit 2] [--configs all] [--out r.json] [--markdown r.md]
+        [--suites code,math,prose,edit] [--limit 2] [--configs all] [--isa native|avx2] [--interleave]
+        [--out r.json] [--markdown r.md]
     python benchmarks/native_llamacpp.py --build-only [--isa avx2]     # just build llama-server / llama-bench
 
 llama.cpp is built from the source inside the llama-cpp-python sdist (``vendor/llama.cpp``, pinned
@@ -22,6 +23,15 @@ prompts included, as a user sees it). "vs llama.cpp" is the median over (prompt,
 ratio to llama.cpp plain on the same prompt and round; "same text" counts outputs identical to
 the same engine's plain greedy output.
 
+``--interleave``: this machine's speed changes for minutes at a time (the same forward 26 or 33 ms),
+and a server that runs its whole round in a slow spell loses a ratio it would win in the next. So
+all the servers start first (one after the other, each warmed up) and stay up, and each prompt goes
+to every configuration in turn, the order rotated prompt by prompt: one server works at a time while
+the others wait idle (their CPU use while idle is measured and printed). Rounds after the first ask
+the same prompts again, which both engines then find in their prompt caches (llama.cpp's
+``--cache-ram``, our prefix cache); use ``--rounds 1`` and more prompts (``--limit``) to keep
+prefill in every wall-clock figure.
+
 llama.cpp's speculative configurations are its own (``--spec-type ngram-simple``, ``ngram-mod``,
 ``--spec-type draft-simple -md DRAFT --spec-draft-n-max N``); ours are the ``--speculative-config`` JSON of each row.
 """
@@ -29,6 +39,7 @@ llama.cpp's speculative configurations are its own (``--spec-type ngram-simple``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -228,21 +239,60 @@ def spec_counts(data: dict) -> dict:
     return out
 
 
-def run_server(label: str, argv: list[str], prompts: list, tokens: int, chat: bool = True) -> list[dict]:
+@contextlib.contextmanager
+def serving(label: str, argv: list[str], chat: bool = True):
+    """A started and warmed-up server (one request of 16 tokens): yields (http client, served model
+    name, server); stopped on exit."""
     port = free_port()
     srv = ManagedServer(argv + ["--port", str(port)], port, label).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=900) as http:
             model = http.get("/v1/models").json()["data"][0]["id"]  # the served name
-            ask(http, model, prompts[0].as_messages(), 16, chat)  # warm-up
-            out = []
-            for p in prompts:
-                res = ask(http, model, p.as_messages(), tokens, chat)
-                out.append({"config": label, "prompt": f"{p.suite}/{p.id}", "suite": p.suite, **res})
-                print(f"  {label:24s} {p.suite}/{p.id}: {res['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
-            return out
+            yield http, model, srv
     finally:
         srv.stop()
+
+
+def measure(label: str, http: httpx.Client, model: str, p, tokens: int, chat: bool) -> dict:
+    res = ask(http, model, p.as_messages(), tokens, chat)
+    print(f"  {label:24s} {p.suite}/{p.id}: {res['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    return {"config": label, "prompt": f"{p.suite}/{p.id}", "suite": p.suite, **res}
+
+
+def run_server(label: str, argv: list[str], prompts: list, tokens: int, chat: bool = True) -> list[dict]:
+    """One configuration's server alone: started, every prompt once, stopped."""
+    with serving(label, argv, chat) as (http, model, _):
+        ask(http, model, prompts[0].as_messages(), 16, chat)  # warm-up
+        return [measure(label, http, model, p, tokens, chat) for p in prompts]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_interleaved(configs: dict[str, list[str]], labels: list[str], prompts: list, tokens: int, rounds: int,
+                    chat: bool = True) -> tuple[list[dict], dict[str, float]]:
+    """Every configuration's server up at once, asked in turn prompt by prompt (the order rotated
+    per prompt and round), so that a minutes-long change in the machine's speed falls on all of them
+    alike; only the asked server works, the others wait idle. Also returns each server's CPU use
+    while all sat idle after the warm-up (share of one core over 3 s), which shows that they do."""
+    with contextlib.ExitStack() as stack:
+        up = {label: stack.enter_context(serving(label, configs[label], chat)) for label in labels}
+        for http, model, _ in up.values():
+            ask(http, model, prompts[0].as_messages(), 16, chat)  # warm-up
+        before = {label: cpu_seconds(srv.proc.pid) for label, (_, _, srv) in up.items()}
+        time.sleep(3.0)
+        idle = {label: (cpu_seconds(srv.proc.pid) - before[label]) / 3.0 for label, (_, _, srv) in up.items()}
+        results = []
+        for rnd in range(rounds):
+            for i, p in enumerate(prompts):
+                k = (rnd * len(prompts) + i) % len(labels)
+                for label in labels[k:] + labels[:k]:
+                    http, model, _ = up[label]
+                    results.append({**measure(label, http, model, p, tokens, chat), "round": rnd})
+    return results, idle
 
 
 def summarize(results: list[dict], labels: list[str], suites: list[str]) -> list[dict]:
@@ -279,14 +329,16 @@ def acceptance(runs: list[dict]) -> dict:
             "mean_acceptance_length": total.mean_acceptance_length if total.steps else None}
 
 
-def markdown(rows: list[dict], args: argparse.Namespace) -> str:
-    """One line per configuration: tok/s (ratio to llama.cpp plain) per suite, as in the README."""
+def markdown(rows: list[dict], args: argparse.Namespace, idle: dict[str, float] | None = None) -> str:
+    """One line per configuration: tok/s (ratio to llama.cpp plain) per suite, as in the README;
+    IDLE: each server's CPU share while idle (--interleave)."""
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     suites = list(dict.fromkeys(r["suite"] for r in rows if r["suite"] != "all"))
     by = {(r["config"], r["suite"]): r for r in rows}
-    isa = "" if getattr(args, "isa", "native") == "native" else f" --isa {args.isa}"
+    flags = ("" if getattr(args, "isa", "native") == "native" else f" --isa {args.isa}") + \
+        (" --interleave" if getattr(args, "interleave", False) else "")
     lines = [f"`benchmarks/native_llamacpp.py --model {args.model} --tokens {args.tokens} --rounds {args.rounds} "
-             f"--limit {args.limit}{isa}` on {cpu}, {len(os.sched_getaffinity(0))} cores (median tok/s):", "",
+             f"--limit {args.limit}{flags}` on {cpu}, {len(os.sched_getaffinity(0))} cores (median tok/s):", "",
              "| configuration | " + " | ".join(suites) + " | same text as its plain |",
              "|---|" + "---|" * (len(suites) + 1)]
     for label in dict.fromkeys(r["config"] for r in rows):
@@ -304,6 +356,9 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
                 else f"{tot['acceptance_rate']:.0%}")
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {rate} | "
                      f"{fmt(tot['mean_acceptance_length'], '{:.2f}')} |")
+    if idle:
+        lines += ["", "All servers were up at once and asked in turn; idle, after the warm-up, they used "
+                  + ", ".join(f"{label} {share:.1%}" for label, share in idle.items()) + " of a core."]
     return "\n".join(lines) + "\n"
 
 
@@ -321,6 +376,8 @@ def main() -> None:
     ap.add_argument("--configs", default="all", help="comma list of labels (default: all)")
     ap.add_argument("--isa", choices=tuple(ISA_FLAGS), default="native",
                     help="both engines built for this CPU, or for AVX2 alone (as on a Zen 3)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="all servers up at once, asked in turn prompt by prompt (the idle ones wait)")
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--markdown")
@@ -334,17 +391,19 @@ def main() -> None:
     suites = args.suites.split(",")
     prompts = [p for ps in load_suites(args.suites, args.limit).values() for p in ps]
     chat = CATALOG[args.model].chat_template if args.model in CATALOG else True  # else /v1/completions
-    results = []
-    for rnd in range(args.rounds):
+    results, idle = [], None
+    if args.interleave:
+        results, idle = run_interleaved(configs, labels, prompts, args.tokens, args.rounds, chat)
+    for rnd in range(0 if args.interleave else args.rounds):
         order = labels[rnd % len(labels):] + labels[:rnd % len(labels)]
         for label in order:
             for r in run_server(label, configs[label], prompts, args.tokens, chat):
                 results.append({**r, "round": rnd})
     rows = summarize(results, labels, suites)
-    text = markdown(rows, args)
+    text = markdown(rows, args, idle)
     print(text)
     if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "results": results}, indent=1))
+        Path(args.out).write_text(json.dumps({"rows": rows, "results": results, "idle_cpu": idle}, indent=1))
     if args.markdown:
         Path(args.markdown).write_text(text)
 

@@ -129,3 +129,36 @@ def test_the_avx2_build_has_its_own_directory_and_our_servers_run_the_avx2_kerne
             assert argv == ["env", "SPECSERVE_KERNEL_VARIANT=avx2"] + native[label], label
         else:
             assert argv == native[label], label
+
+
+def test_interleaved_servers_are_all_up_and_asked_in_turn_prompt_by_prompt(monkeypatch):
+    """--interleave: every server starts once and stays up; each prompt goes to every configuration,
+    the order rotated per prompt; the idle CPU share of each server is measured once, after the
+    warm-ups; and every server is stopped at the end."""
+    import contextlib
+    events = []
+
+    @contextlib.contextmanager
+    def fake_serving(label, argv, chat=True):
+        events.append(("start", label))
+        yield label, "m", argparse.Namespace(proc=argparse.Namespace(pid=hash(label)))
+        events.append(("stop", label))
+
+    def fake_ask(http, model, messages, tokens, chat=True):
+        events.append(("ask", http, messages[0]["content"], tokens))
+        return {"text": f"{http}:{messages[0]['content']}", "tokens": tokens, "wall_s": 1.0, "tok_s": float(tokens)}
+
+    monkeypatch.setattr(nl, "serving", fake_serving)
+    monkeypatch.setattr(nl, "ask", fake_ask)
+    monkeypatch.setattr(nl, "cpu_seconds", lambda pid: 0.0)
+    monkeypatch.setattr(nl.time, "sleep", lambda s: None)
+    prompts = [argparse.Namespace(suite="code", id=f"p{i}", as_messages=lambda i=i: [{"content": f"q{i}"}])
+               for i in range(3)]
+    results, idle = nl.run_interleaved({"a": [], "b": []}, ["a", "b"], prompts, 8, rounds=2)
+    assert events[:2] == [("start", "a"), ("start", "b")] and events[-2:] == [("stop", "b"), ("stop", "a")]
+    asks = [(e[1], e[2]) for e in events if e[0] == "ask" and e[3] == 8]
+    assert asks == [("a", "q0"), ("b", "q0"), ("b", "q1"), ("a", "q1"), ("a", "q2"), ("b", "q2"),
+                    ("b", "q0"), ("a", "q0"), ("a", "q1"), ("b", "q1"), ("b", "q2"), ("a", "q2")]
+    assert [e[1] for e in events if e[0] == "ask" and e[3] == 16] == ["a", "b"]  # warm-ups, before any prompt
+    assert idle == {"a": 0.0, "b": 0.0}
+    assert [(r["config"], r["prompt"], r["round"]) for r in results][:2] == [("a", "code/p0", 0), ("b", "code/p0", 0)]
