@@ -143,3 +143,31 @@ def test_a_request_waiting_for_a_prefill_runs_when_that_request_is_aborted(tiny_
     eng.abort("a")
     got = [t for o in run_to_end(eng) if o.request_id == "b" for t in o.new_token_ids]
     assert got == alone and eng.cache.idle()
+
+
+def test_requests_sharing_a_prompt_compute_it_once_in_a_draft_models_cache_too(tiny_target, tiny_engine):
+    """Four requests with one 50-token prompt (a request with n = 4): the draft model (the tiny target
+    drafting for itself) computes the prompt for the first; the others find its three full blocks in
+    the draft's prefix cache and compute only the rest, with the same tokens as plain greedy."""
+    from specserve.speculative.draft_model import DraftModelDrafter
+
+    shared = list(range(100, 150))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    plain = run_all(tiny_engine(), [shared], params)[0]
+    drafter = DraftModelDrafter(tiny_target, num_blocks=64, block_size=16, max_model_len=256)
+    spec = SpeculativeConfig("draft_model", model="tiny", num_speculative_tokens=3, adaptive=False)
+    eng = tiny_engine(spec, drafter)
+    rows, real = [], drafter._forward
+
+    def forward(batch_rows):
+        rows.extend((s.request_id, len(toks)) for s, toks in batch_rows)
+        return real(batch_rows)
+
+    drafter._forward = forward
+    assert run_all(eng, [shared] * 4, params) == [plain] * 4
+    first = {}
+    for rid, n in rows:
+        first.setdefault(rid, n)  # each request's first draft forward: its prompt and first token, less cached
+    assert sorted(first.values()) == [3, 3, 3, 51]  # 48 of 50 from the first request's committed blocks
+    assert sum(n for _, n in rows) < 51 + 3 * 3 + 4 * 8 * 2  # prompt once, then a token or two a step each
+    assert eng.totals.draft_tokens > 0 and eng.cache.idle()
