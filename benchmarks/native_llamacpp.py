@@ -310,10 +310,18 @@ def summarize(results: list[dict], labels: list[str], suites: list[str]) -> list
                 "config": label, "suite": suite,
                 "tok_s": statistics.median(r["tok_s"] for r in mine),
                 "vs_llamacpp": statistics.median(r["tok_s"] / b["tok_s"] for r, b in zip(mine, base) if b),
-                "same_text": f"{sum(s is not None and s['text'] == r['text'] for r, s in zip(mine, same))}/{len(mine)}",
+                "same_text": same_text(mine, same),
                 **acceptance(mine),
             })
     return rows
+
+
+def same_text(mine: list[dict], plain: list[dict | None]) -> str:
+    """How many of a configuration's outputs equal its engine's plain output on the same prompt and
+    round, as "n/N"; "-" when that plain configuration was not run (nothing to compare with)."""
+    if all(p is None for p in plain):
+        return "-"
+    return f"{sum(p is not None and p['text'] == r['text'] for r, p in zip(mine, plain))}/{len(mine)}"
 
 
 def acceptance(runs: list[dict]) -> dict:

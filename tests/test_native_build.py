@@ -76,6 +76,11 @@ def test_the_table_reports_decode_speed_and_acceptance_from_the_servers_timings(
     assert by["specserve draft", "all"]["acceptance_rate"] == 0.75
     assert by["specserve draft", "all"]["mean_acceptance_length"] == 4.0  # (3 steps + 9 accepted) / 3
     assert by["llama.cpp ngram-mod", "all"]["acceptance_rate"] is None
+    assert by["specserve draft", "all"]["same_text"] == "1/1"
+    # without specserve's plain row there is nothing to compare its speculation with: "-", not "0/1"
+    alone = nl.summarize(results[:2] + results[3:], ["llama.cpp plain", "specserve draft"], ["code"])
+    assert {r["config"]: r["same_text"] for r in alone if r["suite"] == "all"} == \
+        {"llama.cpp plain": "1/1", "specserve draft": "-"}
     text = nl.markdown(rows, argparse.Namespace(model="m", tokens=8, rounds=1, limit=1))
     assert "| specserve draft | 40.0 | 75% | 4.00 |" in text
     assert "| llama.cpp ngram-mod | 30.0 | none drafted | - |" in text
