@@ -241,8 +241,7 @@ def spec_counts(data: dict) -> dict:
 
 @contextlib.contextmanager
 def serving(label: str, argv: list[str], chat: bool = True):
-    """A started and warmed-up server (one request of 16 tokens): yields (http client, served model
-    name, server); stopped on exit."""
+    """A started server: yields (http client, served model name, server); stopped on exit."""
     port = free_port()
     srv = ManagedServer(argv + ["--port", str(port)], port, label).start()
     try:
@@ -251,6 +250,11 @@ def serving(label: str, argv: list[str], chat: bool = True):
             yield http, model, srv
     finally:
         srv.stop()
+
+
+def warm_up(http: httpx.Client, model: str, prompts: list, chat: bool) -> None:
+    """One request of 16 tokens before any measured one (first-call costs out of the figures)."""
+    ask(http, model, prompts[0].as_messages(), 16, chat)
 
 
 def measure(label: str, http: httpx.Client, model: str, p, tokens: int, chat: bool) -> dict:
@@ -262,7 +266,7 @@ def measure(label: str, http: httpx.Client, model: str, p, tokens: int, chat: bo
 def run_server(label: str, argv: list[str], prompts: list, tokens: int, chat: bool = True) -> list[dict]:
     """One configuration's server alone: started, every prompt once, stopped."""
     with serving(label, argv, chat) as (http, model, _):
-        ask(http, model, prompts[0].as_messages(), 16, chat)  # warm-up
+        warm_up(http, model, prompts, chat)
         return [measure(label, http, model, p, tokens, chat) for p in prompts]
 
 
@@ -281,7 +285,7 @@ def run_interleaved(configs: dict[str, list[str]], labels: list[str], prompts: l
     with contextlib.ExitStack() as stack:
         up = {label: stack.enter_context(serving(label, configs[label], chat)) for label in labels}
         for http, model, _ in up.values():
-            ask(http, model, prompts[0].as_messages(), 16, chat)  # warm-up
+            warm_up(http, model, prompts, chat)
         before = {label: cpu_seconds(srv.proc.pid) for label, (_, _, srv) in up.items()}
         time.sleep(3.0)
         idle = {label: (cpu_seconds(srv.proc.pid) - before[label]) / 3.0 for label, (_, _, srv) in up.items()}
@@ -399,14 +403,15 @@ def main() -> None:
     suites = args.suites.split(",")
     prompts = [p for ps in load_suites(args.suites, args.limit).values() for p in ps]
     chat = CATALOG[args.model].chat_template if args.model in CATALOG else True  # else /v1/completions
-    results, idle = [], None
     if args.interleave:
         results, idle = run_interleaved(configs, labels, prompts, args.tokens, args.rounds, chat)
-    for rnd in range(0 if args.interleave else args.rounds):
-        order = labels[rnd % len(labels):] + labels[:rnd % len(labels)]
-        for label in order:
-            for r in run_server(label, configs[label], prompts, args.tokens, chat):
-                results.append({**r, "round": rnd})
+    else:
+        results, idle = [], None
+        for rnd in range(args.rounds):
+            order = labels[rnd % len(labels):] + labels[:rnd % len(labels)]
+            for label in order:
+                for r in run_server(label, configs[label], prompts, args.tokens, chat):
+                    results.append({**r, "round": rnd})
     rows = summarize(results, labels, suites)
     text = markdown(rows, args, idle)
     print(text)

@@ -4,9 +4,12 @@ from scratch on another (its objects are -march=native; cmake alone would only r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import subprocess
 from pathlib import Path
+
+import pytest
 
 
 def _load_script():
@@ -140,7 +143,6 @@ def test_interleaved_servers_are_all_up_and_asked_in_turn_prompt_by_prompt(monke
     """--interleave: every server starts once and stays up; each prompt goes to every configuration,
     the order rotated per prompt; the idle CPU share of each server is measured once, after the
     warm-ups; and every server is stopped at the end."""
-    import contextlib
     events = []
 
     @contextlib.contextmanager
@@ -155,7 +157,8 @@ def test_interleaved_servers_are_all_up_and_asked_in_turn_prompt_by_prompt(monke
 
     monkeypatch.setattr(nl, "serving", fake_serving)
     monkeypatch.setattr(nl, "ask", fake_ask)
-    monkeypatch.setattr(nl, "cpu_seconds", lambda pid: 0.0)
+    cpu = {hash("a"): iter([1.0, 1.03]), hash("b"): iter([2.0, 2.0])}  # before / after the idle wait
+    monkeypatch.setattr(nl, "cpu_seconds", lambda pid: next(cpu[pid]))
     monkeypatch.setattr(nl.time, "sleep", lambda s: None)
     prompts = [argparse.Namespace(suite="code", id=f"p{i}", as_messages=lambda i=i: [{"content": f"q{i}"}])
                for i in range(3)]
@@ -165,5 +168,5 @@ def test_interleaved_servers_are_all_up_and_asked_in_turn_prompt_by_prompt(monke
     assert asks == [("a", "q0"), ("b", "q0"), ("b", "q1"), ("a", "q1"), ("a", "q2"), ("b", "q2"),
                     ("b", "q0"), ("a", "q0"), ("a", "q1"), ("b", "q1"), ("b", "q2"), ("a", "q2")]
     assert [e[1] for e in events if e[0] == "ask" and e[3] == 16] == ["a", "b"]  # warm-ups, before any prompt
-    assert idle == {"a": 0.0, "b": 0.0}
+    assert idle == pytest.approx({"a": 0.01, "b": 0.0})  # CPU seconds over the 3 s wait
     assert [(r["config"], r["prompt"], r["round"]) for r in results][:2] == [("a", "code/p0", 0), ("b", "code/p0", 0)]

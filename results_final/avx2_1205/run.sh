@@ -17,3 +17,7 @@ run smollm2-135m smollm2 "llama.cpp plain,specserve plain,specserve suffix"
 run gemma3-270m gemma3 "llama.cpp plain,specserve plain,specserve suffix"
 run qwen2.5-coder-0.5b qwen0.5b "llama.cpp plain,specserve plain,specserve suffix"
 run qwen2.5-coder-1.5b qwen1.5b "llama.cpp plain,specserve plain,specserve draft q4_0 32K"
+# the AVX2 build of llama.cpp holds no AVX-512 (zmm) instruction: 0 per binary
+for b in llama-bench llama-server; do
+  echo "$b: $(objdump -d "$(python benchmarks/native_llamacpp.py --build-only --isa avx2)/$b" | grep -c zmm) zmm"
+done > $D/avx2_no_zmm.txt
