@@ -69,6 +69,25 @@ def test_logits_match_transformers_prefill_and_64_decode_steps(hybrid):
     assert (got - ref).abs().max() <= RTOL * scale, float((got - ref).abs().max() / scale)
 
 
+def test_prompt_logprobs_match_transformers_in_chunks_after_a_cache_hit(hybrid):
+    """Prompt logprobs (vLLM's prompt_logprobs, completions' echo + logprobs) are transformers'
+    log-softmax at every prompt position, computed in chunks of 16 rows after the same prompt's
+    blocks and state checkpoints went into the prefix cache (such a request matches none of them)."""
+    ours, hf = hybrid
+    ids = random_prompt(7, 60)
+    eng = make_engine(ours, max_num_batched_tokens=16, max_step_ms=0)
+    greedy_outputs(eng, [ids], 4)
+    outs = list(eng.generate(ids, SamplingParams(max_tokens=0, prompt_logprobs=2), request_id="p"))
+    lps = outs[-1].prompt_logprobs
+    assert lps[0] is None and len(lps) == len(ids) and outs[-1].cached_tokens == 0
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)  # [len - 1, V]
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    got = torch.tensor([lp.logprob for lp in lps[1:]])
+    assert (got - want).abs().max() <= RTOL * ref.abs().max(), float((got - want).abs().max())
+    assert [lp.top[0][0] for lp in lps[1:]] == ref.argmax(-1).tolist()
+
+
 def test_greedy_equals_transformers_generate(hybrid):
     ours, hf = hybrid
     for seed in range(3):

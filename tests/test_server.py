@@ -228,6 +228,40 @@ def test_completion_logprobs_legacy_format(srv, engine):
     assert len(lp.top_logprobs[0]) == 3 and lp.top_logprobs[0][SCRIPT[0]] == lp.token_logprobs[0]
 
 
+def test_completion_echo_with_logprobs_scores_the_prompt(srv, engine):
+    """echo + logprobs (what loglikelihood evaluations send): the prompt's tokens and logprobs come
+    first, the first token without one; max_tokens 0 gives the prompt alone; vLLM's prompt_logprobs
+    field carries the same numbers; streamed, the same tokens."""
+    c = srv.client()
+    r = c.completions.create(model="fake-model", prompt="Echo me", max_tokens=0, echo=True, logprobs=2)
+    ch, lp = r.choices[0], r.choices[0].logprobs
+    assert (ch.text, ch.finish_reason, r.usage.completion_tokens) == ("Echo me", "length", 0)
+    assert engine.requests[-1][1].prompt_logprobs == 2
+    assert lp.tokens == ["<s>", *"Echo me"] and lp.text_offset == [0, 0, 1, 2, 3, 4, 5, 6]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(2 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+    assert all(t[tok] == v for t, tok, v in zip(lp.top_logprobs[1:], lp.tokens[1:], lp.token_logprobs[1:]))
+
+    r = c.completions.create(model="fake-model", prompt="Echo me", max_tokens=3, echo=True, logprobs=1,
+                             extra_body={"prompt_logprobs": 1})
+    ch, lp2 = r.choices[0], r.choices[0].logprobs
+    assert ch.text == "Echo me" + SCRIPT[:3] and lp2.tokens == lp.tokens + list(SCRIPT[:3])
+    assert lp2.token_logprobs[:8] == lp.token_logprobs and lp2.text_offset[8:] == [7, 8, 9]
+    vllm = extra(ch, "prompt_logprobs")
+    assert vllm[0] is None and len(vllm) == 8
+    for entry, tok, value in zip(vllm[1:], lp.tokens[1:], lp.token_logprobs[1:]):
+        mine = entry[str(ord(tok) + 3)]  # CharTokenizer: a character's id is its code + 3
+        assert (mine["decoded_token"], mine["logprob"]) == (tok, value) and mine["rank"] >= 1
+        assert 1 <= len(entry) <= 2
+
+    stream = c.completions.create(model="fake-model", prompt="Echo me", max_tokens=3, echo=True, logprobs=1,
+                                  stream=True)
+    chunks = [ch.choices[0] for ch in stream if ch.choices]
+    assert "".join(x.text for x in chunks) == "Echo me" + SCRIPT[:3]
+    assert [t for x in chunks if x.logprobs for t in x.logprobs.tokens] == lp2.tokens
+    assert [o for x in chunks if x.logprobs for o in x.logprobs.text_offset] == lp2.text_offset
+
+
 def test_n2_with_seed(srv, engine):
     r = srv.client().chat.completions.create(model="fake-model", messages=MSGS, n=2, seed=100, max_tokens=8,
                                              temperature=1.0)

@@ -96,7 +96,12 @@ ERROR_CASES = [
      None),
     ("/v1/chat/completions", {"messages": MSGS, "functions": [{"name": "f"}]}, 400, "functions", None),
     ("/v1/completions", {"prompt": "x", "suffix": "end"}, 400, "suffix", None),
-    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs", None),
+    ("/v1/chat/completions", {"messages": MSGS, "prompt_logprobs": 1}, 400, "prompt_logprobs", None),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1, "echo": True}, 400, "max_tokens", None),
+    ("/v1/chat/completions", {"messages": MSGS, "stream_options": {"include_usage": True}}, 400, "stream_options",
+     None),
+    ("/v1/completions", {"prompt": "x", "stream": False, "stream_options": {}}, 400, "stream_options", None),
     ("/v1/completions", {"prompt": []}, 400, "prompt", None),
     ("/v1/completions", {"prompt": [-1, 5]}, 400, "prompt", None),
     ("/v1/completions", {"prompt": "x" * 600}, 400, "prompt", "context_length_exceeded"),
@@ -156,13 +161,16 @@ def test_nulls_are_defaults_and_integral_floats_are_ints(srv, engine):
     """What float-only clients (JSON numbers from Go/JS arithmetic) and the openai client's explicit
     None send: accepted as vLLM does; 16.5 tokens or true stay refused."""
     body = {"messages": MSGS, "n": None, "stream": None, "ignore_eos": None, "add_generation_prompt": None,
-            "stream_options": {"include_usage": None}, "max_tokens": 5.0, "seed": 7.0, "top_k": 3.0,
+            "stream_options": None, "max_tokens": 5.0, "seed": 7.0, "top_k": 3.0,
             "temperature": 1}
     r = srv.http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     _, params = engine.requests[-1]
     assert (params.max_tokens, params.seed, params.top_k, params.temperature) == (5, 7, 3, 1.0)
     r = srv.http.post("/v1/completions", json={"prompt": "x", "echo": None, "logprobs": 2.0, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    r = srv.http.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, "stream": True,
+                                                    "stream_options": {"include_usage": None}})
     assert r.status_code == 200, r.text
     for bad in ({"max_tokens": 5.5}, {"n": 2.5}, {"max_tokens": True}):
         assert srv.http.post("/v1/chat/completions", json={"messages": MSGS, **bad}).status_code == 400

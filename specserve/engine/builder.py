@@ -11,7 +11,6 @@ import torch
 from specserve.engine.config import EngineConfig
 from specserve.engine.llm_engine import LLMEngine
 from specserve.kernels import ops
-from specserve.errors import SpecserveError
 from specserve.models.loader import LoadedModel, LoadOptions, load_model
 from specserve.bench.serverproc import free_port
 from specserve.parallel.launch import ParallelConfig, connect, pin, start_workers, watch

@@ -168,6 +168,8 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.min_tokens,
                                        params.include_stop_str_in_output, params.skip_special_tokens)
         seq = Sequence(request_id, list(prompt_ids), params, detok, mm=mm)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first token has nothing before it
         if params.structured is not None:  # structured outputs: the sequence's grammar state
             seq.constraint = Constraint(params.structured)
         if not params.greedy:
@@ -263,8 +265,13 @@ class LLMEngine:
                  hidden: dict[int, torch.Tensor]) -> list[RequestOutput]:
         outputs, cursor = [], 0
         for r in rows:
-            if not r.sample:  # a prefill chunk that does not end the prompt
+            if not r.decode:  # a prefill chunk: its rows that score prompt tokens come first
+                cursor = self._record_prompt_logprobs(r.seq, r.count, logits, cursor)
+            if not r.sample or r.seq.params.max_tokens == 0:  # a prefill chunk that does not end the prompt
                 self._commit_chunk(r, hidden)
+                if r.sample:  # max_tokens 0: the prompt alone (its logprobs); the row sampling is unused
+                    cursor += 1
+                    outputs.append(self._finish(r.seq, "length"))
                 continue
             drafts = r.drafts or []
             lg = logits[cursor:cursor + 1 + len(drafts)]
@@ -273,6 +280,17 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _record_prompt_logprobs(seq: Sequence, count: int, logits: torch.Tensor, cursor: int) -> int:
+        """Record the prompt logprobs a prefill chunk of ``count`` rows scored; returns the cursor
+        past their logits rows."""
+        positions = seq.prompt_logprob_positions(count)
+        if positions:
+            tokens = [seq.prompt_ids[p + 1] for p in positions]
+            lg = logits[cursor:cursor + len(positions)]
+            seq.prompt_logprobs += sampler.top_logprobs(lg, tokens, seq.params.prompt_logprobs, rank=True)
+        return cursor + len(positions)
 
     def _commit_chunk(self, r: ScheduledRow, hidden: dict[int, torch.Tensor]) -> None:
         seq = r.seq
@@ -349,6 +367,8 @@ class LLMEngine:
             None if seq.first_token_at is None else seq.first_token_at - seq.arrival,
             seq.prefill_time(), seq.decode_time())
         seq.pending_ids, seq.pending_logprobs = [], []
+        if seq.prompt_logprobs is not None and not seq.needs_prompt_logprobs and not seq.prompt_logprobs_sent:
+            out.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         return out
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:

@@ -91,10 +91,13 @@ def _multimodal(entries: list[BatchEntry], device: torch.device):
 
 
 def logit_rows(rows: list[ScheduledRow]) -> list[int]:
-    """Rows whose logits verification needs: every row of a decode (the last token and each
-    draft), the last row of the chunk that ends a prompt."""
+    """Rows whose logits are needed, in order: a prefill chunk's rows that score prompt tokens
+    (prompt logprobs); verification's: every row of a decode (the last token and each draft), the
+    last row of the chunk that ends a prompt."""
     out: list[int] = []
     for r in rows:
+        if not r.decode:
+            out += [r.start + p - r.seq.num_computed for p in r.seq.prompt_logprob_positions(r.count)]
         if r.sample:
             out += range(r.start + (r.count - 1 if not r.decode and r.count > 1 else 0), r.start + r.count)
     return out

@@ -89,8 +89,9 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return idx
 
 
-def top_logprobs(logits: torch.Tensor, token_ids: list[int], n: int) -> list[TokenLogprob]:
-    """logits: [R, V] raw -> the chosen token's logprob and the top-n alternatives per row."""
+def top_logprobs(logits: torch.Tensor, token_ids: list[int], n: int, *, rank: bool = False) -> list[TokenLogprob]:
+    """logits: [R, V] raw -> the chosen token's logprob and the top-n alternatives per row (rank:
+    also the token's rank, 1 + how many tokens score higher)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     out = []
     for j, tok in enumerate(token_ids):
@@ -98,7 +99,8 @@ def top_logprobs(logits: torch.Tensor, token_ids: list[int], n: int) -> list[Tok
         if n:
             vals, idx = torch.topk(lp[j], n)
             top = list(zip(idx.tolist(), vals.tolist()))
-        out.append(TokenLogprob(tok, float(lp[j, tok]), top))
+        value = lp[j, tok]
+        out.append(TokenLogprob(tok, float(value), top, int((lp[j] > value).sum()) + 1 if rank else None))
     return out
 
 

@@ -26,6 +26,8 @@ from specserve.speculative.adaptive import DraftPolicy
 
 log = logging.getLogger("specserve.engine")
 
+PROMPT_LOGPROBS_CHUNK = 256  # prompt rows per step of a request asking for prompt logprobs
+
 
 @dataclass
 class ScheduledRow:
@@ -63,7 +65,7 @@ class Scheduler:
         deferred: list[Sequence] = []  # waiting for a running prefill of their prefix, in queue order
         while self.waiting and len(self.running) < self.ecfg.max_num_seqs:
             seq = self.waiting[0]
-            if not self.cache.has_tables(seq):
+            if not self.cache.has_tables(seq) and not seq.needs_prompt_logprobs:
                 if self._prefix_in_flight(seq):
                     deferred.append(self.waiting.popleft())
                     continue
@@ -124,6 +126,8 @@ class Scheduler:
                                 budget)
         for seq in prefill:
             chunk = min(max(budget, 0), self.prefill_end(seq) - seq.num_computed)
+            if seq.needs_prompt_logprobs:  # a logits row per token: bound the step's [rows, vocab] logits
+                chunk = min(chunk, PROMPT_LOGPROBS_CHUNK)
             if chunk > 0 and seq.mm is not None:  # stop before an image still being encoded
                 chunk = min(chunk, self.computable(seq) - seq.num_computed)
                 if chunk <= 0:

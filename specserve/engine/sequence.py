@@ -48,6 +48,9 @@ class Sequence:
     # policy's prior, set at the sequence's first draft-length choice)
     constraint: "Constraint | None" = None  # grammar state under structured outputs (engine/constraint.py)
     mm: "MultiModalPrompt | None" = None  # the prompt's images (engine/multimodal.py)
+    # prompt_logprobs: the logprob of each prompt token computed so far (None for the first); None = not asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def token_ids(self) -> list[int]:
@@ -74,6 +77,21 @@ class Sequence:
     def prefilling(self) -> bool:
         """True while the prompt is not fully in the cache (the last prompt token still to run)."""
         return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs are asked for and some are still to compute: the prompt's blocks
+        are then computed here, not matched in the prefix cache (a cached block has no logits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    def prompt_logprob_positions(self, count: int) -> range:
+        """Positions among the ``count`` rows from ``num_computed`` (a prefill chunk) whose logits
+        give a prompt token's logprob not recorded yet: the row at position p scores token p + 1."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        lo = max(self.num_computed, len(self.prompt_logprobs) - 1)
+        hi = min(self.num_computed + count, len(self.prompt_ids) - 1)
+        return range(lo, max(lo, hi))
 
     @property
     def finished(self) -> bool:

@@ -37,6 +37,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives per token; None = off
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob (and the top n) after the
+    # tokens before it; None = off. Such a request computes its whole prompt (a cached block has no logits)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), as OpenAI's
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string before this many tokens
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string (or token), not before
@@ -48,7 +50,7 @@ class SamplingParams:
         if "" in self.stop:  # an empty stop string would end every request at once
             object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
         checks = [
-            (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (self.max_tokens >= 0, "max_tokens", "must be >= 0 (0: the prompt alone, for prompt_logprobs)"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"must be in [0, max_tokens = {self.max_tokens}]"),
             (self.temperature >= 0, "temperature", "must be >= 0"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
@@ -58,6 +60,7 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
             (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs", "must be in [0, 20]"),
             (self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed", "must fit in a signed 64-bit integer"),
         ]
         for ok, name, why in checks:
@@ -154,6 +157,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token_id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens had a higher logprob (prompt logprobs)
 
 
 @dataclass
@@ -173,6 +177,8 @@ class RequestOutput:
     first_token_latency: float | None = None  # seconds from arrival to first token
     prefill_time: float = 0.0
     decode_time: float = 0.0
+    # the prompt's logprobs (None for its first token), once, in the first delta after the prompt is computed
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

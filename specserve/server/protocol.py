@@ -256,7 +256,8 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # with logprobs: the prompt's tokens and logprobs first (prompt logprobs)
+    prompt_logprobs: int | None = None  # vLLM's: the choice's prompt_logprobs, top n per prompt token
 
 
 class TokenizeRequest(_Lenient):

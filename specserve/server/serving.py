@@ -104,12 +104,13 @@ def now() -> int:
 
 
 def resolve_max_tokens(ctx: ServingContext, requested: int | None, default: int | None, prompt_len: int,
-                       prompt_param: str, param: str = "max_tokens") -> int:
+                       prompt_param: str, param: str = "max_tokens", minimum: int = 1) -> int:
     """The completion budget, checked against the context (OpenAI's context_length_exceeded).
-    ``param``: the request field that set ``requested`` (chat: max_tokens or max_completion_tokens)."""
+    ``param``: the request field that set ``requested`` (chat: max_tokens or max_completion_tokens);
+    ``minimum``: 0 where a request may ask for its prompt alone (completions with echo)."""
     limit = ctx.engine.max_model_len
-    if requested is not None and requested < 1:
-        raise RequestError(f"{param} must be >= 1, got {requested}", param=param)
+    if requested is not None and requested < minimum:
+        raise RequestError(f"{param} must be >= {minimum}, got {requested}", param=param)
     if prompt_len >= limit:
         raise RequestError(f"This model's maximum context length is {limit} tokens, but the prompt has "
                            f"{prompt_len} tokens, which leaves no room for a completion. Shorten the prompt.",
@@ -139,7 +140,7 @@ _NOT_SUPPORTED = {
     "use_beam_search": (lambda v: v in (None, False), "beam search is not supported"),
     "best_of": (lambda v: v in (None, 1), "best_of is not supported (use n)"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "length_penalty applies to beam search, not supported"),
-    "prompt_logprobs": (lambda v: v is None, "prompt logprobs are not supported"),
+    "prompt_logprobs": (lambda v: v is None, "prompt logprobs are supported by /v1/completions only"),
     "spaces_between_special_tokens": (lambda v: v in (None, True), "not supported"),
     "allowed_token_ids": (lambda v: v is None, "not supported (logit_bias bans or forces tokens)"),
     "bad_words": (lambda v: not v, "not supported (logit_bias bans tokens)"),
@@ -158,6 +159,8 @@ def check_unsupported(req: SamplingFields) -> None:
     and the fields of ``_NOT_SUPPORTED`` with a value other than their default. Other unknown
     fields are ignored and logged (vLLM logs them too); the structured-outputs fields are read
     by server/structured.py."""
+    if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM
+        raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
     fmt = req.response_format
     if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
         raise RequestError(f"response_format type {fmt.type!r} is not supported ('text', 'json_object' or "

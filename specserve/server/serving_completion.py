@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -49,24 +50,75 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     ctx.check_model(req.model)
     check_n(ctx, req.n)
     check_unsupported(req)
-    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
-        raise RequestError(f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
-    if req.echo and req.logprobs is not None:
-        raise RequestError("echo with logprobs is not supported (no prompt logprobs)", param="echo")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(req, name)
+        if value is not None and not 0 <= value <= 20:
+            raise RequestError(f"{name} must be in [0, 20], got {value}", param=name)
+    if req.max_tokens == 0 and not req.echo:
+        raise RequestError("max_tokens must be >= 1 (0 only with echo: the prompt alone)", param="max_tokens")
     prompts, texts = resolve_prompts(ctx, req.prompt)
-    max_tokens = [resolve_max_tokens(ctx, req.max_tokens, DEFAULT_MAX_TOKENS, len(ids), "prompt")
-                  for ids in prompts]
+    max_tokens = [resolve_max_tokens(ctx, req.max_tokens, DEFAULT_MAX_TOKENS, len(ids), "prompt",
+                                     minimum=0 if req.echo else 1) for ids in prompts]
     request_id = new_id("cmpl")
     structured = await ctx.structured.spec_for(req)
-    choices = constrain(make_choices(prompts, req, max_tokens, req.logprobs, request_id), structured)
-    echo = texts if req.echo else None
+    view = PromptView(texts if req.echo else None, req.logprobs, req.prompt_logprobs)
+    choices = make_choices(prompts, req, max_tokens, req.logprobs, request_id)
+    if view.engine_k is not None:
+        for c in choices:
+            c.params = replace(c.params, prompt_logprobs=view.engine_k)
+    choices = constrain(choices, structured)
     fan = Fanout(ctx.engine, ctx.metrics, choices)
     await start_fanout(request.receive, fan, drain=not req.stream)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return SSEResponse(openai_sse(completion_events(ctx, request_id, fan, echo, include_usage), "completion",
+        return SSEResponse(openai_sse(completion_events(ctx, request_id, fan, view, include_usage), "completion",
                                       request_id), fan.close)
-    return JSONResponse(completion_response(ctx, request_id, choices, echo))
+    return JSONResponse(completion_response(ctx, request_id, choices, view))
+
+
+@dataclass(frozen=True)
+class PromptView:
+    """What a choice shows of its prompt: the echoed text (echo), with the legacy logprobs of its
+    tokens when logprobs is set (OpenAI's echo + logprobs, what loglikelihood evaluations send),
+    and vLLM's ``prompt_logprobs`` field."""
+
+    echo: list[str] | None  # the prompts' text, or None without echo
+    logprobs: int | None  # the request's logprobs (top n in the legacy format)
+    prompt_logprobs: int | None  # the request's prompt_logprobs (vLLM's field)
+
+    @property
+    def engine_k(self) -> int | None:
+        """The top n the engine computes per prompt token (None: no prompt logprobs)."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
+
+    def text(self, c: Choice) -> str:
+        return self.echo[c.prompt_index] if self.echo else ""
+
+    def legacy(self, ctx: ServingContext, c: Choice) -> dict | None:
+        """The echoed prompt's legacy logprobs (its first token has none)."""
+        if not self.echo or self.logprobs is None or c.prompt_logprobs is None:
+            return None
+        first = ctx.token_text(c.prompt_ids[0])  # a BOS the server added is not in the echoed text
+        rest = legacy_logprobs(ctx, c.prompt_logprobs[1:], self.logprobs,
+                               len(first) if self.text(c).startswith(first) else 0)
+        return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+                "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+
+    def vllm(self, ctx: ServingContext, c: Choice) -> dict:
+        """{"prompt_logprobs": [None, {token id: {logprob, rank, decoded_token}}, ...]} as vLLM's
+        choices carry it: each prompt token and the top n; {} when not asked for."""
+        if self.prompt_logprobs is None:
+            return {}
+        out: list[dict | None] = [None]
+        for lp in (c.prompt_logprobs or [None])[1:]:
+            entry = {str(lp.token_id): {"logprob": clean_logprob(lp.logprob), "rank": lp.rank,
+                                        "decoded_token": ctx.token_text(lp.token_id)}}
+            for rank, (token_id, value) in enumerate(lp.top[:self.prompt_logprobs], 1):
+                entry.setdefault(str(token_id), {"logprob": clean_logprob(value), "rank": rank,
+                                                 "decoded_token": ctx.token_text(token_id)})
+            out.append(entry)
+        return {"prompt_logprobs": out}
 
 
 def legacy_logprobs(ctx: ServingContext, lps: list[TokenLogprob], k: int, offset: int) -> dict:
@@ -85,12 +137,21 @@ def legacy_logprobs(ctx: ServingContext, lps: list[TokenLogprob], k: int, offset
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def completion_response(ctx: ServingContext, request_id: str, choices: list[Choice],
-                        echo: list[str] | None) -> dict:
+def joined(a: dict | None, b: dict | None) -> dict | None:
+    """Two legacy logprobs objects one after the other (the echoed prompt's, then the output's)."""
+    if a is None or b is None:
+        return a or b
+    return {key: a[key] + b[key] for key in a}
+
+
+def completion_response(ctx: ServingContext, request_id: str, choices: list[Choice], view: PromptView) -> dict:
     def one(c: Choice) -> dict:
-        prefix = echo[c.prompt_index] if echo else ""
-        lps = legacy_logprobs(ctx, c.logprobs, c.params.logprobs, 0) if c.params.logprobs is not None else None
-        return {"index": c.index, "text": prefix + c.text, "logprobs": lps, "finish_reason": c.finish_reason}
+        prefix = view.text(c)
+        lps = None
+        if c.params.logprobs is not None:
+            lps = joined(view.legacy(ctx, c), legacy_logprobs(ctx, c.logprobs, c.params.logprobs, len(prefix)))
+        return {"index": c.index, "text": prefix + c.text, "logprobs": lps, "finish_reason": c.finish_reason,
+                **view.vllm(ctx, c)}
 
     return {
         "id": request_id,
@@ -104,19 +165,25 @@ def completion_response(ctx: ServingContext, request_id: str, choices: list[Choi
     }
 
 
-async def completion_events(ctx: ServingContext, request_id: str, fan: Fanout, echo: list[str] | None,
+async def completion_events(ctx: ServingContext, request_id: str, fan: Fanout, view: PromptView,
                             include_usage: bool) -> AsyncIterator[str]:
     base = {"id": request_id, "object": "text_completion", "created": now(), "model": ctx.served_model_name,
             "system_fingerprint": ctx.system_fingerprint}
     if include_usage:
         base["usage"] = None
-    offsets = {c.index: 0 for c in fan.choices}
+    offsets = {c.index: len(view.text(c)) for c in fan.choices}
     unfinished = len(fan.choices)
-    if echo:
+
+    def prompt_chunk(c: Choice) -> str:
+        return sse({**base, "choices": [{"index": c.index, "text": view.text(c), "logprobs": view.legacy(ctx, c),
+                                         "finish_reason": None, **view.vllm(ctx, c)}]})
+
+    if view.echo and view.engine_k is None:  # the echo needs nothing computed: sent at once
         for c in fan.choices:
-            entry = {"index": c.index, "text": echo[c.prompt_index], "logprobs": None, "finish_reason": None}
-            yield sse({**base, "choices": [entry]})
+            yield prompt_chunk(c)
     async for choice, out in fan:
+        if out.prompt_logprobs is not None:  # the prompt is computed: its chunk comes first
+            yield prompt_chunk(choice)
         lps = None
         if choice.params.logprobs is not None and out.new_logprobs:
             lps = legacy_logprobs(ctx, out.new_logprobs, choice.params.logprobs, offsets[choice.index])

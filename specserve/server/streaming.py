@@ -40,6 +40,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs: once the prompt is computed
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -54,6 +55,8 @@ class Choice:
         self.token_ids.extend(out.new_token_ids)
         if out.new_logprobs:
             self.logprobs.extend(out.new_logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason
         self.prompt_tokens = out.prompt_tokens or len(self.prompt_ids)
