@@ -262,6 +262,18 @@ def test_completion_echo_with_logprobs_scores_the_prompt(srv, engine):
     assert [o for x in chunks if x.logprobs for o in x.logprobs.text_offset] == lp2.text_offset
 
 
+def test_chat_prompt_logprobs_beside_the_choices(srv, engine):
+    """vLLM's chat prompt_logprobs: one list beside the choices (they share the prompt), computed by
+    the first choice; the rendered prompt's tokens, the first without one."""
+    r = srv.http.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, "n": 2, "prompt_logprobs": 1})
+    body = r.json()
+    lps, chars = body["prompt_logprobs"], engine.prompts[-1].removeprefix("<s>")  # BOS, then a token a character
+    assert r.status_code == 200 and lps[0] is None and len(lps) == 1 + len(chars)
+    assert [e[str(ord(ch) + 3)]["decoded_token"] for e, ch in zip(lps[1:], chars)] == list(chars)
+    assert [p.prompt_logprobs for _, p in engine.requests[-2:]] == [1, None]
+    assert [c["message"]["content"] for c in body["choices"]] == [SCRIPT[:2]] * 2
+
+
 def test_n2_with_seed(srv, engine):
     r = srv.client().chat.completions.create(model="fake-model", messages=MSGS, n=2, seed=100, max_tokens=8,
                                              temperature=1.0)

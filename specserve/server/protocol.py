@@ -251,6 +251,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the response's prompt_logprobs, top n per prompt token
 
 
 class CompletionRequest(SamplingFields):

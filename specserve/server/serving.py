@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from specserve.engine.types import INT64_MIN, INT64_MAX, SamplingParams, AcceptanceStats
+from specserve.engine.types import INT64_MIN, INT64_MAX, SamplingParams, AcceptanceStats, TokenLogprob
 from specserve.errors import RequestError, ServiceUnavailable
 from specserve.server.chat import ChatRenderer, image_urls
 from specserve.server.media import MediaLoader, expand_images
@@ -140,7 +140,6 @@ _NOT_SUPPORTED = {
     "use_beam_search": (lambda v: v in (None, False), "beam search is not supported"),
     "best_of": (lambda v: v in (None, 1), "best_of is not supported (use n)"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "length_penalty applies to beam search, not supported"),
-    "prompt_logprobs": (lambda v: v is None, "prompt logprobs are supported by /v1/completions only"),
     "spaces_between_special_tokens": (lambda v: v in (None, True), "not supported"),
     "allowed_token_ids": (lambda v: v is None, "not supported (logit_bias bans or forces tokens)"),
     "bad_words": (lambda v: not v, "not supported (logit_bias bans tokens)"),
@@ -318,6 +317,20 @@ def timings(choices: list[Choice]) -> dict:
 
 def clean_logprob(value: float) -> float:
     return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
+def vllm_prompt_logprobs(ctx: ServingContext, lps: list[TokenLogprob | None] | None, n: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: None for the first prompt token, then per token {token id: {logprob,
+    rank, decoded_token}} for the token itself and the top n."""
+    out: list[dict | None] = [None]
+    for lp in (lps or [None])[1:]:
+        entry = {str(lp.token_id): {"logprob": clean_logprob(lp.logprob), "rank": lp.rank,
+                                    "decoded_token": ctx.token_text(lp.token_id)}}
+        for rank, (token_id, value) in enumerate(lp.top[:n], 1):
+            entry.setdefault(str(token_id), {"logprob": clean_logprob(value), "rank": rank,
+                                             "decoded_token": ctx.token_text(token_id)})
+        out.append(entry)
+    return out
 
 
 async def openai_sse(events: AsyncIterator[str], what: str, request_id: str) -> AsyncIterator[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -14,7 +14,8 @@ from specserve.server.chat import prompt_opens_think
 from specserve.server.protocol import ChatCompletionRequest, parse_body
 from specserve.server.reasoning import ReasoningParser, make_parser, split_all
 from specserve.server.serving import (ServingContext, check_n, check_unsupported, clean_logprob, make_choices,
-                                      new_id, now, openai_sse, resolve_max_tokens, timings, usage)
+                                      new_id, now, openai_sse, resolve_max_tokens, timings, usage,
+                                      vllm_prompt_logprobs)
 from specserve.server.streaming import Choice, Fanout, SSEResponse, sse, start_fanout
 from specserve.server.structured import constrain, start_for
 from specserve.server.tools import ToolCall, ToolCallParser, ToolPlan, plan_tools
@@ -37,6 +38,12 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     check_n(ctx, req.n)
     check_unsupported(req)
     top = requested_top_logprobs(req)
+    if req.prompt_logprobs is not None:
+        if not 0 <= req.prompt_logprobs <= 20:
+            raise RequestError(f"prompt_logprobs must be in [0, 20], got {req.prompt_logprobs}",
+                               param="prompt_logprobs")
+        if req.stream:  # as vLLM: the response object carries them
+            raise RequestError("prompt_logprobs are not available with stream", param="prompt_logprobs")
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_parser)
     if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
         raise RequestError("continue_final_message and add_generation_prompt cannot both be true (continue the "
@@ -51,7 +58,10 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     request_id = new_id("chatcmpl")
     opened = prompt_opens_think(prompt)
     structured = await ctx.structured.spec_for(req, plan, start_for(ctx.cfg.reasoning_parser, opened))
-    choices = constrain(make_choices([ids], req, [max_tokens], top, request_id, images), structured)
+    choices = make_choices([ids], req, [max_tokens], top, request_id, images)
+    if req.prompt_logprobs is not None:  # computed once: the other choices find the prompt cached
+        choices[0].params = replace(choices[0].params, prompt_logprobs=req.prompt_logprobs)
+    choices = constrain(choices, structured)
     split = Splitter(ctx.cfg.reasoning_parser, opened, plan)
     fan = Fanout(ctx.engine, ctx.metrics, choices)
     await start_fanout(request.receive, fan, drain=not req.stream)
@@ -59,7 +69,10 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return SSEResponse(openai_sse(chat_events(ctx, request_id, fan, split, include_usage), "chat", request_id),
                            fan.close)
-    return JSONResponse(chat_response(ctx, request_id, choices, split))
+    body = chat_response(ctx, request_id, choices, split)
+    if req.prompt_logprobs is not None:  # vLLM's: beside the choices, which share the prompt
+        body["prompt_logprobs"] = vllm_prompt_logprobs(ctx, choices[0].prompt_logprobs, req.prompt_logprobs)
+    return JSONResponse(body)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from specserve.engine.types import TokenLogprob
 from specserve.errors import RequestError
 from specserve.server.protocol import CompletionRequest, parse_body
 from specserve.server.serving import (ServingContext, check_n, check_unsupported, clean_logprob, make_choices,
-                                      new_id, now, openai_sse, resolve_max_tokens, timings, usage)
+                                      new_id, now, openai_sse, resolve_max_tokens, timings, usage,
+                                      vllm_prompt_logprobs)
 from specserve.server.streaming import Choice, Fanout, SSEResponse, sse, start_fanout
 from specserve.server.structured import constrain
 
@@ -106,19 +107,10 @@ class PromptView:
                 "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
 
     def vllm(self, ctx: ServingContext, c: Choice) -> dict:
-        """{"prompt_logprobs": [None, {token id: {logprob, rank, decoded_token}}, ...]} as vLLM's
-        choices carry it: each prompt token and the top n; {} when not asked for."""
+        """vLLM's ``prompt_logprobs`` field of a choice; {} when not asked for."""
         if self.prompt_logprobs is None:
             return {}
-        out: list[dict | None] = [None]
-        for lp in (c.prompt_logprobs or [None])[1:]:
-            entry = {str(lp.token_id): {"logprob": clean_logprob(lp.logprob), "rank": lp.rank,
-                                        "decoded_token": ctx.token_text(lp.token_id)}}
-            for rank, (token_id, value) in enumerate(lp.top[:self.prompt_logprobs], 1):
-                entry.setdefault(str(token_id), {"logprob": clean_logprob(value), "rank": rank,
-                                                 "decoded_token": ctx.token_text(token_id)})
-            out.append(entry)
-        return {"prompt_logprobs": out}
+        return {"prompt_logprobs": vllm_prompt_logprobs(ctx, c.prompt_logprobs, self.prompt_logprobs)}
 
 
 def legacy_logprobs(ctx: ServingContext, lps: list[TokenLogprob], k: int, offset: int) -> dict:
