@@ -96,6 +96,17 @@ def run_logits(target, ids: list[int]) -> torch.Tensor:
     return logits_of_every_position(eng, "x")[0][:len(ids)]
 
 
+def test_prompt_logprobs_agree_with_one_rank(one, tp2):
+    ids = prompts(1)[0]
+    got = []
+    for target in (one, tp2):
+        outs = list(engine(target).generate(ids, SamplingParams(max_tokens=0, prompt_logprobs=1), request_id="pl"))
+        lps = outs[-1].prompt_logprobs
+        assert lps[0] is None and [lp.token_id for lp in lps[1:]] == ids[1:]
+        got.append(torch.tensor([lp.logprob for lp in lps[1:]]))
+    torch.testing.assert_close(got[1], got[0], rtol=1e-4, atol=1e-4)
+
+
 def test_greedy_is_deterministic_and_batch_invariant(one, tp2):
     ps = prompts()
     batch = run_all(engine(tp2), ps, GREEDY)
