@@ -267,10 +267,9 @@ class LLMEngine:
         for r in rows:
             if not r.decode:  # a prefill chunk: its rows that score prompt tokens come first
                 cursor = self._record_prompt_logprobs(r.seq, r.count, logits, cursor)
-            if not r.sample or r.seq.params.max_tokens == 0:  # a prefill chunk that does not end the prompt
+            if not r.sample:  # a prefill chunk that does not end the prompt (or max_tokens 0: samples nothing)
                 self._commit_chunk(r, hidden)
-                if r.sample:  # max_tokens 0: the prompt alone (its logprobs); the row sampling is unused
-                    cursor += 1
+                if r.seq.params.max_tokens == 0 and not r.seq.prefilling:  # the prompt alone, for its logprobs
                     outputs.append(self._finish(r.seq, "length"))
                 continue
             drafts = r.drafts or []
@@ -367,8 +366,8 @@ class LLMEngine:
             None if seq.first_token_at is None else seq.first_token_at - seq.arrival,
             seq.prefill_time(), seq.decode_time())
         seq.pending_ids, seq.pending_logprobs = [], []
-        if seq.prompt_logprobs is not None and not seq.needs_prompt_logprobs and not seq.prompt_logprobs_sent:
-            out.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
+        if seq.prompt_logprobs is not None and not seq.needs_prompt_logprobs:  # once: handed over, not kept
+            out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
         return out
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:

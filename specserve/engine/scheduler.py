@@ -135,7 +135,7 @@ class Scheduler:
             if chunk <= 0 or not self._reserve(seq, seq.num_computed + chunk + 1):
                 break
             done = seq.num_computed + chunk == self.prefill_end(seq)
-            rows.append(ScheduledRow(seq, 0, chunk, done and not seq.output_ids))
+            rows.append(ScheduledRow(seq, 0, chunk, done and not seq.output_ids and seq.params.max_tokens > 0))
             budget -= chunk
         return [r for r in rows if r.seq.status is Status.RUNNING]
 

@@ -48,9 +48,9 @@ class Sequence:
     # policy's prior, set at the sequence's first draft-length choice)
     constraint: "Constraint | None" = None  # grammar state under structured outputs (engine/constraint.py)
     mm: "MultiModalPrompt | None" = None  # the prompt's images (engine/multimodal.py)
-    # prompt_logprobs: the logprob of each prompt token computed so far (None for the first); None = not asked
+    # prompt_logprobs: the logprob of each prompt token computed so far (None for the first); None = not
+    # asked for, or already in an output
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    prompt_logprobs_sent: bool = False
 
     @property
     def token_ids(self) -> list[int]:

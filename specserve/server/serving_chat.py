@@ -38,12 +38,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     check_n(ctx, req.n)
     check_unsupported(req)
     top = requested_top_logprobs(req)
-    if req.prompt_logprobs is not None:
-        if not 0 <= req.prompt_logprobs <= 20:
-            raise RequestError(f"prompt_logprobs must be in [0, 20], got {req.prompt_logprobs}",
-                               param="prompt_logprobs")
-        if req.stream:  # as vLLM: the response object carries them
-            raise RequestError("prompt_logprobs are not available with stream", param="prompt_logprobs")
+    if req.prompt_logprobs is not None and req.stream:  # as vLLM: the response object carries them
+        raise RequestError("prompt_logprobs are not available with stream", param="prompt_logprobs")
     plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_parser)
     if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
         raise RequestError("continue_final_message and add_generation_prompt cannot both be true (continue the "
