@@ -182,3 +182,17 @@ def test_incremental_detokenizer_equals_a_full_decode(name):
             full = tok.decode(ids[:n], skip_special_tokens=skip)
             if not full.endswith("\ufffd"):
                 assert d.text == full, (n, d.text, full)
+
+
+@pytest.mark.parametrize("name, ends", [("smollm2-135m", {"<|endoftext|>", "<|im_end|>"}),
+                                        ("qwen2.5-coder-0.5b", {"<|endoftext|>", "<|im_end|>"}),
+                                        ("gemma3-270m", {"<eos>", "<end_of_turn>"})])
+def test_end_tokens_are_the_special_ones(name, ends):
+    """A generation ends on the EOS and the special end-of-turn tokens only: "</s>" is ordinary text
+    (an HTML tag) in Qwen2.5's and Gemma 3's vocabularies, and a strike-through must not stop a reply."""
+    from specserve.models.loader import load_tokenizer
+
+    tok = load_tokenizer(name)
+    assert {tok.id_to_token(i) for i in tok.eos_token_ids} == ends
+    ids = tok.encode("<s>old</s> new", add_special_tokens=False)
+    assert not set(ids) & tok.eos_token_ids and tok.decode(ids) == "<s>old</s> new"

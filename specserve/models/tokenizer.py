@@ -57,10 +57,14 @@ class Tokenizer:
 
 
 def _eog_ids(backend: HFTokenizer, eos_token: str | None, eos_id: int | None) -> frozenset[int]:
+    """The EOS token, plus each known end-of-turn token that the vocabulary marks special: "</s>" is
+    ordinary text in Qwen2.5's and Gemma 3's vocabularies (an HTML tag) and must not end a generation,
+    as their generation configs say (llama.cpp stops on it there; transformers and vLLM do not)."""
     ids = {eos_id} if eos_id is not None else set()
-    for tok in (eos_token, *_EOG_TOKENS):
-        if tok and backend.token_to_id(tok) is not None:
-            ids.add(backend.token_to_id(tok))
+    if eos_token and backend.token_to_id(eos_token) is not None:
+        ids.add(backend.token_to_id(eos_token))
+    special = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    ids.update(special[tok] for tok in _EOG_TOKENS if tok in special)
     return frozenset(i for i in ids if i is not None)
 
 
