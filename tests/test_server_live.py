@@ -218,35 +218,66 @@ WEATHER_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-def test_tool_calls_with_a_real_model():
+@pytest.fixture(scope="module")
+def qwen_live():
+    server = Subprocess("--speculative-config", SPEC, "--max-model-len", "2048", model="qwen2.5-coder-0.5b")
+    yield server
+    server.close()
+
+
+def test_tool_calls_with_a_real_model(qwen_live):
     """qwen2.5-coder-0.5b's template offers the tools (auto picks the hermes parser); the model's call
     comes back as tool_calls, streamed and not, with ngram speculation on; the tool's answer goes back
     through the template in a second turn."""
-    server = Subprocess("--speculative-config", SPEC, "--max-model-len", "2048", model="qwen2.5-coder-0.5b")
-    try:
-        c = server.client()
-        msgs = [{"role": "user", "content": "What's the weather in Paris right now?"}]
-        kw = dict(model="qwen2.5-coder-0.5b", tools=[WEATHER_TOOL], temperature=0, max_tokens=80)
-        r = c.chat.completions.create(messages=msgs, **kw)
-        msg = r.choices[0].message
-        assert r.choices[0].finish_reason == "tool_calls", msg
-        assert [(t.function.name, json.loads(t.function.arguments)["city"]) for t in msg.tool_calls] == [
-            ("get_weather", "Paris")]
-        streamed, finish = {}, None
-        for ch in c.chat.completions.create(messages=msgs, stream=True, **kw):
-            for tc in ch.choices[0].delta.tool_calls or []:
-                entry = streamed.setdefault(tc.index, [tc.function.name or "", ""])
-                entry[1] += tc.function.arguments or ""
-            finish = ch.choices[0].finish_reason or finish
-        assert finish == "tool_calls"
-        assert [(name, json.loads(args)) for name, args in streamed.values()] == [
-            (t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls]
-        msgs += [msg.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"temp_c": 14}'}]
-        r = c.chat.completions.create(messages=msgs, **kw)
-        assert r.choices[0].finish_reason in ("stop", "tool_calls") and (r.choices[0].message.content
-                                                                         or r.choices[0].message.tool_calls)
-        plain = c.chat.completions.create(messages=msgs[:1], tool_choice="none", **kw).choices[0]
-        assert plain.message.tool_calls is None and plain.message.content
-    finally:
-        server.close()
+    c = qwen_live.client()
+    msgs = [{"role": "user", "content": "What's the weather in Paris right now?"}]
+    kw = dict(model="qwen2.5-coder-0.5b", tools=[WEATHER_TOOL], temperature=0, max_tokens=80)
+    r = c.chat.completions.create(messages=msgs, **kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls", msg
+    assert [(t.function.name, json.loads(t.function.arguments)["city"]) for t in msg.tool_calls] == [
+        ("get_weather", "Paris")]
+    streamed, finish = {}, None
+    for ch in c.chat.completions.create(messages=msgs, stream=True, **kw):
+        for tc in ch.choices[0].delta.tool_calls or []:
+            entry = streamed.setdefault(tc.index, [tc.function.name or "", ""])
+            entry[1] += tc.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(name, json.loads(args)) for name, args in streamed.values()] == [
+        (t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls]
+    msgs += [msg.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"temp_c": 14}'}]
+    r = c.chat.completions.create(messages=msgs, **kw)
+    assert r.choices[0].finish_reason in ("stop", "tool_calls") and (r.choices[0].message.content
+                                                                     or r.choices[0].message.tool_calls)
+    plain = c.chat.completions.create(messages=msgs[:1], tool_choice="none", **kw).choices[0]
+    assert plain.message.tool_calls is None and plain.message.content
+
+
+def test_infill_with_a_real_model(qwen_live):
+    """Code completion at a cursor on qwen2.5-coder-0.5b (ngram speculation on): /infill (llama-server's,
+    as llama.vim sends it) and /v1/completions with suffix equal the same fill-in-the-middle prompt
+    written out as text, greedy, streamed and not; the model writes the missing expression."""
+    http = qwen_live.http
+    prefix, suffix = "import math\n\ndef circle_area(r):\n", "\n\n\nprint(circle_area(2.0))\n"
+    raw = f"<|fim_prefix|>{prefix}    return <|fim_suffix|>{suffix}<|fim_middle|>"
+    want = http.post("/v1/completions", json={"prompt": raw, "max_tokens": 12, "temperature": 0}).json()
+    want = want["choices"][0]["text"]
+    assert "math.pi" in want
+    got = http.post("/v1/completions", json={"prompt": prefix + "    return ", "suffix": suffix, "max_tokens": 12,
+                                             "temperature": 0}).json()
+    assert got["choices"][0]["text"] == want
+    body = {"input_prefix": prefix, "prompt": "    return ", "input_suffix": suffix, "n_predict": 12,
+            "temperature": 0, "cache_prompt": True, "samplers": ["top_k", "top_p", "infill"], "t_max_predict_ms": 500}
+    r = http.post("/infill", json=body).json()  # the repository format: <|repo_name|>myproject ... then raw
+    assert r["prompt"] == "<|repo_name|>myproject\n<|file_sep|>filename\n" + raw
+    want = http.post("/v1/completions", json={"prompt": r["prompt"], "max_tokens": 12, "temperature": 0}).json()
+    want = want["choices"][0]["text"]
+    assert r["content"] == want and "math.pi" in want and r["stop"] and not r["truncated"]
+    assert r["tokens_predicted"] == r["timings"]["predicted_n"] <= 12
+    with http.stream("POST", "/infill", json={**body, "stream": True}) as s:
+        events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line]
+    assert "".join(e["content"] for e in events) == want and [e["stop"] for e in events][-2:] == [False, True]
+    r = http.post("/infill", json={**body, "n_predict": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n_predict"

@@ -17,13 +17,15 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from specserve.server.middleware import OPEN_PATHS
-from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InfillRequest,
+                                      TokenizeRequest)
 from specserve.server.responses_protocol import ResponsesRequest
 
 BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("POST", "/v1/chat/completions"): ChatCompletionRequest,
     ("POST", "/v1/completions"): CompletionRequest,
     ("POST", "/v1/responses"): ResponsesRequest,
+    ("POST", "/infill"): InfillRequest,
     ("POST", "/tokenize"): TokenizeRequest,
     ("POST", "/detokenize"): DetokenizeRequest,
 }
@@ -36,6 +38,7 @@ SUMMARIES = {
     "/v1/models/{model}": "One model by id",
     "/health": "Liveness", "/version": "Server version", "/metrics": "Prometheus metrics (vLLM's names)",
     "/tokenize": "Prompt or messages to token ids", "/detokenize": "Token ids to text",
+    "/infill": "Code infill at a cursor (llama-server's); its server-sent events with stream: true",
 }
 # a valid request per body: /docs fills "Try it out" with it, and fuzzers start from it
 EXAMPLES = {
@@ -44,8 +47,9 @@ EXAMPLES = {
     "/v1/responses": {"input": "Hi!", "instructions": "Answer briefly.", "max_output_tokens": 16},
     "/tokenize": {"prompt": "Hello world"},
     "/detokenize": {"tokens": [1, 2, 3]},
+    "/infill": {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n", "n_predict": 16},
 }
-STREAMING = {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
+STREAMING = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/infill"}
 ERROR_SCHEMA = {
     "type": "object", "required": ["error"],
     "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {

@@ -259,6 +259,24 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False  # with logprobs: the prompt's tokens and logprobs first (prompt logprobs)
     prompt_logprobs: int | None = None  # vLLM's: the choice's prompt_logprobs, top n per prompt token
+    suffix: str | None = None  # the text after the insertion: the prompt is the text before it (infill)
+
+
+class ExtraFile(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    filename: str = "tmp"
+    text: str = ""
+
+
+class InfillRequest(SamplingFields):
+    """llama-server's /infill (its other fields are ignored, as there)."""
+
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraFile] = []
+    prompt: str = ""
+    n_predict: int = -1  # -1: until the context is full (llama-server's default)
+    repeat_penalty: float | None = None
 
 
 class TokenizeRequest(_Lenient):

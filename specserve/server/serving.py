@@ -14,6 +14,7 @@ from typing import AsyncIterator
 
 from specserve.engine.types import INT64_MIN, INT64_MAX, SamplingParams, AcceptanceStats, TokenLogprob
 from specserve.errors import RequestError, ServiceUnavailable
+from specserve.models.fim import FimTokens, find_fim_tokens
 from specserve.server.chat import ChatRenderer, image_urls
 from specserve.server.media import MediaLoader, expand_images
 from specserve.server.config import ServerConfig
@@ -44,6 +45,11 @@ class ServingContext:
     def structured(self) -> StructuredOutputs:
         """The grammar compiler of structured outputs (its tokenizer is built on first use)."""
         return StructuredOutputs(self.engine.tokenizer, self.cfg.grammar_compile_timeout)
+
+    @functools.cached_property
+    def fim(self) -> FimTokens | None:
+        """The model's fill-in-the-middle tokens (None: it has none)."""
+        return find_fim_tokens(self.engine.tokenizer)
 
     @property
     def model_names(self) -> set[str]:
@@ -147,7 +153,7 @@ _NOT_SUPPORTED = {
     "truncate_prompt_tokens": (lambda v: v is None, "prompts are never truncated (a prompt that does not fit "
                                                     "is a 400)"),
     "echo": (lambda v: v in (None, False), "echo is supported by /v1/completions only"),
-    "suffix": (lambda v: v is None, "suffix (insertion) is not supported"),
+    "suffix": (lambda v: v is None, "suffix (insertion) is supported by /v1/completions only"),
     "functions": (lambda v: v is None, "the legacy functions API is not supported; use tools"),
     "function_call": (lambda v: v is None, "the legacy functions API is not supported; use tool_choice"),
 }

@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from specserve.engine.types import TokenLogprob
 from specserve.errors import RequestError
+from specserve.models.fim import fim_prompt
 from specserve.server.protocol import CompletionRequest, parse_body
 from specserve.server.serving import (ServingContext, check_n, check_unsupported, clean_logprob, make_choices,
                                       new_id, now, openai_sse, resolve_max_tokens, timings, usage,
@@ -21,8 +22,9 @@ from specserve.server.structured import constrain
 DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for legacy completions
 
 
-def resolve_prompts(ctx: ServingContext, prompt) -> tuple[list[list[int]], list[str]]:
-    """The request's prompt(s) as token ids, plus their text (for echo)."""
+def resolve_prompts(ctx: ServingContext, prompt, allow_empty: bool = False) -> tuple[list[list[int]], list[str]]:
+    """The request's prompt(s) as token ids, plus their text (for echo). An empty one is refused,
+    unless ``allow_empty`` (an infill at the start of a file has nothing before it)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -39,11 +41,28 @@ def resolve_prompts(ctx: ServingContext, prompt) -> tuple[list[list[int]], list[
             ids = list(item)
             ctx.check_token_ids(ids, param)
             text = ctx.engine.tokenizer.decode(ids, skip_special_tokens=True)
-        if not ids:
+        if not ids and not allow_empty:
             raise RequestError("prompt must not be empty", param=param)
         ids_list.append(ids)
         texts.append(text)
     return ids_list, texts
+
+
+def infill_prompts(ctx: ServingContext, req: CompletionRequest, prompts: list[list[int]]) -> list[list[int]]:
+    """OpenAI's ``suffix``: each prompt is the text before the insertion point, ``suffix`` the text
+    after it, written as the model's fill-in-the-middle prompt (it generates the middle)."""
+    if ctx.fim is None:
+        raise RequestError(f"suffix needs a model trained for fill-in-the-middle; {ctx.served_model_name} "
+                           "has no FIM prefix/suffix/middle tokens", param="suffix")
+    if req.echo:
+        raise RequestError("echo cannot be combined with suffix", param="echo")
+    bos = ctx.bos_id()
+    suffix = ctx.engine.tokenizer.encode(req.suffix, add_special_tokens=False)
+    out = []
+    for ids in prompts:
+        prefix = ids[1:] if bos is not None and ids[:1] == [bos] else ids
+        out.append(fim_prompt(ctx.fim, prefix, suffix, bos if ids[:1] == [bos] else None))
+    return out
 
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
@@ -57,16 +76,20 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
             raise RequestError(f"{name} must be in [0, 20], got {value}", param=name)
     if req.max_tokens == 0 and not req.echo:
         raise RequestError("max_tokens must be >= 1 (0 only with echo: the prompt alone)", param="max_tokens")
-    prompts, texts = resolve_prompts(ctx, req.prompt)
+    prompts, texts = resolve_prompts(ctx, req.prompt, allow_empty=req.suffix is not None)
+    if req.suffix is not None:
+        prompts = infill_prompts(ctx, req, prompts)
     max_tokens = [resolve_max_tokens(ctx, req.max_tokens, DEFAULT_MAX_TOKENS, len(ids), "prompt",
                                      minimum=0 if req.echo else 1) for ids in prompts]
     request_id = new_id("cmpl")
     structured = await ctx.structured.spec_for(req)
     view = PromptView(texts if req.echo else None, req.logprobs, req.prompt_logprobs)
     choices = make_choices(prompts, req, max_tokens, req.logprobs, request_id)
-    if view.engine_k is not None:
-        for c in choices:
+    for c in choices:
+        if view.engine_k is not None:
             c.params = replace(c.params, prompt_logprobs=view.engine_k)
+        if req.suffix is not None:  # the model's pad / next-file tokens end an infill as EOS does
+            c.params = replace(c.params, stop_token_ids=c.params.stop_token_ids + ctx.fim.end_ids)
     choices = constrain(choices, structured)
     fan = Fanout(ctx.engine, ctx.metrics, choices)
     await start_fanout(request.receive, fan, drain=not req.stream)

@@ -1,0 +1,150 @@
+"""POST /infill: llama-server's code-infill endpoint (what llama.vim and llama.vscode call).
+
+The request gives the text before the cursor (``input_prefix``, then ``prompt``: the current line
+up to the cursor), the text after it (``input_suffix``) and other files as context
+(``input_extra``: [{filename, text}]); the answer is in llama-server's native format (``content``,
+``stop_type``, ``timings``, ...), streamed as ``data:`` events when ``stream``. Sampling fields are
+llama-server's (``n_predict``, ``repeat_penalty``, its defaults: temperature 0.8, top_k 40,
+top_p 0.95, min_p 0.05); its fields we do not act on (``cache_prompt``: the prefix cache is always
+on, ``samplers``, ``n_indent``, ``t_max_*_ms``, ...) are ignored, as llama-server ignores fields it
+does not know.
+
+The prompt is the model's repository-level format where it has one (Qwen2.5-Coder):
+``<repo>myproject\\n<file_sep>{filename}\\n{text}...<file_sep>filename\\n`` and then
+``<prefix>{input_prefix}{prompt}<suffix>{input_suffix}<middle>``; without those tokens each extra
+file follows a plain "--- snippet ---" line. What does not fit the context (less ``n_predict``)
+is cut: first whole extra files (the first ones), then the suffix's end down to a quarter of the
+room, then the prefix's start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from specserve.errors import RequestError
+from specserve.models.fim import FimTokens, fim_prompt
+from specserve.models.tokenizer import Tokenizer
+from specserve.server.protocol import ExtraFile, InfillRequest, parse_body
+from specserve.server.serving import ServingContext, check_unsupported, make_choices, new_id, timings
+from specserve.server.streaming import Choice, Fanout, SSEResponse, sse, start_fanout
+from specserve.server.structured import constrain
+
+PROJECT = "myproject"  # the repository name llama-server writes (clients send none)
+SNIPPET = "\n\n--- snippet ---\n\n"  # separates extra files for a model without file tokens
+LLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+
+
+@dataclass(frozen=True)
+class InfillPrompt:
+    ids: list[int]
+    truncated: bool  # something the client sent did not fit
+
+
+def build_prompt(tok: Tokenizer, req: InfillRequest, fim: FimTokens, room: int) -> InfillPrompt:
+    """The infill prompt, cut to at most ``room`` tokens."""
+    bos = tok.bos_token_id if tok.add_bos else None
+    prefix = tok.encode(req.input_prefix + req.prompt, add_special_tokens=False)
+    suffix = tok.encode(req.input_suffix, add_special_tokens=False)
+    fixed = 3 + (bos is not None)
+    suffix_room = max((room - fixed) // 4, room - fixed - len(prefix))
+    keep_suffix = suffix[:max(0, suffix_room)]
+    keep_prefix = prefix[max(0, len(prefix) - max(0, room - fixed - len(keep_suffix))):]
+    core = fim_prompt(fim, keep_prefix, keep_suffix, bos)
+    extra = extra_context(tok, req.input_extra, fim, room - len(core))
+    cut = len(keep_prefix) < len(prefix) or len(keep_suffix) < len(suffix) or extra.truncated
+    return InfillPrompt(extra.ids + core, cut)
+
+
+def extra_context(tok: Tokenizer, files: list[ExtraFile], fim: FimTokens, room: int) -> InfillPrompt:
+    """Other files before the infill: the last ones that fit in ``room`` tokens, whole."""
+    encode = tok.encode
+    repo = fim.repo is not None and fim.file_sep is not None
+    head = [fim.repo, *encode(PROJECT + "\n")] if repo else []
+    tail = [fim.file_sep, *encode("filename\n")] if repo else []
+    chunks = [([fim.file_sep, *encode(f.filename + "\n")] if repo else encode(SNIPPET)) + encode(f.text)
+              for f in files]
+    kept: list[list[int]] = []
+    used = len(head) + len(tail)
+    for chunk in reversed(chunks):
+        if used + len(chunk) > room:
+            break
+        kept.insert(0, chunk)
+        used += len(chunk)
+    if used > room:
+        return InfillPrompt([], bool(files))
+    return InfillPrompt(head + [t for c in kept for t in c] + tail, len(kept) < len(chunks))
+
+
+async def create_infill(ctx: ServingContext, request: Request) -> Response:
+    req = parse_body(await request.body(), InfillRequest)
+    ctx.check_model(req.model)
+    if ctx.fim is None:
+        raise RequestError(f"{ctx.served_model_name} has no fill-in-the-middle tokens (FIM prefix, suffix "
+                           "and middle): infill needs a model trained for it", param="input_prefix")
+    if req.n != 1:
+        raise RequestError("n must be 1 for /infill", param="n")
+    check_unsupported(req)
+    limit = ctx.engine.max_model_len
+    n_predict = req.max_tokens if req.n_predict == -1 and req.max_tokens else req.n_predict  # an alias there
+    if n_predict == 0 or n_predict < -1:  # as llama-server, -1 is "no limit"
+        raise RequestError(f"n_predict must be -1 (until the context is full) or >= 1, got {n_predict}",
+                           param="n_predict")
+    if n_predict >= limit:
+        raise RequestError(f"n_predict {n_predict} leaves no room for the prompt in the model's "
+                           f"{limit}-token context", param="n_predict", code="context_length_exceeded")
+    reserve = n_predict if n_predict > 0 else min(512, limit // 4)
+    prompt = build_prompt(ctx.engine.tokenizer, req, ctx.fim, limit - reserve)
+    max_tokens = n_predict if n_predict > 0 else limit - len(prompt.ids)
+    structured = await ctx.structured.spec_for(req)  # response_format / vLLM's structured fields, as completions
+    choices = make_choices([prompt.ids], llama_sampling(req), [max_tokens], None, new_id("infill"))
+    choices[0].params = replace(choices[0].params, stop_token_ids=choices[0].params.stop_token_ids + ctx.fim.end_ids)
+    choices = constrain(choices, structured)
+    c = choices[0]
+    fan = Fanout(ctx.engine, ctx.metrics, choices)
+    await start_fanout(request.receive, fan, drain=not req.stream)
+    if req.stream:
+        return SSEResponse(infill_events(ctx, fan, prompt), fan.close)
+    return JSONResponse({"content": c.text, **final_fields(ctx, c, prompt)})
+
+
+def llama_sampling(req: InfillRequest) -> InfillRequest:
+    """The request with llama-server's sampling defaults and names (repeat_penalty; seed -1: random)."""
+    update = {k: v for k, v in LLAMA_DEFAULTS.items() if getattr(req, k) is None}
+    if req.repeat_penalty is not None and req.repetition_penalty is None:
+        update["repetition_penalty"] = req.repeat_penalty
+    if req.seed == -1:
+        update["seed"] = None
+    return req.model_copy(update=update)
+
+
+def final_fields(ctx: ServingContext, c: Choice, prompt: InfillPrompt) -> dict:
+    """llama-server's fields of a finished completion, after ``content``."""
+    ends = set(ctx.engine.tokenizer.eos_token_ids) | set(c.params.stop_token_ids)
+    ended_on_token = bool(c.token_ids) and c.token_ids[-1] in ends
+    stop_type = {"length": "limit", "stop": "eos" if ended_on_token else "word"}.get(c.finish_reason, "none")
+    return {
+        "id_slot": 0, "stop": True, "model": ctx.served_model_name,
+        "tokens_predicted": c.completion_tokens, "tokens_evaluated": len(prompt.ids),
+        "generation_settings": {"n_ctx": ctx.engine.max_model_len, "n_predict": c.params.max_tokens,
+                                "temperature": c.params.temperature, "top_k": c.params.top_k,
+                                "top_p": c.params.top_p, "min_p": c.params.min_p, "seed": c.params.seed},
+        "prompt": ctx.engine.tokenizer.decode(prompt.ids, skip_special_tokens=False),
+        "has_new_line": "\n" in c.text, "truncated": prompt.truncated,
+        "stop_type": stop_type, "stopping_word": "",
+        "tokens_cached": c.cached_tokens, "timings": timings([c]),
+    }
+
+
+async def infill_events(ctx: ServingContext, fan: Fanout, prompt: InfillPrompt) -> AsyncIterator[str]:
+    """llama-server's stream: one event per delta with ``content`` and ``stop``; the last one (empty
+    content, ``stop`` true) carries the finished completion's fields. No [DONE] line, as llama-server."""
+    async for choice, out in fan:
+        if out.new_text:
+            yield sse({"content": out.new_text, "tokens": list(out.new_token_ids), "stop": False,
+                       "id_slot": 0, "index": 0})
+        if out.finished:
+            yield sse({"content": "", "tokens": [], "index": 0, **final_fields(ctx, choice, prompt)})

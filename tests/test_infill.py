@@ -1,0 +1,71 @@
+"""Fill-in-the-middle: the infill tokens found in the catalog's vocabularies, the /infill prompt
+(repository format, what is cut when it does not fit) on Qwen2.5-Coder's real tokenizer, and the
+400s of a model without infill tokens (the fake engine's). The real model's infill over HTTP is in
+test_server_live.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.models.fim import find_fim_tokens, fim_prompt
+from specserve.models.loader import load_tokenizer
+from specserve.server.serving_infill import InfillRequest, build_prompt
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return load_tokenizer("qwen2.5-coder-0.5b")
+
+
+def test_fim_tokens_of_the_catalog(qwen):
+    fim = find_fim_tokens(qwen)
+    names = {k: qwen.id_to_token(getattr(fim, k)) for k in ("prefix", "suffix", "middle", "pad", "repo", "file_sep")}
+    assert names == {"prefix": "<|fim_prefix|>", "suffix": "<|fim_suffix|>", "middle": "<|fim_middle|>",
+                     "pad": "<|fim_pad|>", "repo": "<|repo_name|>", "file_sep": "<|file_sep|>"}
+    assert set(fim.end_ids) == {fim.pad, fim.repo, fim.file_sep}
+    # smollm2 has <repo_name> and <file_sep> but no prefix/suffix/middle: no infill
+    assert find_fim_tokens(load_tokenizer("smollm2-135m")) is None
+    assert fim_prompt(fim, [7, 8], [9], bos=1) == [1, fim.prefix, 7, 8, fim.suffix, 9, fim.middle]
+
+
+def test_infill_prompt_in_the_repository_format(qwen):
+    fim = find_fim_tokens(qwen)
+    req = InfillRequest(input_prefix="def f(x):\n", prompt="    return ", input_suffix="\n\nprint(f(2))\n",
+                        input_extra=[{"filename": "a.py", "text": "A = 1\n"}, {"text": "B = 2\n"}])
+    p = build_prompt(qwen, req, fim, room=1000)
+    assert not p.truncated
+    assert qwen.decode(p.ids, skip_special_tokens=False) == (
+        "<|repo_name|>myproject\n<|file_sep|>a.py\nA = 1\n<|file_sep|>tmp\nB = 2\n<|file_sep|>filename\n"
+        "<|fim_prefix|>def f(x):\n    return <|fim_suffix|>\n\nprint(f(2))\n<|fim_middle|>")
+
+
+def test_what_does_not_fit_is_cut(qwen):
+    """Whole extra files go first (the earliest), then the suffix's end, then the prefix's start; the
+    text nearest the cursor stays."""
+    fim = find_fim_tokens(qwen)
+    prefix = "".join(f"line_{i} = {i}\n" for i in range(200))
+    suffix = "".join(f"after_{i} = {i}\n" for i in range(200))
+    files = [{"filename": f"f{i}.py", "text": f"value_{i} = {i}\n" * 5} for i in range(3)]
+    full = build_prompt(qwen, InfillRequest(input_prefix=prefix, input_suffix=suffix, input_extra=files), fim, 10**6)
+    assert not full.truncated
+    for room in (len(full.ids) - 10, 1500, 400, 40):
+        p = build_prompt(qwen, InfillRequest(input_prefix=prefix, input_suffix=suffix, input_extra=files), fim, room)
+        assert p.truncated and len(p.ids) <= room, room
+        text = qwen.decode(p.ids, skip_special_tokens=False)
+        before, after = text.split("<|fim_prefix|>")[1].split("<|fim_suffix|>")
+        assert prefix.endswith(before) and suffix.startswith(after.removesuffix("<|fim_middle|>"))
+        if "<|repo_name|>" in text:  # files kept are the last ones, whole
+            assert "value_2 = 2\n" * 5 in text and "<|file_sep|>f0.py" not in text
+        if room <= 400:
+            assert "<|repo_name|>" not in text and len(after) > 0  # the suffix keeps a quarter of the room
+    assert build_prompt(qwen, InfillRequest(input_prefix=prefix), fim, 40).ids[-1] == fim.middle
+
+
+def test_a_model_without_infill_tokens_is_a_400(srv):
+    r = srv.http.post("/infill", json={"input_prefix": "def f(", "input_suffix": ")"})
+    assert r.status_code == 400 and "fill-in-the-middle" in r.json()["error"]["message"]
+    r = srv.http.post("/v1/completions", json={"prompt": "def f(", "suffix": ")", "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+    r = srv.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "suffix": ")"})
+    assert r.status_code == 400 and "/v1/completions only" in r.json()["error"]["message"]
+    assert srv.http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
