@@ -77,7 +77,8 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--spec", action="append", default=None, help="LABEL=JSON speculative config (repeatable)")
-    ap.add_argument("--out")
+    ap.add_argument("--out", help="raw outputs, timings and the summary (JSON)")
+    ap.add_argument("--markdown", help="the table (markdown)")
     args = ap.parse_args()
     default = ['suffix={"method": "suffix"}', 'ngram={"method": "ngram"}']
     specs = dict(s.split("=", 1) for s in (args.spec or default))
@@ -106,6 +107,13 @@ def main() -> None:
         print(f"{label:>10}: {best:7.2f} tok/s  ratio to plain per round {summary[label]['ratio']}  "
               f"identical to plain {summary[label]['identical']}")
     print(f"fills that start with the removed lines: {right}/{len(cases)}")
+    if args.markdown:
+        rows = [f"| {label} | {v['tok_s']} | {', '.join(f'{x}x' for x in v['ratio'])} | {v['identical']} |"
+                for label, v in summary.items()]
+        with open(args.markdown, "w") as f:
+            f.write("\n".join([f"{cpu()}, {args.model}, {len(cases)} holes, fills right {right}/{len(cases)}", "",
+                               "| | decode tok/s | vs plain per round | identical to plain |",
+                               "|---|---|---|---|", *rows]) + "\n")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"summary": summary, "right": right, "rounds": rounds}, f, indent=1)
