@@ -69,3 +69,22 @@ def test_a_model_without_infill_tokens_is_a_400(srv):
     r = srv.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "suffix": ")"})
     assert r.status_code == 400 and "/v1/completions only" in r.json()["error"]["message"]
     assert srv.http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_n_indent_and_the_time_limit_end_an_infill():
+    from specserve.server.serving_infill import Limits
+    from specserve.server.streaming import Choice
+
+    def choice(text):
+        return Choice(index=0, prompt_index=0, prompt_ids=[1], params=None, request_id="r", text=text,
+                      token_ids=[5])
+
+    c = choice("x + 1\n        y = 2\n    return y\n")
+    assert not Limits(4, 0).reached(c) and c.finish_reason is None  # every later line indented >= 4
+    c = choice("x + 1\n        y = 2\n\nprint(y)\n")
+    assert Limits(4, 0).reached(c) and c.text == "x + 1\n        y = 2\n\n" and c.finish_reason == "length"
+    c = choice("x + 1\nprint(y")  # the short line is not complete yet: nothing cut
+    assert not Limits(4, 0).reached(c) and c.text == "x + 1\nprint(y"
+    limits = Limits(0, 1e-6)
+    assert not limits.reached(choice("x + 1"))  # no new line yet: the time limit waits for one
+    assert limits.reached(choice("x + 1\n  y")) and not Limits(0, 0).reached(choice("x\ny\n"))

@@ -281,3 +281,14 @@ def test_infill_with_a_real_model(qwen_live):
     assert "".join(e["content"] for e in events) == want and [e["stop"] for e in events][-2:] == [False, True]
     r = http.post("/infill", json={**body, "n_predict": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n_predict"
+    # n_indent 4: the middle ends before the first later line indented less (the model goes on outside the
+    # function); the text is what it wrote up to there, streamed the same
+    long = {**body, "n_predict": 40, "n_indent": 4}
+    full = http.post("/infill", json={**long, "n_indent": 0}).json()["content"]
+    r = http.post("/infill", json=long).json()
+    lines = full.split("\n")
+    short = next(i for i, line in enumerate(lines[1:], 1) if line.strip() and not line.startswith("    "))
+    assert r["content"] == "\n".join(lines[:short]) + "\n" and r["stop_type"] == "limit"
+    with http.stream("POST", "/infill", json={**long, "stream": True}) as s:
+        events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line]
+    assert "".join(e["content"] for e in events) == r["content"] and events[-1]["stop_type"] == "limit"

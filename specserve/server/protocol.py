@@ -277,6 +277,8 @@ class InfillRequest(SamplingFields):
     prompt: str = ""
     n_predict: int = -1  # -1: until the context is full (llama-server's default)
     repeat_penalty: float | None = None
+    n_indent: int = 0  # end before a line indented less than this many whitespace characters (0: off)
+    t_max_predict_ms: float = 0  # end once this long after the first token, at a new line (0: off)
 
 
 class TokenizeRequest(_Lenient):

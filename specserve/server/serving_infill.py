@@ -5,9 +5,9 @@ up to the cursor), the text after it (``input_suffix``) and other files as conte
 (``input_extra``: [{filename, text}]); the answer is in llama-server's native format (``content``,
 ``stop_type``, ``timings``, ...), streamed as ``data:`` events when ``stream``. Sampling fields are
 llama-server's (``n_predict``, ``repeat_penalty``, its defaults: temperature 0.8, top_k 40,
-top_p 0.95, min_p 0.05); its fields we do not act on (``cache_prompt``: the prefix cache is always
-on, ``samplers``, ``n_indent``, ``t_max_*_ms``, ...) are ignored, as llama-server ignores fields it
-does not know.
+top_p 0.95, min_p 0.05), and its ends ``n_indent`` and ``t_max_predict_ms`` (class Limits); its
+fields we do not act on (``cache_prompt``: the prefix cache is always on, ``samplers``,
+``t_max_prompt_ms``, ...) are ignored, as llama-server ignores fields it does not know.
 
 The prompt is the model's repository-level format where it has one (Qwen2.5-Coder):
 ``<repo>myproject\\n<file_sep>{filename}\\n{text}...<file_sep>filename\\n`` and then
@@ -19,6 +19,7 @@ room, then the prefix's start.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
@@ -30,7 +31,7 @@ from specserve.models.fim import FimTokens, fim_prompt
 from specserve.models.tokenizer import Tokenizer
 from specserve.server.protocol import ExtraFile, InfillRequest, parse_body
 from specserve.server.serving import ServingContext, check_unsupported, make_choices, new_id, timings
-from specserve.server.streaming import Choice, Fanout, SSEResponse, sse, start_fanout
+from specserve.server.streaming import Choice, Fanout, SSEResponse, run_or_disconnect, sse, start_fanout
 from specserve.server.structured import constrain
 
 PROJECT = "myproject"  # the repository name llama-server writes (clients send none)
@@ -105,10 +106,60 @@ async def create_infill(ctx: ServingContext, request: Request) -> Response:
     choices = constrain(choices, structured)
     c = choices[0]
     fan = Fanout(ctx.engine, ctx.metrics, choices)
-    await start_fanout(request.receive, fan, drain=not req.stream)
+    limits = Limits(req.n_indent, req.t_max_predict_ms)
+    await start_fanout(request.receive, fan, drain=False)
     if req.stream:
-        return SSEResponse(infill_events(ctx, fan, prompt), fan.close)
+        return SSEResponse(infill_events(ctx, fan, prompt, limits), fan.close)
+    try:
+        await run_or_disconnect(request.receive, collect(fan, limits))
+    finally:
+        await fan.close()
     return JSONResponse({"content": c.text, **final_fields(ctx, c, prompt)})
+
+
+@dataclass
+class Limits:
+    """llama-server's ends of an infill besides EOS and n_predict, checked after each delta: a line
+    indented less than ``n_indent`` (the text ends before it), and ``t_max_predict_ms`` after the
+    first token once a new line is written. Either ends the request with stop_type "limit"."""
+
+    n_indent: int
+    t_max_ms: float
+    first_token: float | None = None
+
+    def reached(self, c: Choice) -> bool:
+        """True when ``c`` must end now (its text cut where the rule says)."""
+        now = time.perf_counter()
+        if self.first_token is None and c.token_ids:
+            self.first_token = now
+        cut = self._dedent_at(c.text) if self.n_indent > 0 else None
+        if cut is not None:
+            c.text = c.text[:cut]
+        late = self.t_max_ms > 0 and self.first_token is not None and "\n" in c.text and \
+            (now - self.first_token) * 1000 > self.t_max_ms
+        if (cut is not None or late) and c.finish_reason is None:
+            c.finish_reason = "length"
+            return True
+        return False
+
+    def _dedent_at(self, text: str) -> int | None:
+        """Where the first complete later line indented less than n_indent starts (None: nowhere)."""
+        start = text.find("\n") + 1
+        while start > 0:
+            end = text.find("\n", start)
+            if end < 0:
+                return None  # the line is still being written
+            line = text[start:end]
+            if line.strip() and len(line) - len(line.lstrip(" \t")) < self.n_indent:
+                return start
+            start = end + 1
+        return None
+
+
+async def collect(fan: Fanout, limits: Limits) -> None:
+    async for choice, _out in fan:
+        if limits.reached(choice):
+            return
 
 
 def llama_sampling(req: InfillRequest) -> InfillRequest:
@@ -139,12 +190,19 @@ def final_fields(ctx: ServingContext, c: Choice, prompt: InfillPrompt) -> dict:
     }
 
 
-async def infill_events(ctx: ServingContext, fan: Fanout, prompt: InfillPrompt) -> AsyncIterator[str]:
+async def infill_events(ctx: ServingContext, fan: Fanout, prompt: InfillPrompt,
+                        limits: Limits) -> AsyncIterator[str]:
     """llama-server's stream: one event per delta with ``content`` and ``stop``; the last one (empty
-    content, ``stop`` true) carries the finished completion's fields. No [DONE] line, as llama-server."""
+    content, ``stop`` true) carries the finished completion's fields. No [DONE] line, as llama-server.
+    A line is held back until it is complete when n_indent may cut it."""
+    sent = 0
     async for choice, out in fan:
-        if out.new_text:
-            yield sse({"content": out.new_text, "tokens": list(out.new_token_ids), "stop": False,
+        done = limits.reached(choice) or out.finished
+        end = len(choice.text) if done or not limits.n_indent else choice.text.rfind("\n") + 1
+        if end > sent:
+            yield sse({"content": choice.text[sent:end], "tokens": list(out.new_token_ids), "stop": False,
                        "id_slot": 0, "index": 0})
-        if out.finished:
+            sent = end
+        if done:
             yield sse({"content": "", "tokens": [], "index": 0, **final_fields(ctx, choice, prompt)})
+            return
