@@ -5,6 +5,8 @@ test_server_live.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from specserve.models.fim import find_fim_tokens, fim_prompt
@@ -88,3 +90,24 @@ def test_n_indent_and_the_time_limit_end_an_infill():
     limits = Limits(0, 1e-6)
     assert not limits.reached(choice("x + 1"))  # no new line yet: the time limit waits for one
     assert limits.reached(choice("x + 1\n  y")) and not Limits(0, 0).reached(choice("x\ny\n"))
+
+
+def test_llama_server_completion_endpoint(srv, engine):
+    """POST /completion answers in llama-server's format (content, stop_type, tokens, timings), streamed
+    as data: events; a token-id prompt works; n_predict limits; bad values are 400s; llama-server's
+    fields we do not act on are ignored."""
+    from fake_engine import SCRIPT
+
+    r = srv.http.post("/completion", json={"prompt": "Hi", "temperature": 0, "cache_prompt": True}).json()
+    assert r["content"] == SCRIPT and r["stop_type"] == "eos" and r["stop"] and not r["truncated"]
+    assert r["tokens_predicted"] == r["timings"]["predicted_n"] == len(SCRIPT) + 1 and r["tokens_evaluated"] == 3
+    r = srv.http.post("/completion", json={"prompt": [1, 75, 108], "n_predict": 5, "temperature": 0}).json()
+    assert r["content"] == SCRIPT[:5] and r["stop_type"] == "limit" and r["tokens_evaluated"] == 3
+    with srv.http.stream("POST", "/completion", json={"prompt": "Hi", "stream": True, "stop": ["!"]}) as s:
+        events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line]
+    assert "".join(e["content"] for e in events) == SCRIPT[:SCRIPT.index("!")]
+    assert events[-1]["stop"] and events[-1]["stop_type"] == "word"
+    for bad, param in (({"prompt": "Hi", "n_predict": 0}, "n_predict"), ({"prompt": []}, "prompt"),
+                       ({"prompt": "Hi", "n_predict": 10**6}, "n_predict"), ({"prompt": [10**9]}, "prompt")):
+        r = srv.http.post("/completion", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)

@@ -33,7 +33,7 @@ from specserve.server.protocol import (ApiError, DetokenizeRequest, TokenizeRequ
 from specserve.server.serving import ServingContext, now
 from specserve.server.serving_chat import create_chat_completion
 from specserve.server.serving_completion import create_completion
-from specserve.server.serving_infill import create_infill
+from specserve.server.serving_infill import create_infill, create_native_completion
 from specserve.server.serving_responses import ResponsesAPI, ResponseStore
 from specserve.server.streaming import ClientGone
 from specserve.server.tools import plan_tools, resolve_parser
@@ -115,6 +115,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, responses: ResponsesAPI) -> N
         ("POST", "/v1/chat/completions", create_chat_completion),
         ("POST", "/v1/completions", create_completion),
         ("POST", "/infill", create_infill),
+        ("POST", "/completion", create_native_completion),
         ("POST", "/v1/responses", responses.create),
         ("GET", "/v1/responses/{response_id}", responses.retrieve),
         ("DELETE", "/v1/responses/{response_id}", responses.delete),

@@ -18,7 +18,7 @@ from pydantic.json_schema import models_json_schema
 
 from specserve.server.middleware import OPEN_PATHS
 from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InfillRequest,
-                                      TokenizeRequest)
+                                      NativeCompletionRequest, TokenizeRequest)
 from specserve.server.responses_protocol import ResponsesRequest
 
 BODIES: dict[tuple[str, str], type[BaseModel]] = {
@@ -26,6 +26,7 @@ BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("POST", "/v1/completions"): CompletionRequest,
     ("POST", "/v1/responses"): ResponsesRequest,
     ("POST", "/infill"): InfillRequest,
+    ("POST", "/completion"): NativeCompletionRequest,
     ("POST", "/tokenize"): TokenizeRequest,
     ("POST", "/detokenize"): DetokenizeRequest,
 }
@@ -39,6 +40,7 @@ SUMMARIES = {
     "/health": "Liveness", "/version": "Server version", "/metrics": "Prometheus metrics (vLLM's names)",
     "/tokenize": "Prompt or messages to token ids", "/detokenize": "Token ids to text",
     "/infill": "Code infill at a cursor (llama-server's); its server-sent events with stream: true",
+    "/completion": "Text completion in llama-server's own format; its server-sent events with stream: true",
 }
 # a valid request per body: /docs fills "Try it out" with it, and fuzzers start from it
 EXAMPLES = {
@@ -48,8 +50,9 @@ EXAMPLES = {
     "/tokenize": {"prompt": "Hello world"},
     "/detokenize": {"tokens": [1, 2, 3]},
     "/infill": {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n", "n_predict": 16},
+    "/completion": {"prompt": "Once upon a time", "n_predict": 16},
 }
-STREAMING = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/infill"}
+STREAMING = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/infill", "/completion"}
 ERROR_SCHEMA = {
     "type": "object", "required": ["error"],
     "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {

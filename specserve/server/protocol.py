@@ -268,17 +268,24 @@ class ExtraFile(BaseModel):
     text: str = ""
 
 
-class InfillRequest(SamplingFields):
-    """llama-server's /infill (its other fields are ignored, as there)."""
+class NativeFields(SamplingFields):
+    """llama-server's own fields of /completion and /infill (its others are ignored, as there)."""
 
-    input_prefix: str = ""
-    input_suffix: str = ""
-    input_extra: list[ExtraFile] = []
-    prompt: str = ""
     n_predict: int = -1  # -1: until the context is full (llama-server's default)
     repeat_penalty: float | None = None
     n_indent: int = 0  # end before a line indented less than this many whitespace characters (0: off)
     t_max_predict_ms: float = 0  # end once this long after the first token, at a new line (0: off)
+
+
+class InfillRequest(NativeFields):
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraFile] = []
+    prompt: str = ""
+
+
+class NativeCompletionRequest(NativeFields):
+    prompt: str | list[int]
 
 
 class TokenizeRequest(_Lenient):

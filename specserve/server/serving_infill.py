@@ -1,4 +1,5 @@
-"""POST /infill: llama-server's code-infill endpoint (what llama.vim and llama.vscode call).
+"""POST /infill: llama-server's code-infill endpoint (what llama.vim and llama.vscode call), and
+POST /completion, llama-server's own completion endpoint, answered in the same native format.
 
 The request gives the text before the cursor (``input_prefix``, then ``prompt``: the current line
 up to the cursor), the text after it (``input_suffix``) and other files as context
@@ -29,8 +30,9 @@ from starlette.responses import JSONResponse, Response
 from specserve.errors import RequestError
 from specserve.models.fim import FimTokens, fim_prompt
 from specserve.models.tokenizer import Tokenizer
-from specserve.server.protocol import ExtraFile, InfillRequest, parse_body
-from specserve.server.serving import ServingContext, check_unsupported, make_choices, new_id, timings
+from specserve.server.protocol import ExtraFile, InfillRequest, NativeCompletionRequest, NativeFields, parse_body
+from specserve.server.serving import (ServingContext, check_unsupported, make_choices, new_id, resolve_max_tokens,
+                                      timings)
 from specserve.server.streaming import Choice, Fanout, SSEResponse, run_or_disconnect, sse, start_fanout
 from specserve.server.structured import constrain
 
@@ -86,23 +88,53 @@ async def create_infill(ctx: ServingContext, request: Request) -> Response:
     if ctx.fim is None:
         raise RequestError(f"{ctx.served_model_name} has no fill-in-the-middle tokens (FIM prefix, suffix "
                            "and middle): infill needs a model trained for it", param="input_prefix")
-    if req.n != 1:
-        raise RequestError("n must be 1 for /infill", param="n")
-    check_unsupported(req)
+    n_predict = check_native(req)
     limit = ctx.engine.max_model_len
-    n_predict = req.max_tokens if req.n_predict == -1 and req.max_tokens else req.n_predict  # an alias there
-    if n_predict == 0 or n_predict < -1:  # as llama-server, -1 is "no limit"
-        raise RequestError(f"n_predict must be -1 (until the context is full) or >= 1, got {n_predict}",
-                           param="n_predict")
     if n_predict >= limit:
         raise RequestError(f"n_predict {n_predict} leaves no room for the prompt in the model's "
                            f"{limit}-token context", param="n_predict", code="context_length_exceeded")
     reserve = n_predict if n_predict > 0 else min(512, limit // 4)
     prompt = build_prompt(ctx.engine.tokenizer, req, ctx.fim, limit - reserve)
     max_tokens = n_predict if n_predict > 0 else limit - len(prompt.ids)
+    return await respond(ctx, request, req, prompt, max_tokens, ctx.fim.end_ids)
+
+
+async def create_native_completion(ctx: ServingContext, request: Request) -> Response:
+    """POST /completion: llama-server's own completion endpoint (a text or token-id prompt, BOS added to
+    a text as the model wants), answered in the same native format as /infill."""
+    req = parse_body(await request.body(), NativeCompletionRequest)
+    ctx.check_model(req.model)
+    n_predict = check_native(req)
+    if isinstance(req.prompt, str):
+        ids = ctx.encode_prompt(req.prompt, add_bos=True)
+    else:
+        ids = list(req.prompt)
+        ctx.check_token_ids(ids, "prompt")
+    if not ids:
+        raise RequestError("prompt must not be empty", param="prompt")
+    max_tokens = resolve_max_tokens(ctx, None if n_predict == -1 else n_predict, None, len(ids), "prompt",
+                                    param="n_predict")
+    return await respond(ctx, request, req, InfillPrompt(ids, False), max_tokens, ())
+
+
+def check_native(req: NativeFields) -> int:
+    """The request's n_predict (max_tokens is an alias), after the checks both endpoints share."""
+    if req.n != 1:
+        raise RequestError("n must be 1 here (llama-server's endpoints answer one completion)", param="n")
+    check_unsupported(req)
+    n_predict = req.max_tokens if req.n_predict == -1 and req.max_tokens else req.n_predict
+    if n_predict == 0 or n_predict < -1:  # as llama-server, -1 is "no limit"
+        raise RequestError(f"n_predict must be -1 (until the context is full) or >= 1, got {n_predict}",
+                           param="n_predict")
+    return n_predict
+
+
+async def respond(ctx: ServingContext, request: Request, req: NativeFields, prompt: InfillPrompt,
+                  max_tokens: int, end_ids: tuple[int, ...]) -> Response:
+    """Run the one choice and answer in llama-server's native format, streamed or not."""
     structured = await ctx.structured.spec_for(req)  # response_format / vLLM's structured fields, as completions
-    choices = make_choices([prompt.ids], llama_sampling(req), [max_tokens], None, new_id("infill"))
-    choices[0].params = replace(choices[0].params, stop_token_ids=choices[0].params.stop_token_ids + ctx.fim.end_ids)
+    choices = make_choices([prompt.ids], llama_sampling(req), [max_tokens], None, new_id("cmpl"))
+    choices[0].params = replace(choices[0].params, stop_token_ids=choices[0].params.stop_token_ids + end_ids)
     choices = constrain(choices, structured)
     c = choices[0]
     fan = Fanout(ctx.engine, ctx.metrics, choices)
@@ -162,7 +194,7 @@ async def collect(fan: Fanout, limits: Limits) -> None:
             return
 
 
-def llama_sampling(req: InfillRequest) -> InfillRequest:
+def llama_sampling(req: NativeFields) -> NativeFields:
     """The request with llama-server's sampling defaults and names (repeat_penalty; seed -1: random)."""
     update = {k: v for k, v in LLAMA_DEFAULTS.items() if getattr(req, k) is None}
     if req.repeat_penalty is not None and req.repetition_penalty is None:
