@@ -12,12 +12,7 @@ drafts are rarely accepted this settles at k = 0, so speculation never makes dec
 A new sequence's estimate starts from the policy's prior: a slow running acceptance over every
 sequence's steps (0.5 before any), so once a drafter has shown it is usually right (a draft
 model on code), a new request drafts from its first step instead of earning it from 0.5 with
-probes that a costly drafter can afford only rarely. The same prior pulls a sequence back while
-it drafts nothing: a few rejected drafts in a row (digits in a math answer) put a sequence at
-k = 0, and a draft model's probes are rare (each first reads the tokens skipped since), so
-without the pull it stayed there for a hundred steps of text its drafter would have guessed;
-with it, a sequence whose drafter is usually right tries again within a few steps, and one whose
-drafter is usually wrong (a low prior) stays at k = 0.
+probes that a costly drafter can afford only rarely.
 """
 
 from __future__ import annotations
@@ -35,21 +30,13 @@ PROBE_EVERY = 8  # a sequence at k = 0 still drafts 1 token every so often, to k
 PROBE_MAX = 256  # ... at least this often
 PROBE_BUDGET = 0.03  # ... and a drafter with a cost of its own probes at most ~3% of decode time
 PRIOR_ALPHA = 0.05  # running acceptance over every sequence's steps: where a new sequence starts
-IDLE_REVERT = 0.1  # a step without news moves a sequence's estimate this share of the way to the prior
 
 
 class CostModel:
     """Seconds of one forward pass as a function of its width (tokens in the pass).
 
-    Each width seen keeps an estimate; a width not seen yet is interpolated between its known
-    neighbours, or extrapolated from the widest two (never below a narrower width's time). The
-    estimates are a shape times the machine's speed, which moves (a shared host, memory that is
-    fast for a while): a measurement that differs from its width's estimate by a ratio r moves
-    every width by r ** ``speed_alpha`` and its own by r ** ``alpha`` more (the shape, learnt
-    slowly). So widths measured long ago (the verification widths, while a sequence drafts
-    nothing) stay comparable with the one measured each step; with a running average per width,
-    a slow phase seen by some widths only made verification look up to 25% dearer than it is,
-    and the policy draft less than pays. A ratio is clipped to [1/2, 2]: one stall moves little.
+    Each width seen keeps a running average; a width not seen yet is interpolated between its
+    known neighbours, or extrapolated from the widest two (never below a narrower width's time).
     Passes wider than ``max_width`` (prefill chunks) are left out: their cost per token says
     nothing about a verification block's. Before anything is measured, ``a + b * width``.
 
@@ -58,9 +45,8 @@ class CostModel:
     (:class:`PassFit`) that the scheduler's step budget asks (specserve/engine/step_budget.py).
     """
 
-    def __init__(self, max_width: int = 64, alpha: float = 0.03, a: float = 0.01, b: float = 0.001,
-                 speed_alpha: float = 0.15):
-        self.max_width, self.alpha, self.speed_alpha = max_width, alpha, speed_alpha
+    def __init__(self, max_width: int = 64, alpha: float = 0.25, a: float = 0.01, b: float = 0.001):
+        self.max_width, self.alpha = max_width, alpha
         self.a, self.b = a, b
         self.table: dict[int, float] = {}  # width -> running average seconds
         self.passes = PassFit()
@@ -71,14 +57,7 @@ class CostModel:
         if not 1 <= width <= self.max_width:
             return
         old = self.table.get(width)
-        if old is None or old <= 0:
-            self.table[width] = seconds
-            return
-        ratio = min(max(seconds / old, 0.5), 2.0)
-        shift = ratio ** self.speed_alpha  # the machine's speed: every width
-        for w in self.table:
-            self.table[w] *= shift
-        self.table[width] *= ratio ** self.alpha  # this width's own share
+        self.table[width] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
 
     def time(self, width: int) -> float:
         t = self.table.get(width)
@@ -254,8 +233,6 @@ class DraftPolicy:
         share = self.update(seq, num_drafted, num_accepted, cut)
         if share is not None:  # (a sequence with drafts went through lengths(): its estimate is set)
             self.prior += PRIOR_ALPHA * (share - self.prior)
-        elif seq.accept_ema is not None:  # no news: back towards the prior (module docstring)
-            seq.accept_ema += IDLE_REVERT * (self.prior - seq.accept_ema)
 
     @staticmethod
     def update(seq: Sequence, num_drafted: int, num_accepted: int, cut: bool = False,
