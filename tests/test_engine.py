@@ -77,7 +77,8 @@ def test_stop_strings_max_tokens_and_logprobs(engine, prompts):
     for out in engine.generate(prompts[0], SamplingParams(max_tokens=40, stop=(stop,)), request_id="stop-test"):
         text.append(out.new_text)
     assert "".join(text) == full[:full.index(stop)]
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason == stop  # vLLM's stop_reason: the string
+    assert last.stop_reason is None  # ended by max_tokens
     # an empty stop string is no stop string (it ended every request after one token)
     assert SamplingParams(stop=("", stop)).stop == (stop,)
     toks, last = run_one(engine, prompts[0], SamplingParams(max_tokens=5, stop=("",)))
@@ -94,8 +95,8 @@ def test_include_stop_str_in_output_and_min_tokens(engine, prompts):
     text = "".join(o.new_text for o in engine.generate(prompts[0], params, request_id="incl"))
     assert text == full[:full.index(stop) + len(stop)]
     early = ids[2]  # as a stop token id, plain greedy ends after 3 tokens
-    ended = run_one(engine, prompts[0], SamplingParams(max_tokens=40, stop_token_ids=(early,)))[0]
-    assert ended == ids[:3]
+    ended, last = run_one(engine, prompts[0], SamplingParams(max_tokens=40, stop_token_ids=(early,)))
+    assert ended == ids[:3] and last.stop_reason == early  # ... or the stop token id
     held, last = run_one(engine, prompts[0], SamplingParams(max_tokens=40, stop_token_ids=(early,), min_tokens=12))
     assert len(held) >= 12 and early not in held[:11] and held[:2] == ids[:2]
     assert last.finish_reason in ("stop", "length") and (last.finish_reason == "length" or held[-1] == early)
@@ -105,6 +106,7 @@ def test_include_stop_str_in_output_and_min_tokens(engine, prompts):
     forced = SamplingParams(max_tokens=20, logit_bias=((eos, 100.0),), min_tokens=5)
     toks, last = run_one(engine, prompts[0], forced)
     assert len(toks) == 6 and toks[-1] == eos and eos not in toks[:5] and last.finish_reason == "stop"
+    assert last.stop_reason is None  # EOS is no stop_reason, as in vLLM
     with pytest.raises(RequestError, match="min_tokens must be in"):
         SamplingParams(max_tokens=4, min_tokens=5)
 

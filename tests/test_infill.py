@@ -106,7 +106,16 @@ def test_llama_server_completion_endpoint(srv, engine):
     with srv.http.stream("POST", "/completion", json={"prompt": "Hi", "stream": True, "stop": ["!"]}) as s:
         events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line]
     assert "".join(e["content"] for e in events) == SCRIPT[:SCRIPT.index("!")]
-    assert events[-1]["stop"] and events[-1]["stop_type"] == "word"
+    assert events[-1]["stop"] and events[-1]["stop_type"] == "word" and events[-1]["stopping_word"] == "!"
+    # llama-server's logit_bias list: a token id, a text (each of its tokens), false bans
+    tok = engine.tokenizer
+    r = srv.http.post("/completion", json={"prompt": "Hi", "n_predict": 2, "logit_bias": [[7, False], ["ab", 1.5]]})
+    assert r.status_code == 200, r.text
+    want = {7: -100.0, **{t: 1.5 for t in tok.encode("ab", add_special_tokens=False)}}
+    assert dict(engine.requests[-1][1].logit_bias) == want
+    for bad in ([[7]], [[True, 1.0]], [["", 1.0]], [[7, "x"]]):
+        r = srv.http.post("/completion", json={"prompt": "Hi", "logit_bias": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (bad, r.text)
     for bad, param in (({"prompt": "Hi", "n_predict": 0}, "n_predict"), ({"prompt": []}, "prompt"),
                        ({"prompt": "Hi", "n_predict": 10**6}, "n_predict"), ({"prompt": [10**9]}, "prompt")):
         r = srv.http.post("/completion", json=bad)

@@ -198,9 +198,14 @@ def test_stop_strings(srv, engine):
     c = srv.client()
     r = c.chat.completions.create(model="fake-model", messages=MSGS, stop=["scripted", "zz"])
     assert r.choices[0].message.content == "Hello there! This is a " and r.choices[0].finish_reason == "stop"
-    stream = c.chat.completions.create(model="fake-model", messages=MSGS, stop="This", stream=True)
+    assert r.choices[0].stop_reason == "scripted"  # vLLM's field: which stop string ended it
+    stream = list(c.chat.completions.create(model="fake-model", messages=MSGS, stop="This", stream=True))
     text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
-    assert text == "Hello there! "
+    assert text == "Hello there! " and stream[-1].choices[0].stop_reason == "This"
+    done = c.completions.create(model="fake-model", prompt="x", stop=["zz"], max_tokens=100)  # EOS: none
+    assert done.choices[0].finish_reason == "stop" and done.choices[0].stop_reason is None
+    stream = list(c.completions.create(model="fake-model", prompt="x", stop=["is a"], max_tokens=100, stream=True))
+    assert [ch.choices[0].stop_reason for ch in stream if ch.choices][-1] == "is a"
 
 
 # ---------------------------------------------------------------- logprobs and n

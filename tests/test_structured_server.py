@@ -89,6 +89,8 @@ def test_every_way_of_asking_for_a_constraint(server):
         (dict(extra_body={"guided_grammar": 'root ::= "ab" | "cd"'}), lambda t: t in ("ab", "cd")),
         (dict(extra_body={"guided_json": schema, "guided_whitespace_pattern": "[ \\n]{0,2}"}),
          lambda t: validate(schema, t) is None),
+        (dict(extra_body={"grammar": 'root ::= "z" [0-9]'}), lambda t: re.fullmatch("z[0-9]", t)),  # llama-server's
+        (dict(extra_body={"json_schema": schema}), lambda t: validate(schema, t) is None),
     ]
     for kw, ok in asks:
         # the JSON asks get the schema's prompt: asked for a phone number as any JSON object,
@@ -100,6 +102,13 @@ def test_every_way_of_asking_for_a_constraint(server):
     r = c.completions.create(model=MODEL, prompt="My phone number is ", max_tokens=20, temperature=0,
                              extra_body={"guided_regex": regex})
     assert re.fullmatch(regex, r.choices[0].text), r.choices[0].text
+    # llama-server's own /completion with its grammar (GBNF) and json_schema fields
+    r = server.http.post("/completion", json={"prompt": "Pick one:", "grammar": 'root ::= "ab" | "cd"',
+                                              "temperature": 0, "n_predict": 8}).json()
+    assert r["content"] in ("ab", "cd") and r["stop_type"] == "eos", r
+    r = server.http.post("/completion", json={"prompt": SCHEMAS[0][1], "json_schema": schema, "temperature": 0,
+                                              "n_predict": 200}).json()
+    validate(schema, r["content"])
 
 
 def test_refused_schemas_get_a_400_and_the_server_keeps_serving(server):
@@ -129,6 +138,8 @@ def test_refused_schemas_get_a_400_and_the_server_keeps_serving(server):
         (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}), "structured_outputs"),
         (dict(extra_body={"structured_outputs": {"structural_tag": "{}"}}), "structured_outputs"),
         (dict(extra_body={"guided_grammar": "root ::= \"a"}), "guided_grammar"),  # an unclosed string
+        (dict(extra_body={"grammar": "root ::= \"a"}), "grammar"),
+        (dict(extra_body={"json_schema": {"type": "object"}, "guided_regex": "a"}), "json_schema"),
         (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
          "response_format.json_schema.schema"),
         (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}), "guided_regex"),

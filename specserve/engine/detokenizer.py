@@ -19,6 +19,7 @@ class StopText:
         self.text = ""  # all text so far (cut at a stop string once one is hit)
         self.emitted = 0  # characters of self.text already returned
         self.stopped = False
+        self.hit: str | None = None  # the stop string that stopped it
 
     def extend(self, piece: str, look: bool = True) -> bool:
         """Append a piece; True when a stop string was hit (the text is then cut before it, or after
@@ -31,7 +32,7 @@ class StopText:
             pos = self.text.find(s, max(self.floor, self.emitted - len(s)))
             if pos != -1:
                 self.text = self.text[:pos + (len(s) if self.include_stop else 0)]
-                self.stopped = True
+                self.stopped, self.hit = True, s
                 return True
         return False
 
@@ -75,6 +76,11 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         return self.out.text
+
+    @property
+    def stop_hit(self) -> str | None:
+        """The stop string that ended the text (None: none did)."""
+        return self.out.hit
 
     def add(self, token_id: int) -> bool:
         """Add a token; returns True when a stop string was hit (text is cut before it, or after it

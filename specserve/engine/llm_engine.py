@@ -341,6 +341,8 @@ class LLMEngine:
             hit_stop = seq.detok.add(tok) if not stop_tok or p.include_stop_str_in_output else False
             if stop_tok or hit_stop:
                 reason = "stop"
+                eos = tok in p.eos_token_ids and not p.ignore_eos  # EOS: no stop_reason, as in vLLM
+                seq.stop_reason = (None if eos else tok) if stop_tok else seq.detok.stop_hit
             elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
             if reason:
@@ -364,7 +366,7 @@ class LLMEngine:
             seq.finished, seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids), seq.num_cached,
             seq.acceptance if self.speculative else None,
             None if seq.first_token_at is None else seq.first_token_at - seq.arrival,
-            seq.prefill_time(), seq.decode_time())
+            seq.prefill_time(), seq.decode_time(), stop_reason=seq.stop_reason)
         seq.pending_ids, seq.pending_logprobs = [], []
         if seq.prompt_logprobs is not None and not seq.needs_prompt_logprobs:  # once: handed over, not kept
             out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None

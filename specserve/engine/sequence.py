@@ -36,6 +36,7 @@ class Sequence:
     cache: SequenceCache = field(default_factory=SequenceCache)  # a table per cache group (engine.cache)
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (RequestOutput)
     generator: torch.Generator | None = None
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
     drafter_state: dict = field(default_factory=dict)

@@ -179,6 +179,9 @@ class RequestOutput:
     decode_time: float = 0.0
     # the prompt's logprobs (None for its first token), once, in the first delta after the prompt is computed
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # vLLM's stop_reason, once finished: the stop string or stop token id that ended the request
+    # (None: EOS, max_tokens, the context, an abort)
+    stop_reason: str | int | None = None
 
 
 @dataclass

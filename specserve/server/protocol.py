@@ -275,6 +275,8 @@ class NativeFields(SamplingFields):
     repeat_penalty: float | None = None
     n_indent: int = 0  # end before a line indented less than this many whitespace characters (0: off)
     t_max_predict_ms: float = 0  # end once this long after the first token, at a new line (0: off)
+    # OpenAI's {"id": bias}, or llama-server's [[id or text, bias or false], ...] (serving_infill)
+    logit_bias: dict[str, float] | list[list[Any]] | None = None
 
 
 class InfillRequest(NativeFields):

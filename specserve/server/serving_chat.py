@@ -133,7 +133,7 @@ def chat_response(ctx: ServingContext, request_id: str, choices: list[Choice], s
     for c in choices:
         message, calls = chat_message(c, split)
         out.append({"index": c.index, "message": message, "logprobs": _logprobs_field(ctx, c, c.logprobs),
-                    "finish_reason": finish_reason(c.finish_reason, bool(calls))})
+                    "finish_reason": finish_reason(c.finish_reason, bool(calls)), "stop_reason": c.stop_reason})
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -198,7 +198,7 @@ async def chat_events(ctx: ServingContext, request_id: str, fan: Fanout, split: 
         called = parsers[choice.index][1] is not None and parsers[choice.index][1].calls > 0
         reason = finish_reason(out.finish_reason, called) if out.finished else None
         chunk = {**base, "choices": [{"index": choice.index, "delta": delta, "logprobs": lps,
-                                      "finish_reason": reason}]}
+                                      "finish_reason": reason, "stop_reason": out.stop_reason if out.finished else None}]}
         unfinished -= out.finished
         if unfinished == 0 and not include_usage:
             chunk["timings"] = timings(fan.choices)

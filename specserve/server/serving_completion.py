@@ -166,7 +166,7 @@ def completion_response(ctx: ServingContext, request_id: str, choices: list[Choi
         if c.params.logprobs is not None:
             lps = joined(view.legacy(ctx, c), legacy_logprobs(ctx, c.logprobs, c.params.logprobs, len(prefix)))
         return {"index": c.index, "text": prefix + c.text, "logprobs": lps, "finish_reason": c.finish_reason,
-                **view.vllm(ctx, c)}
+                "stop_reason": c.stop_reason, **view.vllm(ctx, c)}
 
     return {
         "id": request_id,
@@ -206,7 +206,8 @@ async def completion_events(ctx: ServingContext, request_id: str, fan: Fanout, v
         if not out.new_text and lps is None and not out.finished:
             continue
         chunk = {**base, "choices": [{"index": choice.index, "text": out.new_text, "logprobs": lps,
-                                      "finish_reason": out.finish_reason if out.finished else None}]}
+                                      "finish_reason": out.finish_reason if out.finished else None,
+                                      "stop_reason": out.stop_reason if out.finished else None}]}
         unfinished -= out.finished
         if unfinished == 0 and not include_usage:
             chunk["timings"] = timings(fan.choices)

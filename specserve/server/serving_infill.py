@@ -8,7 +8,10 @@ up to the cursor), the text after it (``input_suffix``) and other files as conte
 llama-server's (``n_predict``, ``repeat_penalty``, its defaults: temperature 0.8, top_k 40,
 top_p 0.95, min_p 0.05), and its ends ``n_indent`` and ``t_max_predict_ms`` (class Limits); its
 fields we do not act on (``cache_prompt``: the prefix cache is always on, ``samplers``,
-``t_max_prompt_ms``, ...) are ignored, as llama-server ignores fields it does not know.
+``t_max_prompt_ms``, ...) are ignored, as llama-server ignores fields it does not know. Its
+``grammar`` (GBNF) and ``json_schema`` constrain the output (server/structured.py), its
+``logit_bias`` may be a list ([[id or text, bias or false]]), and a stop string that ended the
+text is its ``stopping_word``.
 
 The prompt is the model's repository-level format where it has one (Qwen2.5-Coder):
 ``<repo>myproject\\n<file_sep>{filename}\\n{text}...<file_sep>filename\\n`` and then
@@ -20,6 +23,7 @@ room, then the prefix's start.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator
@@ -133,7 +137,7 @@ async def respond(ctx: ServingContext, request: Request, req: NativeFields, prom
                   max_tokens: int, end_ids: tuple[int, ...]) -> Response:
     """Run the one choice and answer in llama-server's native format, streamed or not."""
     structured = await ctx.structured.spec_for(req)  # response_format / vLLM's structured fields, as completions
-    choices = make_choices([prompt.ids], llama_sampling(req), [max_tokens], None, new_id("cmpl"))
+    choices = make_choices([prompt.ids], llama_sampling(req, ctx.engine.tokenizer), [max_tokens], None, new_id("cmpl"))
     choices[0].params = replace(choices[0].params, stop_token_ids=choices[0].params.stop_token_ids + end_ids)
     choices = constrain(choices, structured)
     c = choices[0]
@@ -194,9 +198,29 @@ async def collect(fan: Fanout, limits: Limits) -> None:
             return
 
 
-def llama_sampling(req: NativeFields) -> NativeFields:
-    """The request with llama-server's sampling defaults and names (repeat_penalty; seed -1: random)."""
+def native_logit_bias(tok: Tokenizer, raw: list[list]) -> dict[str, float]:
+    """llama-server's logit_bias, [[token id or text, bias or false], ...], as OpenAI's {"id": bias}:
+    a text biases each of its tokens, false bans (-100, the strongest bias; a later entry wins)."""
+    out: dict[str, float] = {}
+    for item in raw:
+        key, bias = item if len(item) == 2 else (None, None)
+        if bias is False:
+            bias = -100.0
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or isinstance(key, bool) \
+                or not isinstance(key, (int, str)) or (isinstance(key, str) and not key):
+            raise RequestError("logit_bias entries must be [token id or text, bias or false], got "
+                               f"{json.dumps(item)[:80]}", param="logit_bias")
+        ids = [key] if isinstance(key, int) else tok.encode(key, add_special_tokens=False)
+        out.update({str(t): float(bias) for t in ids})
+    return out
+
+
+def llama_sampling(req: NativeFields, tok: Tokenizer) -> NativeFields:
+    """The request with llama-server's sampling defaults and names (repeat_penalty; seed -1: random;
+    logit_bias as a list)."""
     update = {k: v for k, v in LLAMA_DEFAULTS.items() if getattr(req, k) is None}
+    if isinstance(req.logit_bias, list):
+        update["logit_bias"] = native_logit_bias(tok, req.logit_bias)
     if req.repeat_penalty is not None and req.repetition_penalty is None:
         update["repetition_penalty"] = req.repeat_penalty
     if req.seed == -1:
@@ -206,9 +230,8 @@ def llama_sampling(req: NativeFields) -> NativeFields:
 
 def final_fields(ctx: ServingContext, c: Choice, prompt: InfillPrompt) -> dict:
     """llama-server's fields of a finished completion, after ``content``."""
-    ends = set(ctx.engine.tokenizer.eos_token_ids) | set(c.params.stop_token_ids)
-    ended_on_token = bool(c.token_ids) and c.token_ids[-1] in ends
-    stop_type = {"length": "limit", "stop": "eos" if ended_on_token else "word"}.get(c.finish_reason, "none")
+    word = c.stop_reason if isinstance(c.stop_reason, str) else None  # a stop string, not an end token
+    stop_type = {"length": "limit", "stop": "eos" if word is None else "word"}.get(c.finish_reason, "none")
     return {
         "id_slot": 0, "stop": True, "model": ctx.served_model_name,
         "tokens_predicted": c.completion_tokens, "tokens_evaluated": len(prompt.ids),
@@ -217,7 +240,7 @@ def final_fields(ctx: ServingContext, c: Choice, prompt: InfillPrompt) -> dict:
                                 "top_p": c.params.top_p, "min_p": c.params.min_p, "seed": c.params.seed},
         "prompt": ctx.engine.tokenizer.decode(prompt.ids, skip_special_tokens=False),
         "has_new_line": "\n" in c.text, "truncated": prompt.truncated,
-        "stop_type": stop_type, "stopping_word": "",
+        "stop_type": stop_type, "stopping_word": word or "",
         "tokens_cached": c.cached_tokens, "timings": timings([c]),
     }
 

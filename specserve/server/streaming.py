@@ -42,6 +42,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs: once the prompt is computed
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -58,7 +59,7 @@ class Choice:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
-            self.finish_reason = out.finish_reason
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         self.prompt_tokens = out.prompt_tokens or len(self.prompt_ids)
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens

@@ -8,6 +8,7 @@ Fields, as OpenAI and vLLM take them (at most one per request):
   strings), ``grammar`` (Lark or GBNF), ``json_object: true``; and ``whitespace_pattern``;
 * vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``
   (and ``guided_whitespace_pattern``);
+* llama-server's ``grammar`` (GBNF) and ``json_schema`` (a schema), on every endpoint as there;
 * ``tool_choice: "required"`` or a named function: the output is the tool-call text the hermes
   parser reads, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, with the
   arguments constrained by the tool's parameter schema.
@@ -98,6 +99,11 @@ def _field_sources(req: Any) -> list[Source]:
     for name in _OLD:
         if extra.get(name) is not None:
             found.append(grammar_source(name.removeprefix("guided_"), extra[name], name, ws))
+    # llama-server's own: a GBNF grammar, a JSON schema (an empty grammar is none, as there)
+    if extra.get("grammar") not in (None, ""):
+        found.append(grammar_source("grammar", extra["grammar"], "grammar"))
+    if extra.get("json_schema") is not None:
+        found.append(grammar_source("json", extra["json_schema"], "json_schema"))
     return found
 
 
