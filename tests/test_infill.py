@@ -107,6 +107,25 @@ def test_llama_server_completion_endpoint(srv, engine):
         events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line]
     assert "".join(e["content"] for e in events) == SCRIPT[:SCRIPT.index("!")]
     assert events[-1]["stop"] and events[-1]["stop_type"] == "word" and events[-1]["stopping_word"] == "!"
+    # n_probs: each generated token's logprob and the top n's (completion_probabilities); return_tokens
+    r = srv.http.post("/completion", json={"prompt": "Hi", "n_predict": 6, "n_probs": 3, "return_tokens": True,
+                                           "temperature": 0}).json()
+    probs = r["completion_probabilities"]
+    assert [p["id"] for p in probs] == r["tokens"] and len(r["tokens"]) == 6 and r["content"] == SCRIPT[:6]
+    assert all(len(p["top_logprobs"]) == 3 and p["logprob"] <= 0 and set(p) == {"id", "token", "bytes", "logprob",
+                                                                                  "top_logprobs"} for p in probs)
+    assert "".join(p["token"] for p in probs) == SCRIPT[:6] and probs[0]["bytes"] == list(SCRIPT[0].encode())
+    with srv.http.stream("POST", "/completion", json={"prompt": "Hi", "stream": True, "n_predict": 6, "n_probs": 2,
+                                                      "temperature": 0}) as s:
+        events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line]
+    streamed = [p for e in events for p in e.get("completion_probabilities", [])]
+    assert [p["id"] for p in streamed] == [p["id"] for p in probs] and "completion_probabilities" not in events[-1]
+    assert all(e["tokens"] == [] for e in events)  # without return_tokens
+    assert "completion_probabilities" not in srv.http.post("/completion", json={"prompt": "Hi", "n_predict": 2}).json()
+    for bad, param in (({"n_probs": 21}, "n_probs"), ({"n_probs": -1}, "n_probs"),
+                       ({"n_probs": 2, "post_sampling_probs": True}, "post_sampling_probs")):
+        r = srv.http.post("/completion", json={"prompt": "Hi", **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
     # llama-server's logit_bias list: a token id, a text (each of its tokens), false bans
     tok = engine.tokenizer
     r = srv.http.post("/completion", json={"prompt": "Hi", "n_predict": 2, "logit_bias": [[7, False], ["ab", 1.5]]})

@@ -275,6 +275,9 @@ class NativeFields(SamplingFields):
     repeat_penalty: float | None = None
     n_indent: int = 0  # end before a line indented less than this many whitespace characters (0: off)
     t_max_predict_ms: float = 0  # end once this long after the first token, at a new line (0: off)
+    n_probs: int = 0  # the top n_probs tokens' logprobs of each generated token (completion_probabilities)
+    post_sampling_probs: bool = False  # probabilities after the samplers: not supported (a 400)
+    return_tokens: bool = False  # the generated token ids in the answer's "tokens"
     # OpenAI's {"id": bias}, or llama-server's [[id or text, bias or false], ...] (serving_infill)
     logit_bias: dict[str, float] | list[list[Any]] | None = None
 

@@ -31,18 +31,20 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from specserve.engine.types import TokenLogprob
 from specserve.errors import RequestError
 from specserve.models.fim import FimTokens, fim_prompt
 from specserve.models.tokenizer import Tokenizer
 from specserve.server.protocol import ExtraFile, InfillRequest, NativeCompletionRequest, NativeFields, parse_body
-from specserve.server.serving import (ServingContext, check_unsupported, make_choices, new_id, resolve_max_tokens,
-                                      timings)
+from specserve.server.serving import (ServingContext, check_unsupported, clean_logprob, make_choices, new_id,
+                                      resolve_max_tokens, timings)
 from specserve.server.streaming import Choice, Fanout, SSEResponse, run_or_disconnect, sse, start_fanout
 from specserve.server.structured import constrain
 
 PROJECT = "myproject"  # the repository name llama-server writes (clients send none)
 SNIPPET = "\n\n--- snippet ---\n\n"  # separates extra files for a model without file tokens
 LLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+MAX_PROBS = 20  # n_probs, as chat's top_logprobs
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,11 @@ def check_native(req: NativeFields) -> int:
     if req.n != 1:
         raise RequestError("n must be 1 here (llama-server's endpoints answer one completion)", param="n")
     check_unsupported(req)
+    if not 0 <= req.n_probs <= MAX_PROBS:
+        raise RequestError(f"n_probs must be in [0, {MAX_PROBS}], got {req.n_probs}", param="n_probs")
+    if req.post_sampling_probs and req.n_probs:
+        raise RequestError("post_sampling_probs is not supported: n_probs gives the model's own logprobs "
+                           "(llama-server's default)", param="post_sampling_probs")
     n_predict = req.max_tokens if req.n_predict == -1 and req.max_tokens else req.n_predict
     if n_predict == 0 or n_predict < -1:  # as llama-server, -1 is "no limit"
         raise RequestError(f"n_predict must be -1 (until the context is full) or >= 1, got {n_predict}",
@@ -137,7 +144,8 @@ async def respond(ctx: ServingContext, request: Request, req: NativeFields, prom
                   max_tokens: int, end_ids: tuple[int, ...]) -> Response:
     """Run the one choice and answer in llama-server's native format, streamed or not."""
     structured = await ctx.structured.spec_for(req)  # response_format / vLLM's structured fields, as completions
-    choices = make_choices([prompt.ids], llama_sampling(req, ctx.engine.tokenizer), [max_tokens], None, new_id("cmpl"))
+    choices = make_choices([prompt.ids], llama_sampling(req, ctx.engine.tokenizer), [max_tokens],
+                           req.n_probs or None, new_id("cmpl"))
     choices[0].params = replace(choices[0].params, stop_token_ids=choices[0].params.stop_token_ids + end_ids)
     choices = constrain(choices, structured)
     c = choices[0]
@@ -145,12 +153,16 @@ async def respond(ctx: ServingContext, request: Request, req: NativeFields, prom
     limits = Limits(req.n_indent, req.t_max_predict_ms)
     await start_fanout(request.receive, fan, drain=False)
     if req.stream:
-        return SSEResponse(infill_events(ctx, fan, prompt, limits), fan.close)
+        return SSEResponse(infill_events(ctx, fan, prompt, limits, req.return_tokens), fan.close)
     try:
         await run_or_disconnect(request.receive, collect(fan, limits))
     finally:
         await fan.close()
-    return JSONResponse({"content": c.text, **final_fields(ctx, c, prompt)})
+    body = {"index": 0, "content": c.text, "tokens": c.token_ids if req.return_tokens else [],
+            **final_fields(ctx, c, prompt)}
+    if req.n_probs:  # (streamed, each event carries its tokens' instead)
+        body["completion_probabilities"] = native_probs(ctx, c.logprobs, req.n_probs)
+    return JSONResponse(body)
 
 
 @dataclass
@@ -245,8 +257,18 @@ def final_fields(ctx: ServingContext, c: Choice, prompt: InfillPrompt) -> dict:
     }
 
 
-async def infill_events(ctx: ServingContext, fan: Fanout, prompt: InfillPrompt,
-                        limits: Limits) -> AsyncIterator[str]:
+def native_probs(ctx: ServingContext, lps: list[TokenLogprob], n: int) -> list[dict]:
+    """llama-server's completion_probabilities: per generated token its id, text, bytes and logprob,
+    and the top n tokens' ("top_logprobs")."""
+    def entry(token_id: int, logprob: float) -> dict:
+        text = ctx.token_text(token_id)
+        return {"id": token_id, "token": text, "bytes": list(text.encode("utf-8")), "logprob": clean_logprob(logprob)}
+
+    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top[:n]]} for lp in lps]
+
+
+async def infill_events(ctx: ServingContext, fan: Fanout, prompt: InfillPrompt, limits: Limits,
+                        return_tokens: bool) -> AsyncIterator[str]:
     """llama-server's stream: one event per delta with ``content`` and ``stop``; the last one (empty
     content, ``stop`` true) carries the finished completion's fields. No [DONE] line, as llama-server.
     A line is held back until it is complete when n_indent may cut it."""
@@ -254,9 +276,11 @@ async def infill_events(ctx: ServingContext, fan: Fanout, prompt: InfillPrompt,
     async for choice, out in fan:
         done = limits.reached(choice) or out.finished
         end = len(choice.text) if done or not limits.n_indent else choice.text.rfind("\n") + 1
-        if end > sent:
-            yield sse({"content": choice.text[sent:end], "tokens": list(out.new_token_ids), "stop": False,
-                       "id_slot": 0, "index": 0})
+        probs = native_probs(ctx, out.new_logprobs or [], choice.params.logprobs) if choice.params.logprobs else None
+        if end > sent or probs:
+            event = {"content": choice.text[sent:end], "tokens": list(out.new_token_ids) if return_tokens else [],
+                     "stop": False, "id_slot": 0, "index": 0}
+            yield sse(event | ({"completion_probabilities": probs} if probs else {}))
             sent = end
         if done:
             yield sse({"content": "", "tokens": [], "index": 0, **final_fields(ctx, choice, prompt)})
