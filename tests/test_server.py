@@ -426,7 +426,13 @@ def test_tokenize_detokenize(srv):
     assert r["tokens"] == [1, ord("a") + 3, ord("b") + 3] and r["count"] == 3
     r = srv.http.post("/tokenize", json={"prompt": "ab", "add_special_tokens": False}).json()
     assert r["count"] == 2
-    assert srv.http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "ab"}
+    assert srv.http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "ab", "content": "ab"}
+    # llama-server's form: content, BOS only with add_special, with_pieces
+    assert srv.http.post("/tokenize", json={"content": "ab"}).json()["tokens"] == [ord("a") + 3, ord("b") + 3]
+    r = srv.http.post("/tokenize", json={"content": "ab", "add_special": True, "with_pieces": True}).json()
+    assert [p["id"] for p in r["tokens"]] == [1, ord("a") + 3, ord("b") + 3] and r["tokens"][1]["piece"] == "a"
+    r = srv.http.post("/tokenize", json={"content": "ab", "prompt": "ab"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
 def test_model_without_template():

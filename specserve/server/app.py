@@ -194,16 +194,19 @@ async def metrics_page(ctx: ServingContext, _request: Request) -> Response:
 async def tokenize(ctx: ServingContext, request: Request) -> dict:
     req = parse_body(await request.body(), TokenizeRequest)
     ctx.check_model(req.model)
-    if (req.prompt is None) == (req.messages is None):
-        raise RequestError("send exactly one of 'prompt' or 'messages'", param="prompt")
+    if sum(x is not None for x in (req.prompt, req.messages, req.content)) != 1:
+        raise RequestError("send exactly one of 'prompt' or 'messages' (or llama-server's 'content')", param="prompt")
     images = []
     if req.messages is not None:
         tools = plan_tools(req.tools, None, None, ctx.tool_parser).template_tools
         _, ids, images = await ctx.chat_prompt(req.messages, req.chat_template_kwargs, req.add_generation_prompt,
                                                tools, req.continue_final_message)
+    elif req.content is not None:  # llama-server's form: BOS only with add_special
+        ids = ctx.encode_prompt(req.content, add_bos=req.add_special)
     else:
         ids = ctx.encode_prompt(req.prompt, add_bos=req.add_special_tokens)
-    out = {"tokens": ids, "count": len(ids), "max_model_len": ctx.engine.max_model_len}
+    pieces = [{"id": t, "piece": ctx.token_text(t)} for t in ids] if req.with_pieces else ids
+    out = {"tokens": pieces, "count": len(ids), "max_model_len": ctx.engine.max_model_len}
     if images:  # the placeholder tokens each image takes (they are in count)
         out["image_tokens"] = [img.num_tokens for img in images]
     return out
@@ -213,4 +216,5 @@ async def detokenize(ctx: ServingContext, request: Request) -> dict:
     req = parse_body(await request.body(), DetokenizeRequest)
     ctx.check_model(req.model)
     ctx.check_token_ids(req.tokens, "tokens")
-    return {"prompt": ctx.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+    text = ctx.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    return {"prompt": text, "content": text}  # vLLM's name, llama-server's

@@ -296,6 +296,9 @@ class NativeCompletionRequest(NativeFields):
 class TokenizeRequest(_Lenient):
     model: str | None = None
     prompt: str | None = None
+    content: str | None = None  # llama-server's name for prompt (with add_special, default false, and with_pieces)
+    add_special: bool = False
+    with_pieces: bool = False
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
