@@ -121,6 +121,7 @@ def test_openapi_describes_the_request_bodies():
         chat = doc["components"]["schemas"]["ChatCompletionRequest"]
         assert chat["required"] == ["messages"] and "temperature" in chat["properties"]
         assert doc["paths"]["/v1/models/{model}"]["get"]["parameters"][0]["name"] == "model"
+        assert "llama-server" in doc["paths"]["/props"]["get"]["summary"]
         assert set(doc["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
         docs = s.http.get("/docs")
         assert docs.status_code == 200 and "swagger" in docs.text.lower() and "/openapi.json" in docs.text

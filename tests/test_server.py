@@ -421,6 +421,15 @@ def test_default_template_kwargs_overridden_per_request():
         s.close()
 
 
+def test_llama_server_props(srv, engine):
+    """GET /props: what llama-server's clients read (context size, template, default sampling)."""
+    r = srv.http.get("/props").json()
+    assert r["default_generation_settings"]["n_ctx"] == engine.max_model_len
+    assert r["default_generation_settings"]["params"]["temperature"] == 0.8 and r["total_slots"] >= 1
+    assert r["model_alias"] == "fake-model" and r["chat_template"] == engine.tokenizer.chat_template
+    assert r["modalities"] == {"vision": False, "video": False, "audio": False} and r["endpoint_props"]
+
+
 def test_tokenize_detokenize(srv):
     r = srv.http.post("/tokenize", json={"prompt": "ab"}).json()
     assert r["tokens"] == [1, ord("a") + 3, ord("b") + 3] and r["count"] == 3

@@ -31,6 +31,7 @@ class AsyncEngine:
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
         self.spec_enabled = engine.speculative is not None
+        self.max_num_seqs = engine.ecfg.max_num_seqs
         self._inbox: queue.Queue = queue.Queue()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None

@@ -33,7 +33,7 @@ from specserve.server.protocol import (ApiError, DetokenizeRequest, TokenizeRequ
 from specserve.server.serving import ServingContext, now
 from specserve.server.serving_chat import create_chat_completion
 from specserve.server.serving_completion import create_completion
-from specserve.server.serving_infill import create_infill, create_native_completion
+from specserve.server.serving_infill import LLAMA_DEFAULTS, create_infill, create_native_completion
 from specserve.server.serving_responses import ResponsesAPI, ResponseStore
 from specserve.server.streaming import ClientGone
 from specserve.server.tools import plan_tools, resolve_parser
@@ -123,6 +123,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, responses: ResponsesAPI) -> N
         ("GET", "/v1/models/{model:path}", retrieve_model),
         ("GET", "/health", health),
         ("GET", "/version", version),
+        ("GET", "/props", props),
         ("GET", "/metrics", metrics_page),
         ("POST", "/tokenize", tokenize),
         ("POST", "/detokenize", detokenize),
@@ -185,6 +186,22 @@ async def health(ctx: ServingContext, _request: Request) -> dict | Response:
 async def version(ctx: ServingContext, _request: Request) -> dict:
     return {"version": __version__, "model": ctx.served_model_name,
             "speculative": bool(getattr(ctx.engine, "spec_enabled", False))}
+
+
+async def props(ctx: ServingContext, _request: Request) -> dict:
+    """GET /props: llama-server's server properties, those a client reads (the context size, the
+    chat template, the default sampling of /completion and /infill, what the model takes in)."""
+    tmpl = ctx.renderer.template
+    tok = ctx.engine.tokenizer
+    params = {**LLAMA_DEFAULTS, "n_predict": -1, "seed": -1, "stream": False}
+    return {"default_generation_settings": {"n_ctx": ctx.engine.max_model_len, "params": params},
+            "total_slots": getattr(ctx.engine, "max_num_seqs", 1), "model_alias": ctx.served_model_name,
+            "model_path": ctx.engine.model_name,
+            "modalities": {"vision": ctx.media is not None, "video": False, "audio": False},
+            "chat_template": tmpl.source if tmpl is not None else "",
+            "bos_token": tok.bos_token or "", "eos_token": tok.eos_token or "",
+            "endpoint_slots": False, "endpoint_props": True, "endpoint_metrics": True,
+            "build_info": f"specserve {__version__}", "is_sleeping": False}
 
 
 async def metrics_page(ctx: ServingContext, _request: Request) -> Response:

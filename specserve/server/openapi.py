@@ -38,7 +38,8 @@ SUMMARIES = {
     "/v1/models": "The served model",
     "/v1/models/{model}": "One model by id",
     "/health": "Liveness", "/version": "Server version", "/metrics": "Prometheus metrics (vLLM's names)",
-    "/tokenize": "Prompt or messages to token ids", "/detokenize": "Token ids to text",
+    "/props": "Server properties (llama-server's): context size, chat template, default sampling",
+    "/tokenize": "Prompt or messages (or llama-server's content) to token ids", "/detokenize": "Token ids to text",
     "/infill": "Code infill at a cursor (llama-server's); its server-sent events with stream: true",
     "/completion": "Text completion in llama-server's own format; its server-sent events with stream: true",
 }
