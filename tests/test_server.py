@@ -442,6 +442,12 @@ def test_tokenize_detokenize(srv):
     assert [p["id"] for p in r["tokens"]] == [1, ord("a") + 3, ord("b") + 3] and r["tokens"][1]["piece"] == "a"
     r = srv.http.post("/tokenize", json={"content": "ab", "prompt": "ab"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    # llama-server's /apply-template: the rendered chat prompt, the text /tokenize counts
+    text = srv.http.post("/apply-template", json={"messages": MSGS}).json()["prompt"]
+    ids = srv.http.post("/tokenize", json={"messages": MSGS}).json()["tokens"]
+    assert srv.http.post("/detokenize", json={"tokens": ids}).json()["content"] == text
+    r = srv.http.post("/apply-template", json={"prompt": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
 def test_model_without_template():

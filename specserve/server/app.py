@@ -127,6 +127,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, responses: ResponsesAPI) -> N
         ("GET", "/metrics", metrics_page),
         ("POST", "/tokenize", tokenize),
         ("POST", "/detokenize", detokenize),
+        ("POST", "/apply-template", apply_template),
     ]
     for method, path, handler in routes:
         app.add_api_route(path, _guard(ctx, handler), methods=[method], include_in_schema=False)
@@ -227,6 +228,18 @@ async def tokenize(ctx: ServingContext, request: Request) -> dict:
     if images:  # the placeholder tokens each image takes (they are in count)
         out["image_tokens"] = [img.num_tokens for img in images]
     return out
+
+
+async def apply_template(ctx: ServingContext, request: Request) -> dict:
+    """POST /apply-template: llama-server's; the chat prompt the messages render to, as text."""
+    req = parse_body(await request.body(), TokenizeRequest)
+    ctx.check_model(req.model)
+    if req.messages is None:
+        raise RequestError("messages is required", param="messages")
+    tools = plan_tools(req.tools, None, None, ctx.tool_parser).template_tools
+    prompt = ctx.renderer.render(req.messages, req.chat_template_kwargs, req.add_generation_prompt, tools,
+                                 req.continue_final_message)
+    return {"prompt": prompt}
 
 
 async def detokenize(ctx: ServingContext, request: Request) -> dict:

@@ -29,6 +29,7 @@ BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("POST", "/completion"): NativeCompletionRequest,
     ("POST", "/tokenize"): TokenizeRequest,
     ("POST", "/detokenize"): DetokenizeRequest,
+    ("POST", "/apply-template"): TokenizeRequest,
 }
 SUMMARIES = {
     "/v1/chat/completions": "Chat completion (OpenAI); server-sent events with stream: true",
@@ -40,6 +41,7 @@ SUMMARIES = {
     "/health": "Liveness", "/version": "Server version", "/metrics": "Prometheus metrics (vLLM's names)",
     "/props": "Server properties (llama-server's): context size, chat template, default sampling",
     "/tokenize": "Prompt or messages (or llama-server's content) to token ids", "/detokenize": "Token ids to text",
+    "/apply-template": "Messages to the chat prompt they render to (llama-server's)",
     "/infill": "Code infill at a cursor (llama-server's); its server-sent events with stream: true",
     "/completion": "Text completion in llama-server's own format; its server-sent events with stream: true",
 }
@@ -50,6 +52,7 @@ EXAMPLES = {
     "/v1/responses": {"input": "Hi!", "instructions": "Answer briefly.", "max_output_tokens": 16},
     "/tokenize": {"prompt": "Hello world"},
     "/detokenize": {"tokens": [1, 2, 3]},
+    "/apply-template": {"messages": [{"role": "user", "content": "Hi!"}]},
     "/infill": {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n", "n_predict": 16},
     "/completion": {"prompt": "Once upon a time", "n_predict": 16},
 }
