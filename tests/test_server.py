@@ -171,6 +171,24 @@ def test_chat_stream_include_usage(srv, engine):
     assert len({ch.id for ch in chunks}) == 1
 
 
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_continuous_usage_stats(srv, engine, kind):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far (its
+    completion tokens never falling, the last content chunk's equal to the final usage); without
+    include_usage it does nothing, as in vLLM."""
+    c = srv.client()
+    make = (lambda **kw: c.chat.completions.create(model="fake-model", messages=MSGS, stream=True, **kw)) \
+        if kind == "chat" else (lambda **kw: c.completions.create(model="fake-model", prompt="p", max_tokens=20,
+                                                                   stream=True, **kw))
+    chunks = list(make(stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [ch.usage.completion_tokens for ch in chunks]
+    assert all(ch.usage is not None for ch in chunks) and counts == sorted(counts)
+    assert chunks[-1].choices == [] and counts[-2] == counts[-1] == (SCRIPT_TOKENS if kind == "chat" else 20)
+    assert all(ch.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for ch in chunks)
+    plain = list(make(stream_options={"include_usage": False, "continuous_usage_stats": True}))
+    assert all(ch.usage is None for ch in plain)
+
+
 def test_stream_raw_sse_ends_with_done(srv, engine):
     body = {"model": "fake-model", "messages": MSGS, "stream": True, "max_tokens": 6}
     with srv.http.stream("POST", "/v1/chat/completions", json=body) as r:

@@ -192,6 +192,7 @@ class _Lenient(BaseModel):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk too (with include_usage)
 
 
 class ContentPart(BaseModel):

@@ -159,6 +159,14 @@ _NOT_SUPPORTED = {
 }
 
 
+def stream_usage(req: SamplingFields) -> tuple[bool, bool]:
+    """(a usage chunk at the end, usage so far in every chunk as well): stream_options' include_usage
+    and vLLM's continuous_usage_stats, which acts with include_usage only (as in vLLM)."""
+    opts = req.stream_options
+    final = bool(opts and opts.include_usage)
+    return final, final and opts.continuous_usage_stats
+
+
 def check_unsupported(req: SamplingFields) -> None:
     """Refuse what the server cannot do rather than ignore it: an unknown response_format type
     and the fields of ``_NOT_SUPPORTED`` with a value other than their default. Other unknown

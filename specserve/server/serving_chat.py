@@ -14,7 +14,7 @@ from specserve.server.chat import prompt_opens_think
 from specserve.server.protocol import ChatCompletionRequest, parse_body
 from specserve.server.reasoning import ReasoningParser, make_parser, split_all
 from specserve.server.serving import (ServingContext, check_n, check_unsupported, clean_logprob, make_choices,
-                                      new_id, now, openai_sse, resolve_max_tokens, timings, usage,
+                                      new_id, now, openai_sse, resolve_max_tokens, stream_usage, timings, usage,
                                       vllm_prompt_logprobs)
 from specserve.server.streaming import Choice, Fanout, SSEResponse, sse, start_fanout
 from specserve.server.structured import constrain, start_for
@@ -62,9 +62,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     fan = Fanout(ctx.engine, ctx.metrics, choices)
     await start_fanout(request.receive, fan, drain=not req.stream)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return SSEResponse(openai_sse(chat_events(ctx, request_id, fan, split, include_usage), "chat", request_id),
-                           fan.close)
+        events = chat_events(ctx, request_id, fan, split, *stream_usage(req))
+        return SSEResponse(openai_sse(events, "chat", request_id), fan.close)
     body = chat_response(ctx, request_id, choices, split)
     if req.prompt_logprobs is not None:  # vLLM's: beside the choices, which share the prompt
         body["prompt_logprobs"] = vllm_prompt_logprobs(ctx, choices[0].prompt_logprobs, req.prompt_logprobs)
@@ -178,7 +177,7 @@ def chat_delta(parsers: tuple[ReasoningParser | None, ToolCallParser | None], ou
 
 
 async def chat_events(ctx: ServingContext, request_id: str, fan: Fanout, split: Splitter,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:
     created, model = now(), ctx.served_model_name
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": ctx.system_fingerprint}
@@ -189,7 +188,7 @@ async def chat_events(ctx: ServingContext, request_id: str, fan: Fanout, split: 
     for c in fan.choices:
         first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}
-        yield sse({**base, "choices": [first]})
+        yield sse({**base, "choices": [first]} | ({"usage": usage(fan.choices)} if continuous else {}))
     async for choice, out in fan:
         delta = chat_delta(parsers[choice.index], out)
         lps = _logprobs_field(ctx, choice, out.new_logprobs) if out.new_logprobs else None
@@ -200,6 +199,8 @@ async def chat_events(ctx: ServingContext, request_id: str, fan: Fanout, split: 
         chunk = {**base, "choices": [{"index": choice.index, "delta": delta, "logprobs": lps,
                                       "finish_reason": reason, "stop_reason": out.stop_reason if out.finished else None}]}
         unfinished -= out.finished
+        if continuous:
+            chunk["usage"] = usage(fan.choices)
         if unfinished == 0 and not include_usage:
             chunk["timings"] = timings(fan.choices)
         yield sse(chunk)

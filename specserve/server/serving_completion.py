@@ -13,7 +13,7 @@ from specserve.errors import RequestError
 from specserve.models.fim import fim_prompt
 from specserve.server.protocol import CompletionRequest, parse_body
 from specserve.server.serving import (ServingContext, check_n, check_unsupported, clean_logprob, make_choices,
-                                      new_id, now, openai_sse, resolve_max_tokens, timings, usage,
+                                      new_id, now, openai_sse, resolve_max_tokens, stream_usage, timings, usage,
                                       vllm_prompt_logprobs)
 from specserve.server.streaming import Choice, Fanout, SSEResponse, sse, start_fanout
 from specserve.server.structured import constrain
@@ -94,9 +94,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     fan = Fanout(ctx.engine, ctx.metrics, choices)
     await start_fanout(request.receive, fan, drain=not req.stream)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return SSEResponse(openai_sse(completion_events(ctx, request_id, fan, view, include_usage), "completion",
-                                      request_id), fan.close)
+        events = completion_events(ctx, request_id, fan, view, *stream_usage(req))
+        return SSEResponse(openai_sse(events, "completion", request_id), fan.close)
     return JSONResponse(completion_response(ctx, request_id, choices, view))
 
 
@@ -181,7 +180,7 @@ def completion_response(ctx: ServingContext, request_id: str, choices: list[Choi
 
 
 async def completion_events(ctx: ServingContext, request_id: str, fan: Fanout, view: PromptView,
-                            include_usage: bool) -> AsyncIterator[str]:
+                            include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:
     base = {"id": request_id, "object": "text_completion", "created": now(), "model": ctx.served_model_name,
             "system_fingerprint": ctx.system_fingerprint}
     if include_usage:
@@ -209,6 +208,8 @@ async def completion_events(ctx: ServingContext, request_id: str, fan: Fanout, v
                                       "finish_reason": out.finish_reason if out.finished else None,
                                       "stop_reason": out.stop_reason if out.finished else None}]}
         unfinished -= out.finished
+        if continuous:
+            chunk["usage"] = usage(fan.choices)
         if unfinished == 0 and not include_usage:
             chunk["timings"] = timings(fan.choices)
         yield sse(chunk)
