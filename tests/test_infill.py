@@ -126,6 +126,14 @@ def test_llama_server_completion_endpoint(srv, engine):
                        ({"n_probs": 2, "post_sampling_probs": True}, "post_sampling_probs")):
         r = srv.http.post("/completion", json={"prompt": "Hi", **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+    # response_fields (llama.vim sends them): the final answer keeps those paths, as flat keys
+    fields = ["content", "timings/prompt_n", "timings/predicted_n", "truncated", "no/such"]
+    r = srv.http.post("/completion", json={"prompt": "Hi", "n_predict": 4, "response_fields": fields}).json()
+    assert set(r) == {"content", "timings/prompt_n", "timings/predicted_n", "truncated"} and r["timings/predicted_n"] == 4
+    with srv.http.stream("POST", "/completion", json={"prompt": "Hi", "n_predict": 4, "stream": True,
+                                                      "response_fields": fields}) as s:
+        events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line]
+    assert set(events[-1]) == set(r) and "stop" in events[0]  # the deltas as they were
     # llama-server's logit_bias list: a token id, a text (each of its tokens), false bans
     tok = engine.tokenizer
     r = srv.http.post("/completion", json={"prompt": "Hi", "n_predict": 2, "logit_bias": [[7, False], ["ab", 1.5]]})

@@ -279,6 +279,7 @@ class NativeFields(SamplingFields):
     n_probs: int = 0  # the top n_probs tokens' logprobs of each generated token (completion_probabilities)
     post_sampling_probs: bool = False  # probabilities after the samplers: not supported (a 400)
     return_tokens: bool = False  # the generated token ids in the answer's "tokens"
+    response_fields: list[str] = []  # the final answer keeps only these paths ("timings/prompt_n"), flat
     # OpenAI's {"id": bias}, or llama-server's [[id or text, bias or false], ...] (serving_infill)
     logit_bias: dict[str, float] | list[list[Any]] | None = None
 

@@ -153,7 +153,7 @@ async def respond(ctx: ServingContext, request: Request, req: NativeFields, prom
     limits = Limits(req.n_indent, req.t_max_predict_ms)
     await start_fanout(request.receive, fan, drain=False)
     if req.stream:
-        return SSEResponse(infill_events(ctx, fan, prompt, limits, req.return_tokens), fan.close)
+        return SSEResponse(infill_events(ctx, fan, prompt, limits, req), fan.close)
     try:
         await run_or_disconnect(request.receive, collect(fan, limits))
     finally:
@@ -162,7 +162,7 @@ async def respond(ctx: ServingContext, request: Request, req: NativeFields, prom
             **final_fields(ctx, c, prompt)}
     if req.n_probs:  # (streamed, each event carries its tokens' instead)
         body["completion_probabilities"] = native_probs(ctx, c.logprobs, req.n_probs)
-    return JSONResponse(body)
+    return JSONResponse(pick_fields(body, req.response_fields))
 
 
 @dataclass
@@ -267,8 +267,25 @@ def native_probs(ctx: ServingContext, lps: list[TokenLogprob], n: int) -> list[d
     return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top[:n]]} for lp in lps]
 
 
+def pick_fields(body: dict, paths: list[str]) -> dict:
+    """llama-server's response_fields: only the values at these paths ("timings/prompt_n" is
+    body["timings"]["prompt_n"]), each under its path as a flat key; a missing path is left out.
+    No paths: the whole body."""
+    if not paths:
+        return body
+    out = {}
+    for path in paths:
+        value, found = body, True
+        for key in path.split("/"):
+            found = found and isinstance(value, dict) and key in value
+            value = value[key] if found else None
+        if found:
+            out[path] = value
+    return out
+
+
 async def infill_events(ctx: ServingContext, fan: Fanout, prompt: InfillPrompt, limits: Limits,
-                        return_tokens: bool) -> AsyncIterator[str]:
+                        req: NativeFields) -> AsyncIterator[str]:
     """llama-server's stream: one event per delta with ``content`` and ``stop``; the last one (empty
     content, ``stop`` true) carries the finished completion's fields. No [DONE] line, as llama-server.
     A line is held back until it is complete when n_indent may cut it."""
@@ -278,10 +295,11 @@ async def infill_events(ctx: ServingContext, fan: Fanout, prompt: InfillPrompt, 
         end = len(choice.text) if done or not limits.n_indent else choice.text.rfind("\n") + 1
         probs = native_probs(ctx, out.new_logprobs or [], choice.params.logprobs) if choice.params.logprobs else None
         if end > sent or probs:
-            event = {"content": choice.text[sent:end], "tokens": list(out.new_token_ids) if return_tokens else [],
+            event = {"content": choice.text[sent:end], "tokens": list(out.new_token_ids) if req.return_tokens else [],
                      "stop": False, "id_slot": 0, "index": 0}
             yield sse(event | ({"completion_probabilities": probs} if probs else {}))
             sent = end
         if done:
-            yield sse({"content": "", "tokens": [], "index": 0, **final_fields(ctx, choice, prompt)})
+            yield sse(pick_fields({"content": "", "tokens": [], "index": 0, **final_fields(ctx, choice, prompt)},
+                                  req.response_fields))
             return
