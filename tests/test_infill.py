@@ -134,6 +134,10 @@ def test_llama_server_completion_endpoint(srv, engine):
                                                       "response_fields": fields}) as s:
         events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line]
     assert set(events[-1]) == set(r) and "stop" in events[0]  # the deltas as they were
+    # llama-server's other samplers at their off values (as its clients send them) are fine
+    off = {"mirostat": 0, "typical_p": 1.0, "dynatemp_range": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+           "top_n_sigma": -1.0}
+    assert srv.http.post("/completion", json={"prompt": "Hi", "n_predict": 2, **off}).status_code == 200
     # llama-server's logit_bias list: a token id, a text (each of its tokens), false bans
     tok = engine.tokenizer
     r = srv.http.post("/completion", json={"prompt": "Hi", "n_predict": 2, "logit_bias": [[7, False], ["ab", 1.5]]})

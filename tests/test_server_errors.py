@@ -88,6 +88,13 @@ ERROR_CASES = [
     # vLLM / legacy OpenAI fields that would change the result if ignored: refused unless at their default
     ("/v1/chat/completions", {"messages": MSGS, "use_beam_search": True}, 400, "use_beam_search", None),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", None),
+    # llama-server's samplers we do not have: refused when on (llama.cpp clients send them to /completion)
+    ("/completion", {"prompt": "x", "mirostat": 2}, 400, "mirostat", None),
+    ("/completion", {"prompt": "x", "typical_p": 0.9}, 400, "typical_p", None),
+    ("/completion", {"prompt": "x", "dry_multiplier": 0.8}, 400, "dry_multiplier", None),
+    ("/v1/chat/completions", {"messages": MSGS, "xtc_probability": 0.5}, 400, "xtc_probability", None),
+    ("/completion", {"prompt": "x", "top_n_sigma": 1.0}, 400, "top_n_sigma", None),
+    ("/completion", {"prompt": "x", "dynatemp_range": 0.5}, 400, "dynatemp_range", None),
     ("/v1/chat/completions", {"messages": MSGS, "min_tokens": 10, "max_tokens": 5}, 400, "min_tokens", None),
     ("/v1/chat/completions", {"messages": MSGS, "min_tokens": -1}, 400, "min_tokens", None),
     ("/v1/chat/completions", {"messages": MSGS, "skip_special_tokens": "no"}, 400, "skip_special_tokens", None),

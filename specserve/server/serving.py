@@ -142,6 +142,7 @@ def check_n(ctx: ServingContext, n: int) -> None:
 # return a different result than the client asked for, so a value other than the default
 # (the predicate says which values are fine) is refused. Fields not named here are ignored
 # and logged, as vLLM does.
+_LLAMA_SAMPLER = "not supported (temperature, top_k, top_p, min_p and the penalties are)"
 _NOT_SUPPORTED = {
     "use_beam_search": (lambda v: v in (None, False), "beam search is not supported"),
     "best_of": (lambda v: v in (None, 1), "best_of is not supported (use n)"),
@@ -156,6 +157,13 @@ _NOT_SUPPORTED = {
     "suffix": (lambda v: v is None, "suffix (insertion) is supported by /v1/completions only"),
     "functions": (lambda v: v is None, "the legacy functions API is not supported; use tools"),
     "function_call": (lambda v: v is None, "the legacy functions API is not supported; use tool_choice"),
+    # llama-server's samplers beyond temperature / top_k / top_p / min_p / repeat_penalty (at their off values: fine)
+    "mirostat": (lambda v: v in (None, 0), _LLAMA_SAMPLER),
+    "typical_p": (lambda v: v in (None, 1, 1.0), _LLAMA_SAMPLER),
+    "dynatemp_range": (lambda v: v in (None, 0, 0.0), _LLAMA_SAMPLER),
+    "dry_multiplier": (lambda v: v in (None, 0, 0.0), _LLAMA_SAMPLER),
+    "xtc_probability": (lambda v: v in (None, 0, 0.0), _LLAMA_SAMPLER),
+    "top_n_sigma": (lambda v: v in (None, -1, -1.0), _LLAMA_SAMPLER),
 }
 
 
