@@ -18,8 +18,7 @@ class StopText:
         self.floor = 0  # stop strings are looked for from here (the text before min_tokens does not count)
         self.text = ""  # all text so far (cut at a stop string once one is hit)
         self.emitted = 0  # characters of self.text already returned
-        self.stopped = False
-        self.hit: str | None = None  # the stop string that stopped it
+        self.hit: str | None = None  # the stop string that stopped it (None: none yet)
 
     def extend(self, piece: str, look: bool = True) -> bool:
         """Append a piece; True when a stop string was hit (the text is then cut before it, or after
@@ -32,14 +31,14 @@ class StopText:
             pos = self.text.find(s, max(self.floor, self.emitted - len(s)))
             if pos != -1:
                 self.text = self.text[:pos + (len(s) if self.include_stop else 0)]
-                self.stopped, self.hit = True, s
+                self.hit = s
                 return True
         return False
 
     def delta(self, final: bool = False) -> str:
         """Text not yet returned that can be returned now."""
         end = len(self.text)
-        if not final and not self.stopped:
+        if not final and self.hit is None:
             end -= self._held_back()
         out = self.text[self.emitted:end]
         self.emitted = max(self.emitted, end)

@@ -196,7 +196,7 @@ async def props(ctx: ServingContext, _request: Request) -> dict:
     tok = ctx.engine.tokenizer
     params = {**LLAMA_DEFAULTS, "n_predict": -1, "seed": -1, "stream": False}
     return {"default_generation_settings": {"n_ctx": ctx.engine.max_model_len, "params": params},
-            "total_slots": getattr(ctx.engine, "max_num_seqs", 1), "model_alias": ctx.served_model_name,
+            "total_slots": ctx.engine.max_num_seqs, "model_alias": ctx.served_model_name,
             "model_path": ctx.engine.model_name,
             "modalities": {"vision": ctx.media is not None, "video": False, "audio": False},
             "chat_template": tmpl.source if tmpl is not None else "",

@@ -341,6 +341,18 @@ def clean_logprob(value: float) -> float:
     return value if math.isfinite(value) else LOGPROB_FLOOR
 
 
+def format_logprobs(ctx: ServingContext, lps: list[TokenLogprob], k: int, ids: bool = False) -> list[dict]:
+    """Per token its text, logprob and UTF-8 bytes, and the top k alternatives' ("top_logprobs"):
+    chat's logprobs.content, and with ``ids`` (each entry's token id as "id") llama-server's
+    completion_probabilities."""
+    def entry(token_id: int, logprob: float) -> dict:
+        text = ctx.token_text(token_id)
+        out = {"id": token_id} if ids else {}
+        return out | {"token": text, "logprob": clean_logprob(logprob), "bytes": list(text.encode("utf-8"))}
+
+    return [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top[:k]]} for lp in lps]
+
+
 def vllm_prompt_logprobs(ctx: ServingContext, lps: list[TokenLogprob | None] | None, n: int) -> list[dict | None]:
     """vLLM's prompt_logprobs: None for the first prompt token, then per token {token id: {logprob,
     rank, decoded_token}} for the token itself and the top n."""

@@ -13,7 +13,7 @@ from specserve.errors import RequestError
 from specserve.server.chat import prompt_opens_think
 from specserve.server.protocol import ChatCompletionRequest, parse_body
 from specserve.server.reasoning import ReasoningParser, make_parser, split_all
-from specserve.server.serving import (ServingContext, check_n, check_unsupported, clean_logprob, make_choices,
+from specserve.server.serving import (ServingContext, check_n, check_unsupported, format_logprobs, make_choices,
                                       new_id, now, openai_sse, resolve_max_tokens, stream_usage, timings, usage,
                                       vllm_prompt_logprobs)
 from specserve.server.streaming import Choice, Fanout, SSEResponse, sse, start_fanout
@@ -88,19 +88,6 @@ def finish_reason(reason: str | None, called: bool) -> str | None:
 
 
 # ---------------------------------------------------------------- formatting
-
-def format_logprobs(ctx: ServingContext, lps: list[TokenLogprob], k: int) -> list[dict]:
-    def entry(token_id: int, logprob: float) -> dict:
-        text = ctx.token_text(token_id)
-        return {"token": text, "logprob": clean_logprob(logprob), "bytes": list(text.encode("utf-8"))}
-
-    out = []
-    for lp in lps:
-        item = entry(lp.token_id, lp.logprob)
-        item["top_logprobs"] = [entry(t, v) for t, v in lp.top[:k]]
-        out.append(item)
-    return out
-
 
 def _logprobs_field(ctx: ServingContext, choice: Choice, lps: list[TokenLogprob] | None) -> dict | None:
     k = choice.params.logprobs
@@ -196,8 +183,8 @@ async def chat_events(ctx: ServingContext, request_id: str, fan: Fanout, split: 
             continue
         called = parsers[choice.index][1] is not None and parsers[choice.index][1].calls > 0
         reason = finish_reason(out.finish_reason, called) if out.finished else None
-        chunk = {**base, "choices": [{"index": choice.index, "delta": delta, "logprobs": lps,
-                                      "finish_reason": reason, "stop_reason": out.stop_reason if out.finished else None}]}
+        chunk = {**base, "choices": [{"index": choice.index, "delta": delta, "logprobs": lps, "finish_reason": reason,
+                                      "stop_reason": out.stop_reason if out.finished else None}]}
         unfinished -= out.finished
         if continuous:
             chunk["usage"] = usage(fan.choices)

@@ -31,12 +31,11 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from specserve.engine.types import TokenLogprob
 from specserve.errors import RequestError
 from specserve.models.fim import FimTokens, fim_prompt
 from specserve.models.tokenizer import Tokenizer
 from specserve.server.protocol import ExtraFile, InfillRequest, NativeCompletionRequest, NativeFields, parse_body
-from specserve.server.serving import (ServingContext, check_unsupported, clean_logprob, make_choices, new_id,
+from specserve.server.serving import (ServingContext, check_unsupported, format_logprobs, make_choices, new_id,
                                       resolve_max_tokens, timings)
 from specserve.server.streaming import Choice, Fanout, SSEResponse, run_or_disconnect, sse, start_fanout
 from specserve.server.structured import constrain
@@ -161,7 +160,7 @@ async def respond(ctx: ServingContext, request: Request, req: NativeFields, prom
     body = {"index": 0, "content": c.text, "tokens": c.token_ids if req.return_tokens else [],
             **final_fields(ctx, c, prompt)}
     if req.n_probs:  # (streamed, each event carries its tokens' instead)
-        body["completion_probabilities"] = native_probs(ctx, c.logprobs, req.n_probs)
+        body["completion_probabilities"] = format_logprobs(ctx, c.logprobs, req.n_probs, ids=True)
     return JSONResponse(pick_fields(body, req.response_fields))
 
 
@@ -257,16 +256,6 @@ def final_fields(ctx: ServingContext, c: Choice, prompt: InfillPrompt) -> dict:
     }
 
 
-def native_probs(ctx: ServingContext, lps: list[TokenLogprob], n: int) -> list[dict]:
-    """llama-server's completion_probabilities: per generated token its id, text, bytes and logprob,
-    and the top n tokens' ("top_logprobs")."""
-    def entry(token_id: int, logprob: float) -> dict:
-        text = ctx.token_text(token_id)
-        return {"id": token_id, "token": text, "bytes": list(text.encode("utf-8")), "logprob": clean_logprob(logprob)}
-
-    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top[:n]]} for lp in lps]
-
-
 def pick_fields(body: dict, paths: list[str]) -> dict:
     """llama-server's response_fields: only the values at these paths ("timings/prompt_n" is
     body["timings"]["prompt_n"]), each under its path as a flat key; a missing path is left out.
@@ -293,7 +282,8 @@ async def infill_events(ctx: ServingContext, fan: Fanout, prompt: InfillPrompt, 
     async for choice, out in fan:
         done = limits.reached(choice) or out.finished
         end = len(choice.text) if done or not limits.n_indent else choice.text.rfind("\n") + 1
-        probs = native_probs(ctx, out.new_logprobs or [], choice.params.logprobs) if choice.params.logprobs else None
+        n_probs = choice.params.logprobs
+        probs = format_logprobs(ctx, out.new_logprobs or [], n_probs, ids=True) if n_probs else None
         if end > sent or probs:
             event = {"content": choice.text[sent:end], "tokens": list(out.new_token_ids) if req.return_tokens else [],
                      "stop": False, "id_slot": 0, "index": 0}
