@@ -14,4 +14,4 @@ for round in 1 2 3; do
       --markdown $OUT/${tree}_r$round.md --out $OUT/${tree}_r$round.json > $OUT/${tree}_r$round.log 2>&1)
   done
 done
-echo done > $OUT/DONE
+
