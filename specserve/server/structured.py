@@ -8,7 +8,7 @@ Fields, as OpenAI and vLLM take them (at most one per request):
   strings), ``grammar`` (Lark or GBNF), ``json_object: true``; and ``whitespace_pattern``;
 * vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``
   (and ``guided_whitespace_pattern``);
-* llama-server's ``grammar`` (GBNF) and ``json_schema`` (a schema), on every endpoint as there;
+* llama-server's ``grammar`` (GBNF) and ``json_schema`` (a schema), on chat, completions and its own endpoints;
 * ``tool_choice: "required"`` or a named function: the output is the tool-call text the hermes
   parser reads, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, with the
   arguments constrained by the tool's parameter schema.
