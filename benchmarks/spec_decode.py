@@ -115,13 +115,26 @@ def configs_for(model: str, a: argparse.Namespace) -> list[tuple[str, dict | Non
     return out
 
 
+def chat_prompts(tok, suites: dict) -> list[tuple[str, str, list[int]]]:
+    """(suite, prompt id, the prompt's ids rendered by the model's chat template) for every prompt."""
+    ct = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
+    return [(s, p.id, tok.encode(ct.render(p.as_messages()), add_special_tokens=False))
+            for s, ps in suites.items() for p in ps]
+
+
+def fast_draft_engine(model: str = "qwen2.5-coder-1.5b", k: int = 8):
+    """One adaptive engine with the 4-bit 32K-vocabulary draft (k <= ``k``), for the profiles in
+    results_final/ that look inside a step."""
+    spec = dict(FAST_DRAFT, num_speculative_tokens=k, adaptive=True)
+    return make_engines(model, [("d", spec)], argparse.Namespace(quantization="auto", ctx=4096, threads=None))["d"]
+
+
 def bench_model(model: str, a: argparse.Namespace, suites: dict) -> list[dict]:
     cfgs = configs_for(model, a)
     engines = make_engines(model, cfgs, a)
     tok = next(iter(engines.values())).tokenizer
+    prompts = chat_prompts(tok, suites)
     ct = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
-    prompts = [(s, p.id, tok.encode(ct.render(p.as_messages()), add_special_tokens=False))
-               for s, ps in suites.items() for p in ps]
     warm = tok.encode(ct.render([{"role": "user", "content": "Say hello."}]), add_special_tokens=False)
     for name, eng in engines.items():  # warm-up (on no suite prompt): first-call costs stay out of the numbers
         run_one(eng, warm, 8)

@@ -21,7 +21,6 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
 import spec_decode as sd  # noqa: E402
 from specserve.bench.suites import load_suites  # noqa: E402
-from specserve.models.chat_template import ChatTemplate  # noqa: E402
 from specserve.speculative import adaptive  # noqa: E402
 
 
@@ -29,13 +28,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--passes", type=int, default=2)
     a = ap.parse_args()
-    spec = dict(sd.FAST_DRAFT, num_speculative_tokens=8, adaptive=True)
-    eng = sd.make_engines("qwen2.5-coder-1.5b", [("d", spec)],
-                          argparse.Namespace(quantization="auto", ctx=4096, threads=None))["d"]
-    tok = eng.tokenizer
-    ct = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
-    prompts = [tok.encode(ct.render(p.as_messages()), add_special_tokens=False)
-               for ps in load_suites("code,math", 2).values() for p in ps]
+    eng = sd.fast_draft_engine()
+    prompts = [ids for _, _, ids in sd.chat_prompts(eng.tokenizer, load_suites("code,math", 2))]
     sd.run_one(eng, prompts[0], 8)
     log: list = []
     lengths, learn = adaptive.DraftPolicy.lengths, adaptive.DraftPolicy.learn

@@ -9,7 +9,6 @@ what is left: the draft vocabulary's head, picking, bookkeeping) and of the targ
 (prefills included: four short chat prompts).
 """
 
-import argparse
 import os
 import sys
 import time
@@ -19,7 +18,6 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
 import spec_decode as sd  # noqa: E402
 from specserve.bench.suites import load_suites  # noqa: E402
-from specserve.models.chat_template import ChatTemplate  # noqa: E402
 
 
 def timer(obj, name: str, acc: dict, key: str) -> None:
@@ -36,13 +34,8 @@ def timer(obj, name: str, acc: dict, key: str) -> None:
 
 
 def main() -> None:
-    spec = dict(sd.FAST_DRAFT, num_speculative_tokens=8, adaptive=True)
-    eng = sd.make_engines("qwen2.5-coder-1.5b", [("d", spec)],
-                          argparse.Namespace(quantization="auto", ctx=4096, threads=None))["d"]
-    tok = eng.tokenizer
-    ct = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
-    prompts = [tok.encode(ct.render(p.as_messages()), add_special_tokens=False)
-               for ps in load_suites("code,math", 2).values() for p in ps]
+    eng = sd.fast_draft_engine()
+    prompts = [ids for _, _, ids in sd.chat_prompts(eng.tokenizer, load_suites("code,math", 2))]
     sd.run_one(eng, prompts[0], 8)
     acc: dict = {}
     timer(eng.drafter, "propose", acc, "propose")
