@@ -87,6 +87,8 @@ _counter = itertools.count()
 
 def run_one(engine, ids: list[int], tokens: int) -> dict:
     out, last = [], None
+    drafter = engine.drafter
+    before = (getattr(drafter, "num_forwards", 0), getattr(drafter, "num_drafted", 0))
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     for o in engine.generate(ids, params, request_id=f"bench-{next(_counter)}"):
         out += o.new_token_ids
@@ -97,6 +99,9 @@ def run_one(engine, ids: list[int], tokens: int) -> dict:
          "prefill_s": last.prefill_time}
     if last.acceptance is not None:
         r["spec"] = {k: last.acceptance.to_dict()[k] for k in ("steps", "draft_tokens", "accepted_tokens")}
+        if hasattr(drafter, "num_forwards"):  # a draft model: its forwards, and the tokens they drafted
+            r["spec"]["draft_forwards"] = drafter.num_forwards - before[0]
+            r["spec"]["model_drafted"] = drafter.num_drafted - before[1]
     return r
 
 
@@ -168,6 +173,8 @@ def summarize(rows: list[dict], by_run: bool = False) -> list[dict]:
         steps = sum(r["spec"]["steps"] for r in rs if r["spec"])
         drafted = sum(r["spec"]["draft_tokens"] for r in rs if r["spec"])
         acc = sum(r["spec"]["accepted_tokens"] for r in rs if r["spec"])
+        fwd = sum(r["spec"].get("draft_forwards", 0) for r in rs if r["spec"])
+        model_drafted = sum(r["spec"].get("model_drafted", 0) for r in rs if r["spec"])
         prompts = {r["prompt"] for r in rs}
         same = {p for p in prompts if all(r["identical"] for r in rs if r["prompt"] == p)}
         out.append({"model": model, "config": cfg, "suite": suite, "n": len(rs),
@@ -175,6 +182,7 @@ def summarize(rows: list[dict], by_run: bool = False) -> list[dict]:
                     "decode_tps_max": max(tps), "speedup_median": statistics.median(r["ratio"] for r in rs),
                     "acceptance_rate": acc / drafted if drafted else None,
                     "mean_acceptance_length": (acc + steps) / steps if steps else None,
+                    "draft_forwards_per_token": fwd / model_drafted if model_drafted else None,
                     "identical": f"{len(same)}/{len(prompts)}"})
     first = {}
     for r in rows:
@@ -193,14 +201,15 @@ def markdown(summary: list[dict], a: argparse.Namespace) -> str:
              f"{a.prompts_per_suite} prompt(s) per suite, quantization {a.quantization}, "
              f"threads {a.threads or 'auto'}. Speedup: median of paired ratios vs plain greedy.", "",
              "| model | config | suite | decode tok/s (min / median / max) | speedup | acceptance | "
-             "mean acc. length | identical to greedy |",
-             "|---|---|---|---|---|---|---|---|"]
+             "mean acc. length | draft forwards / token | identical to greedy |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         fmt = (lambda v, f: "-" if v is None else f.format(v))
         lines.append(f"| {s['model']} | {s['config']} | {s['suite']} | {s['decode_tps_min']:.1f} / "
                      f"**{s['decode_tps_median']:.1f}** / {s['decode_tps_max']:.1f} | "
                      f"{s['speedup_median']:.2f}x | {fmt(s['acceptance_rate'], '{:.1%}')} | "
-                     f"{fmt(s['mean_acceptance_length'], '{:.2f}')} | {s['identical']} |")
+                     f"{fmt(s['mean_acceptance_length'], '{:.2f}')} | "
+                     f"{fmt(s['draft_forwards_per_token'], '{:.2f}')} | {s['identical']} |")
     return "\n".join(lines) + "\n"
 
 

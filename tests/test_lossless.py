@@ -29,7 +29,8 @@ def prompts_and_plain():
     '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 3}',
     '{"method": "draft_model", "model": "smollm2-135m", "quantization": "int8", "num_speculative_tokens": 4}',
     # a 4-bit draft over a cut vocabulary that grows with the tokens the prompts use
-    '{"method": "draft_model", "model": "smollm2-135m", "quantization": "q4_0", "draft_vocab_size": 2048}',
+    '{"method": "draft_model", "model": "smollm2-135m", "quantization": "q4_0", "draft_vocab_size": 2048, '
+    '"draft_lookup_tokens": 6}',  # (the one above checks 3 guesses of prompt lookup a forward, the default)
     '{"method": "suffix", "num_speculative_tokens": 8}',
 ])
 def test_speculative_greedy_equals_plain_greedy_smollm2(prompts_and_plain, spec):

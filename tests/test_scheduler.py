@@ -160,7 +160,7 @@ def test_requests_sharing_a_prompt_compute_it_once_in_a_draft_models_cache_too(t
     rows, real = [], drafter._forward
 
     def forward(batch_rows):
-        rows.extend((s.request_id, len(toks)) for s, toks in batch_rows)
+        rows.extend((s.request_id, len(toks)) for s, toks, _ in batch_rows)  # (guesses besides)
         return real(batch_rows)
 
     drafter._forward = forward

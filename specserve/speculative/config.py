@@ -11,6 +11,7 @@ from specserve.models.quant import QUANTIZATIONS
 METHODS = ("ngram", "draft_model", "dflash", "mtp", "suffix", "chain")
 SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                "suffix_decoding_max_spec_factor", "suffix_decoding_max_spec_offset", "suffix_decoding_min_token_prob")
+DEFAULT_DRAFT_LOOKUP = 3
 CHAIN_KEYS = ("method", "drafters", "num_speculative_tokens", "adaptive")  # the rest belongs to a drafter
 
 
@@ -27,6 +28,10 @@ class SpeculativeConfig:
     quantization: str | None = None  # draft model weight format (default: the target's)
     draft_vocab_size: int | None = None  # draft_model / dflash / mtp: cut the draft's LM head to this many tokens
     draft_p_min: float = 0.0  # draft_model / dflash / mtp: stop the draft at a token the draft gives less
+    # draft_model: tokens of prompt lookup (prompt_lookup_min / max) the draft model checks in each of its
+    # forwards besides its next token; each one it agrees with is a draft token without a forward of its own
+    # (None: DEFAULT_DRAFT_LOOKUP; 0: off)
+    draft_lookup_tokens: int | None = None
     # suffix (vLLM's names; None: the defaults in spec/suffix.py)
     suffix_decoding_max_tree_depth: int | None = None  # longest context + draft the trees index
     suffix_decoding_max_cached_requests: int | None = None  # earlier outputs kept (0: only the request's own)
@@ -62,6 +67,12 @@ class SpeculativeConfig:
                                      "suffix_decoding_min_token_prob; a chain's drafters take their own)")
             if not 0 <= self.draft_p_min < 1:
                 raise SpecserveError(f"speculative config: draft_p_min must be in [0, 1), got {self.draft_p_min}")
+        if self.draft_lookup_tokens is not None:
+            if self.method != "draft_model":
+                raise SpecserveError("speculative config: draft_lookup_tokens applies to method \"draft_model\" only")
+            if not 0 <= self.draft_lookup_tokens <= 16:
+                raise SpecserveError("speculative config: draft_lookup_tokens must be in [0, 16], got "
+                                     f"{self.draft_lookup_tokens}")
         if self.method in ("ngram", "suffix") and (self.model is not None or self.quantization is not None):
             raise SpecserveError("speculative config: \"model\" and \"quantization\" do not apply to method "
                                  f"\"{self.method}\" (it drafts from the context)")
@@ -110,7 +121,7 @@ class SpeculativeConfig:
 
 _TYPES = {"method": str, "num_speculative_tokens": int, "prompt_lookup_min": int, "prompt_lookup_max": int,
           "model": str, "adaptive": bool, "quantization": str, "draft_vocab_size": int,
-          "draft_p_min": (int, float), "suffix_decoding_max_tree_depth": int,
+          "draft_p_min": (int, float), "draft_lookup_tokens": int, "suffix_decoding_max_tree_depth": int,
           "suffix_decoding_max_cached_requests": int, "suffix_decoding_max_spec_factor": (int, float),
           "suffix_decoding_max_spec_offset": (int, float), "suffix_decoding_min_token_prob": (int, float),
           "drafters": list}

@@ -26,11 +26,13 @@ from specserve.models.loader import LoadedModel, LoadOptions, load_model
 from specserve.engine.model_runner import BatchEntry, build_forward_batch
 from specserve.models.transformer import KVCache
 from specserve.speculative.adaptive import CostModel
-from specserve.speculative.config import SpeculativeConfig
+from specserve.speculative.config import DEFAULT_DRAFT_LOOKUP, SpeculativeConfig
 from specserve.speculative.draft_vocab import DraftVocab, cut_vocab
 from specserve.speculative.drafter import Drafter, Proposal, pick_tokens
+from specserve.speculative.ngram import find_continuation
 
 DRAFT_POOL_CAP = 1 << 30
+LOOKUP_WINDOW = 4096  # tokens of context prompt lookup searches for the draft's guesses
 
 
 @dataclass
@@ -51,7 +53,8 @@ class DraftModelDrafter(Drafter):
     has_cost = True
 
     def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int, max_model_len: int,
-                 prefix_caching: bool = True, vocab: DraftVocab | None = None, p_min: float = 0.0):
+                 prefix_caching: bool = True, vocab: DraftVocab | None = None, p_min: float = 0.0,
+                 lookup: int = 0, lookup_min: int = 2, lookup_max: int = 5):
         self.draft = draft
         self.p_min = p_min  # stop a sequence's draft at a token the draft gives less probability
         self.model = draft.model
@@ -66,6 +69,10 @@ class DraftModelDrafter(Drafter):
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size) + 2
         self.cost = CostModel()  # seconds per draft forward, by width
+        self.lookup, self.lookup_min, self.lookup_max = lookup, lookup_min, lookup_max
+        self.forwards_per_token = 1.0  # running means: a sequence's draft forwards per drafted token,
+        self.width = 1.0  # and its rows in each (its next token and the guesses)
+        self.num_forwards = self.num_drafted = 0  # totals: a sequence's forwards, the tokens they drafted
 
     @classmethod
     def build(cls, spec: SpeculativeConfig, target: LoadedModel, options: LoadOptions, ecfg: EngineConfig,
@@ -78,8 +85,9 @@ class DraftModelDrafter(Drafter):
         num_blocks = max(min(want, DRAFT_POOL_CAP) // (ecfg.block_size * per_token),
                          -(-max_model_len // ecfg.block_size) + 2)
         vocab = cut_vocab(draft.model, draft.tokenizer, spec.draft_vocab_size)
+        lookup = DEFAULT_DRAFT_LOOKUP if spec.draft_lookup_tokens is None else spec.draft_lookup_tokens
         return cls(draft, int(num_blocks), ecfg.block_size, max_model_len, ecfg.enable_prefix_caching, vocab,
-                   spec.draft_p_min)
+                   spec.draft_p_min, lookup, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     @property
     def blocks(self) -> BlockManager:
@@ -109,17 +117,53 @@ class DraftModelDrafter(Drafter):
             if self.vocab is not None:  # tokens since the last proposal (the prompt, at first)
                 self.vocab.add(s.token_ids[st.base:])
             st.base = s.num_tokens
-        active_all, cut = list(active), set()
+        active_all, cut, forwards, guessed = list(active), set(), 0, 0
         while active:
-            rows = [(s, (s.token_ids + drafts[id(s)])[self._state(s).num_computed:]) for s, _ in active]
+            rows = []
+            for s, k in active:
+                context = s.token_ids + drafts[id(s)]
+                rows.append((s, context[self._state(s).num_computed:], self._guesses(context, k - len(drafts[id(s)]))))
             logits = self._forward(rows)
-            sure = [self._pick(s, lg, drafts[id(s)], probs[id(s)]) for (s, _), lg in zip(active, logits)]
-            cut.update(id(s) for (s, _), ok in zip(active, sure) if not ok)
-            active = [(s, k) for (s, k), ok in zip(active, sure) if ok and len(drafts[id(s)]) < k]
+            forwards += len(rows)
+            guessed += sum(len(g) for _, _, g in rows)
+            still = []
+            for (s, k), (_, _, guesses), lg in zip(active, rows, logits):
+                sure, matched = self._pick_run(s, lg, guesses, drafts[id(s)], probs[id(s)], k)
+                self._state(s).num_computed -= len(guesses) - matched  # K/V past a wrong guess: not the draft's
+                if not sure:
+                    cut.add(id(s))
+                elif len(drafts[id(s)]) < k:
+                    still.append((s, k))
+            active = still
+        drafted = sum(len(drafts[id(s)]) for s, _ in active_all)
+        self.num_forwards, self.num_drafted = self.num_forwards + forwards, self.num_drafted + drafted
+        if drafted:  # running means, for draft_cost
+            self.forwards_per_token += 0.1 * (forwards / drafted - self.forwards_per_token)
+            self.width += 0.1 * (1 + guessed / forwards - self.width)
         for s, _ in active_all:
             self._state(s).drafts = drafts[id(s)]
         return [Proposal(drafts.get(id(s), []), torch.stack(probs[id(s)]) if probs.get(id(s)) else None,
                          cut=id(s) in cut) for s in seqs]
+
+    def _guesses(self, context: list[int], need: int) -> list[int]:
+        """Up to lookup tokens that prompt lookup expects after ``context``: the draft model checks
+        them in the same forward as its next token (every one it agrees with saves a forward)."""
+        if not self.lookup or need < 2:
+            return []
+        return find_continuation(context[-LOOKUP_WINDOW:], self.lookup_min, self.lookup_max,
+                                 min(self.lookup, need - 1))
+
+    def _pick_run(self, seq: Sequence, logits: torch.Tensor, guesses: list[int], drafts: list[int],
+                  probs: list[torch.Tensor], k: int) -> tuple[bool, int]:
+        """logits: [1 + len(guesses), V], row j after the first j guesses -> drafts picked row by
+        row while each one equals the guess whose row comes next. Returns (sure, guesses matched):
+        False when the draft stopped at an unsure token (p_min)."""
+        for j in range(len(guesses) + 1):
+            if not self._pick(seq, logits[j:j + 1], drafts, probs):
+                return False, j
+            if len(drafts) >= k or j == len(guesses) or drafts[-1] != guesses[j]:
+                return True, j
+        raise AssertionError("unreachable")
 
     def _pick(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], probs: list[torch.Tensor]) -> bool:
         """logits: [1, V] -> append the next draft token (and its distribution when sampling);
@@ -130,22 +174,27 @@ class DraftModelDrafter(Drafter):
             probs.append(prop.probs[0])
         return bool(prop.token_ids)
 
-    def _forward(self, rows: list[tuple[Sequence, list[int]]]) -> list[torch.Tensor]:
-        """Run the draft model over each sequence's pending tokens; logits of each last row."""
-        entries, last = [], []
-        for seq, toks in rows:
+    def _forward(self, rows: list[tuple[Sequence, list[int], list[int]]]) -> list[torch.Tensor]:
+        """Run the draft model over each sequence's pending tokens and guesses; per sequence the
+        logits [1 + guesses, V] of its last pending row and of each guess."""
+        entries, wanted, spans, n = [], [], [], 0
+        for seq, toks, guesses in rows:
             st = self._state(seq)
+            toks = toks + guesses
             self.cache.reserve(st, st.num_computed + len(toks))
             entries.append(BatchEntry(toks, st.num_computed, self.cache.block_tables(st)))
             st.num_computed += len(toks)
-            last.append(sum(len(e.tokens) for e in entries) - 1)
-        wanted = [] if self.vocab is not None else last  # a draft vocabulary: logits from its own heads
-        batch = build_forward_batch(entries, self.block_size, self.max_blocks, wanted, self.model.device)
+            n += len(toks)
+            spans.append((len(wanted), len(guesses) + 1))
+            wanted += range(n - len(guesses) - 1, n)
+        # a draft vocabulary: logits from its own heads
+        batch = build_forward_batch(entries, self.block_size, self.max_blocks, [] if self.vocab is not None else wanted,
+                                    self.model.device)
         t0 = time.perf_counter()
         out = self.model.forward(batch, self.kv)
-        logits = out.logits if self.vocab is None else self.vocab.logits(out.final_hidden[last])
+        logits = out.logits if self.vocab is None else self.vocab.logits(out.final_hidden[wanted])
         self.cost.add(int(batch.input_ids.shape[0]), time.perf_counter() - t0)
-        return [logits[i:i + 1] for i in range(len(rows))]
+        return [logits[i:i + m] for i, m in spans]
 
     def on_verified(self, seq: Sequence, num_accepted: int) -> None:
         st = seq.drafter_state.get(self.name)
@@ -172,7 +221,11 @@ class DraftModelDrafter(Drafter):
             self.on_finished(seq)
 
     def draft_cost(self, k: int) -> float:
-        return self.cost.time(1) * k
+        # a forward a token, fewer when the guesses of prompt lookup save some (each a little wider);
+        # one token is one forward of one row
+        if k <= 1:
+            return self.cost.time(1) * k
+        return self.cost.time(round(self.width)) * max(1.0, k * self.forwards_per_token)
 
     def catch_up_cost(self, n: int) -> float:
         # its KV is filled lazily: a proposal after n tokens it has not read starts with an n-row
