@@ -195,6 +195,9 @@ def configurations(model: str, bindir: Path, isa: str = "native") -> dict[str, l
         small = {"method": "draft_model", "model": draft, "num_speculative_tokens": 8, "quantization": "q4_0",
                  "draft_vocab_size": 32768}
         out["specserve draft q4_0 32K"] = ours + ["--speculative-config", json.dumps(small)]
+        # the same without prompt lookup's guesses in the draft's forwards (before 2026-12-06)
+        out["specserve draft q4_0 32K no lookup"] = ours + ["--speculative-config", json.dumps(
+            {**small, "draft_lookup_tokens": 0})]
         # the same draft stopping at its first unsure token (llama.cpp's --draft-p-min)
         out["specserve draft q4_0 32K p_min 0.3"] = ours + ["--speculative-config", json.dumps(
             {**small, "draft_p_min": 0.3})]

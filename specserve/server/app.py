@@ -28,8 +28,8 @@ from specserve.server.media import MediaLoader
 from specserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from specserve.server.middleware import GuardMiddleware
 from specserve.server.openapi import install_openapi
-from specserve.server.protocol import (ApiError, DetokenizeRequest, TokenizeRequest, error_response, parse_body,
-                                       request_error_response, validation_error)
+from specserve.server.protocol import (ApiError, ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest,
+                                       error_response, parse_body, request_error_response, validation_error)
 from specserve.server.serving import ServingContext, now
 from specserve.server.serving_chat import create_chat_completion
 from specserve.server.serving_completion import create_completion
@@ -232,7 +232,7 @@ async def tokenize(ctx: ServingContext, request: Request) -> dict:
 
 async def apply_template(ctx: ServingContext, request: Request) -> dict:
     """POST /apply-template: llama-server's; the chat prompt the messages render to, as text."""
-    req = parse_body(await request.body(), TokenizeRequest)
+    req = parse_body(await request.body(), ApplyTemplateRequest)
     ctx.check_model(req.model)
     if req.messages is None:
         raise RequestError("messages is required", param="messages")

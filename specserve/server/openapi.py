@@ -17,8 +17,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from specserve.server.middleware import OPEN_PATHS
-from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InfillRequest,
-                                      NativeCompletionRequest, TokenizeRequest)
+from specserve.server.protocol import (ApplyTemplateRequest, ChatCompletionRequest, CompletionRequest,
+                                      DetokenizeRequest, InfillRequest, NativeCompletionRequest, TokenizeRequest)
 from specserve.server.responses_protocol import ResponsesRequest
 
 BODIES: dict[tuple[str, str], type[BaseModel]] = {
@@ -29,7 +29,7 @@ BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("POST", "/completion"): NativeCompletionRequest,
     ("POST", "/tokenize"): TokenizeRequest,
     ("POST", "/detokenize"): DetokenizeRequest,
-    ("POST", "/apply-template"): TokenizeRequest,
+    ("POST", "/apply-template"): ApplyTemplateRequest,
 }
 SUMMARIES = {
     "/v1/chat/completions": "Chat completion (OpenAI); server-sent events with stream: true",

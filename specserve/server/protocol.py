@@ -309,6 +309,17 @@ class TokenizeRequest(_Lenient):
     tools: list[dict[str, Any]] | None = None  # rendered as chat renders them: the same count
 
 
+class ApplyTemplateRequest(_Lenient):
+    """llama-server's /apply-template: the chat template's fields of a chat request."""
+
+    model: str | None = None
+    messages: list[ChatMessage] | None = None  # required (checked by the endpoint, naming the field)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
 class DetokenizeRequest(_Lenient):
     model: str | None = None
     tokens: list[int]
