@@ -8,6 +8,12 @@ copying.
 With prefix caching on, its cache is reused in step with the target's: full blocks of verified
 tokens are registered under the same chained hash (salted with the draft model's identity), and
 a new sequence starts from the longest cached prefix instead of re-running the draft model on it.
+
+Each forward also reads up to ``draft_lookup_tokens`` tokens that prompt lookup expects next (the
+sequence's last tokens matched earlier in its context): the draft picks its next token from the
+first row as always, and while the token picked equals the guess whose row comes next, that row's
+logits give the following token without another forward. The drafts are the draft model's own;
+the K/V rows of guesses past the first wrong one are given back by bookkeeping.
 """
 
 from __future__ import annotations
