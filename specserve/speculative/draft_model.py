@@ -164,12 +164,13 @@ class DraftModelDrafter(Drafter):
         """logits: [1 + len(guesses), V], row j after the first j guesses -> drafts picked row by
         row while each one equals the guess whose row comes next. Returns (sure, guesses matched):
         False when the draft stopped at an unsure token (p_min)."""
-        for j in range(len(guesses) + 1):
+        j = 0
+        while True:
             if not self._pick(seq, logits[j:j + 1], drafts, probs):
                 return False, j
             if len(drafts) >= k or j == len(guesses) or drafts[-1] != guesses[j]:
                 return True, j
-        raise AssertionError("unreachable")
+            j += 1
 
     def _pick(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], probs: list[torch.Tensor]) -> bool:
         """logits: [1, V] -> append the next draft token (and its distribution when sampling);
