@@ -11,16 +11,25 @@ from specserve.speculative.drafter import Drafter, Proposal
 
 
 def find_continuation(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
-    """Tokens that followed the latest earlier match of the longest suffix n-gram."""
+    """Tokens that followed the latest earlier match of the longest suffix n-gram (n from n_max
+    down to n_min). One backward pass: at each earlier position holding the last token, the
+    length of the match ending there; the first (latest) position with the longest match wins."""
     total = len(tokens)
-    for n in range(min(n_max, total - 1), n_min - 1, -1):
-        suffix = tokens[total - n:]
-        first = suffix[0]
-        # scan backwards so the most recent match wins
-        for start in range(total - n - 1, -1, -1):
-            if tokens[start] == first and tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
-    return []
+    n_max = min(n_max, total - 1)
+    if n_max < n_min:
+        return []
+    last, best_n, best_end = tokens[-1], 0, -1
+    for end in range(total - 2, n_min - 2, -1):  # the match's last token; it starts at >= 0
+        if tokens[end] != last:
+            continue
+        n, cap = 1, min(n_max, end + 1)
+        while n < cap and tokens[end - n] == tokens[total - 1 - n]:
+            n += 1
+        if n > best_n:
+            best_n, best_end = n, end
+            if n == n_max:
+                break
+    return tokens[best_end + 1:best_end + 1 + k] if best_n >= n_min else []
 
 
 class NgramDrafter(Drafter):
