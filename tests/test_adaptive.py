@@ -187,3 +187,29 @@ def test_a_new_sequence_starts_from_the_running_acceptance_of_those_before_it():
     assert p.prior < 0.05
     late = Sequence("c", [1, 2, 3], SamplingParams(max_tokens=64), None)
     assert p.lengths([late], [8]) == [0] and late.accept_ema < 0.05
+
+
+def test_a_sequence_drafting_nothing_drifts_back_to_its_own_slow_estimate():
+    """Rejections in a row put a sequence at k = 0, where it gets no news (a costly draft model's
+    probes come rarely). Steps without news pull its estimate up towards its acceptance over many
+    steps: a sequence whose drafts were mostly kept drafts again within a few steps; one whose
+    drafts were mostly rejected stays at k = 0; and the pull never lowers an estimate."""
+    for history, drafts_again in ((3, True), (0, False)):
+        p = _policy(step=0.001, draft=0.008)
+        s = _seq(0.5)
+        p.lengths([s], [8])
+        for _ in range(60):
+            p.learn(s, 4, history)  # 3 of 4 kept a step, or none
+        for _ in range(4):
+            p.learn(s, 4, 0)  # then four rejected in a row
+        assert s.accept_ema < 0.3
+        ks = []
+        for _ in range(6):  # (before the first probe)
+            ks.append(p.lengths([s], [8])[0])
+            p.learn(s, ks[-1], 0)
+        assert ks[0] == 0
+        assert (max(ks) > 0) == drafts_again, ks
+    s = _seq(0.9)
+    s.accept_slow = 0.5
+    p.learn(s, 0, 0)
+    assert s.accept_ema == 0.9

@@ -47,6 +47,7 @@ class Sequence:
     finished_at: float | None = None
     accept_ema: float | None = None  # running estimate of the per-token draft acceptance (None: the
     # policy's prior, set at the sequence's first draft-length choice)
+    accept_slow: float | None = None  # the same over many steps: where a sequence drafting nothing drifts back to
     constraint: "Constraint | None" = None  # grammar state under structured outputs (engine/constraint.py)
     mm: "MultiModalPrompt | None" = None  # the prompt's images (engine/multimodal.py)
     # prompt_logprobs: the logprob of each prompt token computed so far (None for the first); None = not

@@ -13,6 +13,14 @@ A new sequence's estimate starts from the policy's prior: a slow running accepta
 sequence's steps (0.5 before any), so once a drafter has shown it is usually right (a draft
 model on code), a new request drafts from its first step instead of earning it from 0.5 with
 probes that a costly drafter can afford only rarely.
+
+A few rejected drafts in a row (digits in a math answer) put a sequence at k = 0, where it gets no
+news, and a draft model's probes are rare (each first reads the tokens skipped since): without
+more, the sequence stayed at k = 0 for the rest of its answer, a hundred steps of text its drafter
+would have guessed. So each sequence also keeps a slow estimate (``accept_slow``, its acceptance
+over many steps), and a step without news moves the fast one IDLE_REVERT of the way back up to
+it: a sequence whose drafter is usually right drafts again within a few steps; one whose drafter
+is usually wrong has a low slow estimate too and stays at k = 0.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ PROBE_EVERY = 8  # a sequence at k = 0 still drafts 1 token every so often, to k
 PROBE_MAX = 256  # ... at least this often
 PROBE_BUDGET = 0.03  # ... and a drafter with a cost of its own probes at most ~3% of decode time
 PRIOR_ALPHA = 0.05  # running acceptance over every sequence's steps: where a new sequence starts
+SLOW_ALPHA = 0.05  # a sequence's slow estimate (accept_slow)
+IDLE_REVERT = 0.1  # a step without news moves the estimate this share of the way up to the slow one
 
 
 class CostModel:
@@ -182,6 +192,8 @@ class DraftPolicy:
         for s in seqs:
             if s.accept_ema is None:  # a new sequence: the running acceptance of those before it
                 s.accept_ema = self.prior
+            if s.accept_slow is None:
+                s.accept_slow = s.accept_ema
         caps = [max(0, min(self.k_max, lim)) for lim in limits]
         if not self.adaptive:
             return caps
@@ -231,8 +243,12 @@ class DraftPolicy:
     def learn(self, seq: Sequence, num_drafted: int, num_accepted: int, cut: bool = False) -> None:
         """One step's outcome: into the sequence's estimate (``update``) and into the prior."""
         share = self.update(seq, num_drafted, num_accepted, cut)
-        if share is not None:  # (a sequence with drafts went through lengths(): its estimate is set)
+        if share is not None:  # (a sequence with drafts went through lengths(): its estimates are set)
             self.prior += PRIOR_ALPHA * (share - self.prior)
+            if seq.accept_slow is not None:
+                seq.accept_slow += SLOW_ALPHA * (share - seq.accept_slow)
+        elif seq.accept_slow is not None and seq.accept_ema < seq.accept_slow:  # no news (module docstring)
+            seq.accept_ema += IDLE_REVERT * (seq.accept_slow - seq.accept_ema)
 
     @staticmethod
     def update(seq: Sequence, num_drafted: int, num_accepted: int, cut: bool = False,
