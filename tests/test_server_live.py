@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import re
 import subprocess
 import sys
 import tempfile
@@ -269,7 +270,7 @@ def test_infill_with_a_real_model(qwen_live):
                                              "temperature": 0}).json()
     assert got["choices"][0]["text"] == want
     body = {"input_prefix": prefix, "prompt": "    return ", "input_suffix": suffix, "n_predict": 12,
-            "temperature": 0, "cache_prompt": True, "samplers": ["top_k", "top_p", "infill"], "t_max_predict_ms": 500}
+            "temperature": 0, "cache_prompt": True, "samplers": ["top_k", "top_p", "infill"], "t_max_predict_ms": 60000}
     r = http.post("/infill", json=body).json()  # the repository format: <|repo_name|>myproject ... then raw
     assert r["prompt"] == "<|repo_name|>myproject\n<|file_sep|>filename\n" + raw
     want = http.post("/v1/completions", json={"prompt": r["prompt"], "max_tokens": 12, "temperature": 0}).json()
@@ -292,3 +293,14 @@ def test_infill_with_a_real_model(qwen_live):
     with http.stream("POST", "/infill", json={**long, "stream": True}) as s:
         events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line]
     assert "".join(e["content"] for e in events) == r["content"] and events[-1]["stop_type"] == "limit"
+    # t_max_predict_ms (llama.vim sends 500): 1 ms is past after the first token on any machine, so the
+    # text ends at the first step that has written a new line
+    r = http.post("/infill", json={**long, "n_indent": 0, "t_max_predict_ms": 1}).json()
+    assert full.startswith(r["content"]) and "\n" in r["content"] and len(r["content"]) < len(full), r
+    assert r["stop_type"] == "limit"
+    # a GBNF grammar (llama-server's field) holds the middle to a literal pi where the model writes math.pi
+    grammar = {**body, "grammar": 'root ::= "3.14" [0-9]* " * r ** 2"', "n_predict": 16}
+    r = http.post("/infill", json=grammar).json()
+    assert re.fullmatch(r"3\.14[0-9]* \* r \*\* 2", r["content"]) and r["stop_type"] == "eos", r
+    r = http.post("/infill", json={**grammar, "grammar": 'root ::= "unterminated'})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "grammar"
