@@ -17,3 +17,9 @@ python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --r
 # verification width on the same machine (t(M)/t(1), one process per model, row counts interleaved)
 python benchmarks/decode_cost.py --models smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b \
   --formats auto --rows 1,2,4,8,16 --context 512 --min-time 1.5 --out $D/decode_cost.json --markdown $D/decode_cost.md
+# the weight stream's software prefetch on this CPU: distance and hint (variants_prefetch.md), then t0 vs t1 alone
+python benchmarks/decode_cost.py --models qwen2.5-coder-1.5b,smollm2-135m --formats auto --rows 1,4,8 --context 512 \
+  --min-time 1.5 --variants "base=;pf32k=-DQP_PF_BYTES=32768;pf0=-DQP_PF_BYTES=0;hint3=-DQP_PF_HINT=3" \
+  --markdown $D/variants_prefetch.md
+python benchmarks/decode_cost.py --models qwen2.5-coder-1.5b,qwen2.5-coder-0.5b --formats auto --rows 1,2,8 --context 512 \
+  --min-time 3 --variants "base=;hint3=-DQP_PF_HINT=3" --markdown $D/variants_hint.md
