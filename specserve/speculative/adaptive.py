@@ -20,7 +20,9 @@ more, the sequence stayed at k = 0 for the rest of its answer, a hundred steps o
 would have guessed. So each sequence also keeps a slow estimate (``accept_slow``, its acceptance
 over many steps), and a step without news moves the fast one IDLE_REVERT of the way back up to
 it: a sequence whose drafter is usually right drafts again within a few steps; one whose drafter
-is usually wrong has a low slow estimate too and stays at k = 0.
+is usually wrong has a low slow estimate too and stays at k = 0. A drafter that declines to guess at
+all (a draft cut to nothing by draft_p_min) brings the slow estimate down to the fast one at once:
+else, with cheap drafts, the drift kept asking an always-unsure drafter every few steps.
 """
 
 from __future__ import annotations
@@ -247,6 +249,8 @@ class DraftPolicy:
             self.prior += PRIOR_ALPHA * (share - self.prior)
             if seq.accept_slow is not None:
                 seq.accept_slow += SLOW_ALPHA * (share - seq.accept_slow)
+                if cut and num_drafted == 0:  # the drafter declined to guess: not one to drift back to
+                    seq.accept_slow = min(seq.accept_slow, seq.accept_ema)
         elif seq.accept_slow is not None and seq.accept_ema < seq.accept_slow:  # no news (module docstring)
             seq.accept_ema += IDLE_REVERT * (seq.accept_slow - seq.accept_ema)
 
