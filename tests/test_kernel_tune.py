@@ -121,3 +121,88 @@ def test_random_block_weights_are_finite_and_read_as_gguf_reads_them(qtype):
     assert deq.shape == (32, 512) and torch.isfinite(deq).all()
     np.testing.assert_array_equal(deq.numpy(), ref)
     assert torch.isfinite(linear(torch.randn(2, 512), w)).all()
+
+
+class _Clock:
+    """A fake clock that a run advances by the time of the hint set when it runs."""
+
+    def __init__(self, t0_ms: float, t1_ms: float):
+        self.now, self.t0 = 0.0, False
+        self.cost = {True: t0_ms / 1e3, False: t1_ms / 1e3}
+        self.runs: list[bool] = []
+
+    def run(self) -> None:
+        self.runs.append(self.t0)
+        self.now += self.cost[self.t0]
+
+    def set_t0(self, on: bool) -> None:
+        self.t0 = on
+
+
+@pytest.mark.parametrize("t0_ms,want", [(17.0, "t0"), (18.9, "t1"), (26.0, "t1")])
+def test_the_prefetch_hint_is_the_faster_by_more_than_the_margin(monkeypatch, t0_ms, want):
+    """t0 where it is faster by more than MARGIN (Zen 5: 17 vs 19 ms), else the default t1; the
+    chosen hint is left set, and both hints were timed the same number of times."""
+    monkeypatch.delenv(tune.HINT_ENV, raising=False)
+    c = _Clock(t0_ms, 19.0)
+    rec = tune.choose_prefetch(c.run, c.set_t0, rounds=4, clock=lambda: c.now)
+    assert rec["prefetch"] == want and c.t0 == (want == "t0") and rec["source"] == "measured"
+    assert rec["times"] == {"t1": 19.0, "t0": t0_ms}
+    timed = c.runs[tune.HINT_WARM_UP:]
+    assert timed.count(True) == timed.count(False) == 4
+
+
+def test_env_forces_a_prefetch_hint_and_a_bad_value_is_refused(monkeypatch):
+    c = _Clock(10.0, 20.0)
+    monkeypatch.setenv(tune.HINT_ENV, "t1")
+    assert tune.choose_prefetch(c.run, c.set_t0, clock=lambda: c.now)["prefetch"] == "t1"
+    assert not c.runs and c.t0 is False
+    monkeypatch.setenv(tune.HINT_ENV, "t2")
+    with pytest.raises(tune.BadVariant, match=tune.HINT_ENV):
+        tune.choose_prefetch(c.run, c.set_t0)
+
+
+def test_the_prefetch_hint_moves_no_bits():
+    """A panel linear over Q4_K and Q6_K weights at 1 and 8 rows gives the same bits under either
+    prefetch hint (a stream longer than the prefetch distance)."""
+    if not library.kernels_available():
+        pytest.skip("no C compiler")
+    from specserve.kernels.linear import linear
+
+    g = torch.Generator().manual_seed(1)
+    try:
+        for qtype in ("Q4_K", "Q6_K"):
+            w = tune.random_block_weight(qtype, 512, 2048, g)
+            for m in (1, 8):
+                x = torch.randn(m, 2048, generator=g)
+                assert library.set_prefetch_t0(False)
+                a = linear(x, w)
+                library.set_prefetch_t0(True)
+                assert torch.equal(a, linear(x, w)) and torch.isfinite(a).all()
+    finally:
+        library.set_prefetch_t0(False)
+
+
+def test_an_engine_on_the_cpu_times_its_prefetch_hint(tmp_path, caplog, monkeypatch):
+    """A CPU engine chooses the hint on its own model's one-row forward at start-up (logged); a bad
+    SPECSERVE_PREFETCH_HINT fails the start naming the variable."""
+    if not library.kernels_available():
+        pytest.skip("no C compiler")
+    import logging
+
+    from tiny_models import make_tiny_target
+
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.llm_engine import LLMEngine
+
+    model = make_tiny_target(tmp_path)
+    monkeypatch.delenv(tune.HINT_ENV, raising=False)
+    try:
+        with caplog.at_level(logging.INFO, logger="specserve.engine"):
+            LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=64))
+        assert "weight prefetch: t" in caplog.text and "(measured;" in caplog.text
+        monkeypatch.setenv(tune.HINT_ENV, "fast")
+        with pytest.raises(tune.BadVariant, match=tune.HINT_ENV):
+            LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=64))
+    finally:
+        library.set_prefetch_t0(False)

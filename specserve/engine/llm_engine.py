@@ -30,6 +30,8 @@ from specserve.engine.scheduler import ScheduledRow, Scheduler
 from specserve.engine.sequence import Sequence, Status
 from specserve.engine.types import AcceptanceStats, EngineStats, RequestOutput, SamplingParams
 from specserve.errors import RequestError
+from specserve.kernels.library import kernels_available, set_prefetch_t0
+from specserve.kernels.tune import choose_prefetch
 from specserve.models.hybrid import RecurrentStates
 from specserve.models.loader import LoadedModel
 from specserve.models.kv_cache import KVCache
@@ -83,6 +85,8 @@ class LLMEngine:
                                    on_preempt=drafter.on_finished if drafter else lambda seq: None,
                                    computable=encoder.computable if encoder is not None else None)
         self.by_id: dict[str, Sequence] = {}
+        if torch.device(self.device).type == "cpu" and kernels_available():
+            self._choose_prefetch()
         if self.policy.adaptive and drafter is not None:
             self._calibrate(k_max)
 
@@ -111,27 +115,34 @@ class LLMEngine:
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
+    def _scratch(self, width: int) -> Sequence:
+        """A throw-away sequence of ``width`` filler tokens, for timing forwards of up to that width."""
+        eos = self.tokenizer.eos_token_ids
+        params = SamplingParams(max_tokens=width + 1, ignore_eos=True)
+        return Sequence("calibrate", [min(eos) if eos else 0] * width, params,
+                        IncrementalDetokenizer(self.tokenizer, [], params.stop))
+
+    def _time_width(self, width: int) -> None:
+        """One forward of a sequence verifying width - 1 drafts (logits for every row), then freed."""
+        seq = self._scratch(CALIBRATE_MAX_K + 1)  # (the widest the calibration times)
+        if self.scheduler.reserve(seq, width):
+            filler = seq.prompt_ids[0]
+            self.runner.run([ScheduledRow(seq, 0, width, True, num_drafts=width - 1, drafts=[filler] * (width - 1))],
+                            timed=False)
+        self.cache.free(seq)
+
+    def _choose_prefetch(self) -> None:
+        """The weight streams' prefetch hint this model's one-row forward runs fastest with (kernels/tune.py)."""
+        rec = choose_prefetch(lambda: self._time_width(1), set_prefetch_t0)
+        log.info("weight prefetch: %s (%s; ms per one-row forward: %s)", rec["prefetch"], rec["source"],
+                    rec["times"])
+
     def _calibrate(self, k_max: int) -> None:
         """Measure the verification widths 1 .. k_max + 1 (and the drafter's own step) once, so
         that the first steps already choose draft lengths from this machine's costs."""
         widths = list(range(1, min(k_max, CALIBRATE_MAX_K) + 2))
-        eos = self.tokenizer.eos_token_ids
-        filler = min(eos) if eos else 0
-
-        def scratch() -> Sequence:
-            params = SamplingParams(max_tokens=max(widths) + 1, ignore_eos=True)
-            return Sequence("calibrate", [filler] * max(widths), params,
-                            IncrementalDetokenizer(self.tokenizer, [], params.stop))
-
-        def run(width: int) -> None:  # one sequence verifying width - 1 drafts: logits for every row
-            seq = scratch()
-            if self.scheduler.reserve(seq, width):
-                row = ScheduledRow(seq, 0, width, True, num_drafts=width - 1, drafts=[filler] * (width - 1))
-                self.runner.run([row], timed=False)
-            self.cache.free(seq)
-
-        calibrate(self.cost, run, widths)
-        self.drafter.warm_up(scratch)
+        calibrate(self.cost, self._time_width, widths)
+        self.drafter.warm_up(lambda: self._scratch(max(widths)))
 
     # ---- requests --------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

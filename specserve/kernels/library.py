@@ -73,6 +73,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                  "ss_has_f16c", "ss_int_dot_isa"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = _i32
+    lib.ss_set_prefetch_t0.argtypes = [_i32]
+    lib.ss_set_prefetch_t0.restype = None
     lib.ss_dequantize.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp, _i32]
     lib.ss_dequantize.restype = _i32
     lib.ss_linear.argtypes = [_vp, _i64, _i64, _i64, _vp, _i32, _i64, _vp, _vp, _vp, _i64, _i64, _i32]
@@ -173,6 +175,16 @@ def chosen_build() -> dict[str, Any]:
             if _get_lib(_choice["variant"]) is None:
                 _choice.update(variant="native", source=f"default ({_choice['variant']} did not build)")
         return _choice
+
+
+def set_prefetch_t0(on: bool) -> bool:
+    """The weight streams' software prefetch hint of the chosen build: prefetcht0 (True) or the
+    default prefetcht1 (tune.choose_prefetch picks). False when there is no C build to set."""
+    lib = _auto_lib()
+    if lib is None:
+        return False
+    lib.ss_set_prefetch_t0(int(on))
+    return True
 
 
 def _auto_lib() -> ctypes.CDLL | None:

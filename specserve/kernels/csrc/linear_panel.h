@@ -35,9 +35,18 @@
 #ifndef QP_PF_HINT
 #define QP_PF_HINT 2 /* __builtin_prefetch's locality: 3 prefetcht0, 2 t1, 1 t2, 0 nta */
 #endif
+/* prefetcht0 instead of QP_PF_HINT, chosen at run time by timing the model's own one-row forward
+   both ways (kernels/tune.py choose_prefetch): on Zen 5 t0 made qwen2.5-coder-1.5b's one-row forward
+   19.0 -> 17.0 ms, on Zen 4 it read the stream at 20.5 GB/s instead of 29.9 (results_final/zen5_1206).
+   Prefetch moves no bits: the output is the same either way. */
+static int qp_pf_t0 = 0;
+SS_EXPORT void ss_set_prefetch_t0(int on) { qp_pf_t0 = on != 0; }
 SS_INLINE void pq_prefetch(const uint8_t *p, int n) {
 #if QP_PF_BYTES > 0 /* 0: no software prefetch */
-    for (int o = 0; o < n; o += 64) __builtin_prefetch(p + QP_PF_BYTES + o, 0, QP_PF_HINT);
+    if (qp_pf_t0)
+        for (int o = 0; o < n; o += 64) __builtin_prefetch(p + QP_PF_BYTES + o, 0, 3);
+    else
+        for (int o = 0; o < n; o += 64) __builtin_prefetch(p + QP_PF_BYTES + o, 0, QP_PF_HINT);
 #else
     (void)p, (void)n;
 #endif
