@@ -213,3 +213,18 @@ def test_a_sequence_drafting_nothing_drifts_back_to_its_own_slow_estimate():
     s.accept_slow = 0.5
     p.learn(s, 0, 0)
     assert s.accept_ema == 0.9
+
+
+def test_a_draft_cut_to_nothing_ends_the_drift():
+    """A drafter that declined to guess (a draft cut to nothing, draft_p_min) takes the slow estimate
+    down to the fast one, so steps without news no longer pull the sequence back to drafting."""
+    p = _policy(step=0.001, draft=0.0001)
+    s = _seq(0.5)
+    p.lengths([s], [8])
+    assert s.accept_slow == 0.5
+    p.learn(s, 0, 0, cut=True)
+    assert s.accept_slow == s.accept_ema < 0.5
+    ema = s.accept_ema
+    for _ in range(10):
+        p.learn(s, 0, 0)  # no news
+    assert s.accept_ema == ema

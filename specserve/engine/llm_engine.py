@@ -134,8 +134,7 @@ class LLMEngine:
     def _choose_prefetch(self) -> None:
         """The weight streams' prefetch hint this model's one-row forward runs fastest with (kernels/tune.py)."""
         rec = choose_prefetch(lambda: self._time_width(1), set_prefetch_t0)
-        log.info("weight prefetch: %s (%s; ms per one-row forward: %s)", rec["prefetch"], rec["source"],
-                    rec["times"])
+        log.info("weight prefetch: %s (%s; ms per one-row forward: %s)", rec["prefetch"], rec["source"], rec["times"])
 
     def _calibrate(self, k_max: int) -> None:
         """Measure the verification widths 1 .. k_max + 1 (and the drafter's own step) once, so

@@ -131,15 +131,23 @@ def measure(variants: list[str], rounds: int = ROUNDS) -> dict[str, float]:
     return best
 
 
+def _forced(var: str, choices: tuple[str, ...]) -> str | None:
+    """The choice environment variable ``var`` forces (None: unset or auto); BadVariant if unknown."""
+    forced = os.environ.get(var, "").strip().lower()
+    if not forced or forced == "auto":
+        return None
+    if forced not in choices:
+        raise BadVariant(f"{var}={forced!r}: expected one of auto, {', '.join(choices)}")
+    return forced
+
+
 def choose_prefetch(run: Callable[[], None], set_t0: Callable[[bool], object], rounds: int = HINT_ROUNDS,
                     clock: Callable[[], float] = time.perf_counter) -> dict:
     """{"prefetch": "t0" | "t1", "times", "source"}: the hint under which ``run`` (a model's one-row
     forward) is fastest, best of ``rounds`` taking turns after HINT_WARM_UP runs; t1 unless t0 wins by more
     than MARGIN. Leaves the chosen hint set."""
-    forced = os.environ.get(HINT_ENV, "").strip().lower()
-    if forced and forced != "auto":
-        if forced not in ("t0", "t1"):
-            raise BadVariant(f"{HINT_ENV}={forced!r}: expected one of auto, t0, t1")
+    forced = _forced(HINT_ENV, ("t0", "t1"))
+    if forced:
         set_t0(forced == "t0")
         return {"prefetch": forced, "times": {}, "source": HINT_ENV}
     best = {"t1": float("inf"), "t0": float("inf")}
@@ -171,10 +179,8 @@ def _read(path: Path) -> dict | None:
 
 def choose() -> dict:
     """{"variant", "times", "source"}: the build to use, how it was chosen."""
-    forced = os.environ.get(ENV, "").strip().lower()
-    if forced and forced != "auto":
-        if forced not in CHOOSABLE:
-            raise BadVariant(f"{ENV}={forced!r}: expected one of auto, {', '.join(CHOOSABLE)}")
+    forced = _forced(ENV, CHOOSABLE)
+    if forced:
         return {"variant": forced, "times": {}, "source": ENV}
     path = _record_path()
     if path is None:  # no native build: the library loader reports why

@@ -1,0 +1,12 @@
+#!/bin/sh
+# What a fresh engine's start-up timing of the prefetch hint sees, in five processes one after the
+# other (qwen2.5-coder-1.5b, plain): the engine's log line. sh results_final/zen5_1206/prefetch_starts.sh
+for i in 1 2 3 4 5; do
+  python -c "
+import argparse, logging, sys
+logging.basicConfig(level=logging.INFO, format='%(message)s')
+sys.path[:0] = ['benchmarks']
+import spec_decode as sd
+sd.make_engines('qwen2.5-coder-1.5b', [('plain', None)], argparse.Namespace(quantization='auto', ctx=4096, threads=None))
+" 2>&1 | grep "weight prefetch"
+done
