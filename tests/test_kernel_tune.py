@@ -123,43 +123,86 @@ def test_random_block_weights_are_finite_and_read_as_gguf_reads_them(qtype):
     assert torch.isfinite(linear(torch.randn(2, 512), w)).all()
 
 
-class _Clock:
-    """A fake clock that a run advances by the time of the hint set when it runs."""
+class _Forwards:
+    """Fake forwards for a HintTrial: each takes t0_ms or t1_ms by the hint set when it runs, times a
+    drift factor that grows forward by forward (a machine slowing down)."""
 
-    def __init__(self, t0_ms: float, t1_ms: float):
-        self.now, self.t0 = 0.0, False
-        self.cost = {True: t0_ms / 1e3, False: t1_ms / 1e3}
-        self.runs: list[bool] = []
-
-    def run(self) -> None:
-        self.runs.append(self.t0)
-        self.now += self.cost[self.t0]
+    def __init__(self, t0_ms: float, t1_ms: float, drift: float = 0.0):
+        self.t0, self.ms, self.drift = False, {True: t0_ms, False: t1_ms}, drift
+        self.hints: list[bool] = []
 
     def set_t0(self, on: bool) -> None:
         self.t0 = on
 
+    def run(self, trial: tune.HintTrial, rows: int = 1) -> dict | None:
+        trial.before()
+        self.hints.append(self.t0)
+        return trial.after(rows, self.ms[self.t0] / 1e3 * (1.0 + self.drift * len(self.hints)))
 
-@pytest.mark.parametrize("t0_ms,want", [(17.0, "t0"), (18.9, "t1"), (26.0, "t1")])
-def test_the_prefetch_hint_is_the_faster_by_more_than_the_margin(monkeypatch, t0_ms, want):
-    """t0 where it is faster by more than MARGIN (Zen 5: 17 vs 19 ms), else the default t1; the
-    chosen hint is left set, and both hints were timed the same number of times."""
-    monkeypatch.delenv(tune.HINT_ENV, raising=False)
-    c = _Clock(t0_ms, 19.0)
-    rec = tune.choose_prefetch(c.run, c.set_t0, rounds=4, clock=lambda: c.now)
-    assert rec["prefetch"] == want and c.t0 == (want == "t0") and rec["source"] == "measured"
-    assert rec["times"] == {"t1": 19.0, "t0": t0_ms}
-    timed = c.runs[tune.HINT_WARM_UP:]
-    assert timed.count(True) == timed.count(False) == 4
+
+def _until_chosen(f: _Forwards, trial: tune.HintTrial, rows=lambda i: 1) -> tuple[dict, int]:
+    for i in range(2000):
+        rec = f.run(trial, rows(i))
+        if rec is not None:
+            return rec, i + 1
+    raise AssertionError("the trial never chose")
+
+
+@pytest.mark.parametrize("t0_ms,want", [(17.0, "t0"), (18.6, "t0"), (18.9, "t1"), (26.0, "t1")])
+def test_the_prefetch_trial_keeps_t0_only_when_faster_by_the_margin(t0_ms, want):
+    """t0 where its forwards are faster by more than HINT_MARGIN (Zen 5: 17 vs 19 ms), else the default t1,
+    even while the machine slows down by 1% a forward (pairs are neighbours); the choice is left set."""
+    f = _Forwards(t0_ms, 19.0, drift=0.01)
+    trial = tune.HintTrial(f.set_t0)
+    rec, n = _until_chosen(f, trial)
+    assert rec["prefetch"] == want and f.t0 == (want == "t0") and rec["pairs"] == tune.TRIAL_PAIRS
+    assert n == tune.TRIAL_SKIP + 2 * tune.TRIAL_PAIRS
+    assert not any(f.hints[:tune.TRIAL_SKIP])  # the first forwards run with the default
+    trial_hints = f.hints[tune.TRIAL_SKIP:]
+    assert trial_hints.count(True) == trial_hints.count(False) == tune.TRIAL_PAIRS
+    firsts = trial_hints[::2]  # the hint each pair starts with: half t1, half t0
+    assert firsts.count(True) == firsts.count(False)
+    assert f.run(trial) is None and f.t0 == (want == "t0")  # chosen once, then left alone
+
+
+def test_the_prefetch_trial_pairs_only_narrow_forwards_of_one_width():
+    """Forwards wider than TRIAL_ROWS (compute bound) and neighbours of different widths form no
+    pair: a t0 that only looks faster because its forwards were narrower is not chosen."""
+    f = _Forwards(19.0, 19.0)
+    f.ms = None  # times by width below
+    trial = tune.HintTrial(f.set_t0)
+
+    def run(rows: int) -> dict | None:
+        trial.before()
+        f.hints.append(f.t0)
+        return trial.after(rows, (10.0 if f.t0 else 19.0) * rows / 1e3 if rows > 1 else 0.019)
+
+    widths = [1, 2] * 20 + [8] * 40
+    recs = [run(w) for w in [1] * tune.TRIAL_SKIP + widths]
+    assert not any(recs) and trial.ratios == []
+    recs = [run(1) for _ in range(2 * tune.TRIAL_PAIRS)]
+    assert recs[-1]["prefetch"] == "t1" and recs[-1]["t0_over_t1"] == 1.0
+
+
+def test_a_trial_short_of_pairs_gives_up_on_the_default():
+    f = _Forwards(10.0, 19.0)
+    trial = tune.HintTrial(f.set_t0)
+    rec, n = _until_chosen(f, trial, rows=lambda i: 16)  # prefill-sized forwards only
+    assert rec == {"prefetch": "t1", "source": "measured", "pairs": 0, "t0_over_t1": None}
+    assert n == tune.TRIAL_SKIP + tune.TRIAL_GIVE_UP and f.t0 is False
 
 
 def test_env_forces_a_prefetch_hint_and_a_bad_value_is_refused(monkeypatch):
-    c = _Clock(10.0, 20.0)
-    monkeypatch.setenv(tune.HINT_ENV, "t1")
-    assert tune.choose_prefetch(c.run, c.set_t0, clock=lambda: c.now)["prefetch"] == "t1"
-    assert not c.runs and c.t0 is False
+    f = _Forwards(10.0, 20.0)
+    monkeypatch.setenv(tune.HINT_ENV, "t0")
+    trial, rec = tune.HintTrial.begin(f.set_t0)
+    assert trial is None and rec == {"prefetch": "t0", "source": tune.HINT_ENV} and f.t0 is True
     monkeypatch.setenv(tune.HINT_ENV, "t2")
     with pytest.raises(tune.BadVariant, match=tune.HINT_ENV):
-        tune.choose_prefetch(c.run, c.set_t0)
+        tune.HintTrial.begin(f.set_t0)
+    monkeypatch.setenv(tune.HINT_ENV, "auto")
+    trial, rec = tune.HintTrial.begin(f.set_t0)
+    assert rec is None and trial is not None and f.t0 is False
 
 
 def test_the_prefetch_hint_moves_no_bits():
@@ -183,9 +226,10 @@ def test_the_prefetch_hint_moves_no_bits():
         library.set_prefetch_t0(False)
 
 
-def test_an_engine_on_the_cpu_times_its_prefetch_hint(tmp_path, caplog, monkeypatch):
-    """A CPU engine chooses the hint on its own model's one-row forward at start-up (logged); a bad
-    SPECSERVE_PREFETCH_HINT fails the start naming the variable."""
+def test_an_engine_on_the_cpu_chooses_its_prefetch_hint_over_its_first_forwards(tmp_path, caplog, monkeypatch):
+    """A CPU engine's runner runs the hint trial over its real decode steps and logs the choice once
+    (greedy output the same as under a forced hint: prefetch moves no bits); a forced hint is logged
+    at start-up, and a bad SPECSERVE_PREFETCH_HINT fails the start naming the variable."""
     if not library.kernels_available():
         pytest.skip("no C compiler")
     import logging
@@ -194,13 +238,27 @@ def test_an_engine_on_the_cpu_times_its_prefetch_hint(tmp_path, caplog, monkeypa
 
     from specserve.engine.config import EngineConfig
     from specserve.engine.llm_engine import LLMEngine
+    from specserve.engine.types import SamplingParams
 
     model = make_tiny_target(tmp_path)
-    monkeypatch.delenv(tune.HINT_ENV, raising=False)
+    tokens = tune.TRIAL_SKIP + 2 * tune.TRIAL_PAIRS + 4
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+
+    def generate() -> list[int]:
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=128))
+        return [t for out in engine.generate([1, 2, 3], params) for t in out.new_token_ids]
+
     try:
+        monkeypatch.delenv(tune.HINT_ENV, raising=False)
         with caplog.at_level(logging.INFO, logger="specserve.engine"):
-            LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=64))
-        assert "weight prefetch: t" in caplog.text and "(measured;" in caplog.text
+            measured = generate()
+        assert caplog.text.count("weight prefetch: t") == 1
+        assert f"(measured over {tune.TRIAL_PAIRS} pairs of forwards, median t0/t1 " in caplog.text
+        caplog.clear()
+        monkeypatch.setenv(tune.HINT_ENV, "t0")
+        with caplog.at_level(logging.INFO, logger="specserve.engine"):
+            assert generate() == measured and len(measured) == tokens
+        assert "weight prefetch: t0 (SPECSERVE_PREFETCH_HINT)" in caplog.text
         monkeypatch.setenv(tune.HINT_ENV, "fast")
         with pytest.raises(tune.BadVariant, match=tune.HINT_ENV):
             LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=64))

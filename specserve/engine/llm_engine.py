@@ -31,7 +31,7 @@ from specserve.engine.sequence import Sequence, Status
 from specserve.engine.types import AcceptanceStats, EngineStats, RequestOutput, SamplingParams
 from specserve.errors import RequestError
 from specserve.kernels.library import kernels_available, set_prefetch_t0
-from specserve.kernels.tune import choose_prefetch
+from specserve.kernels.tune import HintTrial
 from specserve.models.hybrid import RecurrentStates
 from specserve.models.loader import LoadedModel
 from specserve.models.kv_cache import KVCache
@@ -79,14 +79,13 @@ class LLMEngine:
                                   drafter.catch_up_cost if drafter else lambda n: 0.0)
         self.runner = ModelRunner(self.model, self.kv, self.cache, ecfg.block_size,
                                   -(-self.max_model_len // ecfg.block_size) + 1, self.cost,
-                                  drafter.hidden_layers if drafter else (), self.encoder_cache(target, ecfg))
+                                  drafter.hidden_layers if drafter else (), self.encoder_cache(target, ecfg),
+                                  self._hint_trial())
         encoder = self.runner.encoder
         self.scheduler = Scheduler(ecfg, self.cache, self.policy, self.max_model_len,
                                    on_preempt=drafter.on_finished if drafter else lambda seq: None,
                                    computable=encoder.computable if encoder is not None else None)
         self.by_id: dict[str, Sequence] = {}
-        if torch.device(self.device).type == "cpu" and kernels_available():
-            self._choose_prefetch()
         if self.policy.adaptive and drafter is not None:
             self._calibrate(k_max)
 
@@ -131,10 +130,15 @@ class LLMEngine:
                             timed=False)
         self.cache.free(seq)
 
-    def _choose_prefetch(self) -> None:
-        """The weight streams' prefetch hint this model's one-row forward runs fastest with (kernels/tune.py)."""
-        rec = choose_prefetch(lambda: self._time_width(1), set_prefetch_t0)
-        log.info("weight prefetch: %s (%s; ms per one-row forward: %s)", rec["prefetch"], rec["source"], rec["times"])
+    def _hint_trial(self) -> HintTrial | None:
+        """The trial that chooses the weight streams' prefetch hint over the first real forwards
+        (kernels/tune.py; the runner runs it), or None: not the CPU kernels, or the hint forced."""
+        if torch.device(self.device).type != "cpu" or not kernels_available():
+            return None
+        trial, forced = HintTrial.begin(set_prefetch_t0)
+        if forced:
+            log.info("weight prefetch: %s (%s)", forced["prefetch"], forced["source"])
+        return trial
 
     def _calibrate(self, k_max: int) -> None:
         """Measure the verification widths 1 .. k_max + 1 (and the drafter's own step) once, so

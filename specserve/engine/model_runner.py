@@ -6,6 +6,7 @@ model and the training-data capture all build their batches with it."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -15,8 +16,11 @@ from specserve.engine.cache import CacheCoordinator
 from specserve.engine.multimodal import EncoderCache, MultiModalPrompt, text_positions
 from specserve.engine.scheduler import ScheduledRow
 from specserve.engine.step_budget import batch_keys
+from specserve.kernels.tune import HintTrial
 from specserve.models.transformer import ForwardBatch, ForwardOutput, KVCache, Paging
 from specserve.speculative.adaptive import CostModel
+
+log = logging.getLogger("specserve.engine")
 
 
 @dataclass
@@ -107,10 +111,12 @@ class ModelRunner:
     """Runs the target over a step's scheduled rows and times each pass into ``cost``."""
 
     def __init__(self, model, kv: KVCache, cache: CacheCoordinator, block_size: int, max_blocks: int,
-                 cost: CostModel, hidden_layers: tuple[int, ...] = (), encoder: EncoderCache | None = None):
+                 cost: CostModel, hidden_layers: tuple[int, ...] = (), encoder: EncoderCache | None = None,
+                 hint: HintTrial | None = None):
         self.model, self.kv, self.cache, self.encoder = model, kv, cache, encoder
         self.block_size, self.max_blocks = block_size, max_blocks
         self.cost, self.hidden_layers = cost, hidden_layers
+        self.hint = hint  # the prefetch hint's trial, until it has chosen
 
     def entry(self, r: ScheduledRow) -> BatchEntry:
         seq = r.seq
@@ -136,8 +142,21 @@ class ModelRunner:
 
     def run(self, rows: list[ScheduledRow], timed: bool = True) -> ForwardOutput:
         batch = self.batch(rows)
+        n = int(batch.input_ids.shape[0])
+        if timed and self.hint is not None:
+            self.hint.before()
         t0 = time.perf_counter()
         out = self.model.forward(batch, self.kv)
         if timed:
-            self.cost.add(int(batch.input_ids.shape[0]), time.perf_counter() - t0, keys=batch_keys(batch.positions))
+            seconds = time.perf_counter() - t0
+            self.cost.add(n, seconds, keys=batch_keys(batch.positions))
+            if self.hint is not None:
+                self._hint_after(n, seconds)
         return out
+
+    def _hint_after(self, n: int, seconds: float) -> None:
+        rec = self.hint.after(n, seconds)
+        if rec is not None:
+            log.info("weight prefetch: %s (measured over %d pairs of forwards, median t0/t1 %s)",
+                     rec["prefetch"], rec["pairs"], rec["t0_over_t1"])
+            self.hint = None

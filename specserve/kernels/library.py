@@ -179,7 +179,7 @@ def chosen_build() -> dict[str, Any]:
 
 def set_prefetch_t0(on: bool) -> bool:
     """The weight streams' software prefetch hint of the chosen build: prefetcht0 (True) or the
-    default prefetcht1 (tune.choose_prefetch picks). False when there is no C build to set."""
+    default prefetcht1 (tune.HintTrial picks). False when there is no C build to set."""
     lib = _auto_lib()
     if lib is None:
         return False

@@ -15,10 +15,12 @@ concurrent processes (tensor-parallel ranks) wait on a file lock and read the sa
 ``SPECSERVE_KERNEL_VARIANT`` (``native``, ``native256``, ``avx2``) skips the contest.
 
 The weight streams' software prefetch hint (``prefetcht1`` by default, or ``prefetcht0``) is chosen
-per loaded model instead (``choose_prefetch``, called by the engine at start-up): its own one-row
-forward, timed both ways. t0 was ~10% faster on Zen 5 and a third slower on Zen 4, and timing
-random matrices did not tell them apart reliably (parts of them stay in cache).
-``SPECSERVE_PREFETCH_HINT`` (``t0``, ``t1``) skips the timing.
+per engine instead, over its model's first real forwards (``HintTrial``): the hint changes forward by
+forward, neighbours of the same width form pairs, and the median ratio of the pairs decides. t0 was
+~10% faster on Zen 5 and a third slower on Zen 4; timing random matrices did not tell them apart
+reliably (parts of them stay in cache), and timing the model's own forward at start-up saw no
+difference in about half the starts, whose first forwards all ran slow.
+``SPECSERVE_PREFETCH_HINT`` (``t0``, ``t1``) skips the trial.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,8 +39,14 @@ logger = logging.getLogger(__name__)
 
 ENV = "SPECSERVE_KERNEL_VARIANT"
 HINT_ENV = "SPECSERVE_PREFETCH_HINT"
-HINT_ROUNDS = 8
-HINT_WARM_UP = 4  # forwards before the timing: a new model's first ones run slower (pages, caches)
+TRIAL_SKIP = 8  # an engine's first forwards, left out of its hint trial (pages, caches)
+TRIAL_PAIRS = 16  # pairs of forwards the trial's choice takes
+TRIAL_ROWS = 4  # forwards of up to this many rows count (wider ones are bound by arithmetic, not the stream)
+TRIAL_GIVE_UP = 400  # forwards after which a trial short of pairs keeps the default hint
+# t0 must beat t1 by this much in the median pair: smaller than the builds' MARGIN, because a pair's
+# forwards run a moment apart (five trials on Zen 5 measured 0.975-0.987, results_final/zen5_1206b),
+# and where the two hints are nearly equal either choice costs nothing
+HINT_MARGIN = 0.01
 CHOOSABLE = ("native", "native256", "avx2")
 ROUNDS = 15
 # a challenger must beat native by this much: nearly equal times are noise, and native is the
@@ -141,27 +150,61 @@ def _forced(var: str, choices: tuple[str, ...]) -> str | None:
     return forced
 
 
-def choose_prefetch(run: Callable[[], None], set_t0: Callable[[bool], object], rounds: int = HINT_ROUNDS,
-                    clock: Callable[[], float] = time.perf_counter) -> dict:
-    """{"prefetch": "t0" | "t1", "times", "source"}: the hint under which ``run`` (a model's one-row
-    forward) is fastest, best of ``rounds`` taking turns after HINT_WARM_UP runs; t1 unless t0 wins by more
-    than MARGIN. Leaves the chosen hint set."""
-    forced = _forced(HINT_ENV, ("t0", "t1"))
-    if forced:
-        set_t0(forced == "t0")
-        return {"prefetch": forced, "times": {}, "source": HINT_ENV}
-    best = {"t1": float("inf"), "t0": float("inf")}
-    for _ in range(HINT_WARM_UP):
-        run()
-    for _ in range(rounds):
-        for hint in best:
-            set_t0(hint == "t0")
-            t0 = clock()
-            run()
-            best[hint] = min(best[hint], clock() - t0)
-    hint = "t0" if best["t0"] < best["t1"] * (1.0 - MARGIN) else "t1"
-    set_t0(hint == "t0")
-    return {"prefetch": hint, "times": {h: round(t * 1e3, 3) for h, t in best.items()}, "source": "measured"}
+class HintTrial:
+    """Chooses the prefetch hint over an engine's first real forwards. After ``skip`` forwards the hint
+    changes forward by forward; two neighbours of the same width (at most TRIAL_ROWS rows), one under
+    each hint, form a pair, and the next pair starts with the hint the last one ended with (t1, t0 |
+    t0, t1 | ...), so neither hint always runs second. After ``pairs`` pairs: t0 if the median ratio
+    t0 / t1 is under 1 - HINT_MARGIN, else t1; after ``give_up`` forwards short of pairs (a server that
+    only prefills, or only verifies wide), t1. A pair's two forwards run a moment apart, so a machine
+    whose speed drifts (the first forwards of a new model, a neighbour's load) moves both alike.
+    The engine calls ``before`` ahead of each timed forward and ``after`` with its rows and
+    seconds; ``after`` returns the record once, when the choice is made."""
+
+    def __init__(self, set_t0: Callable[[bool], object], pairs: int = TRIAL_PAIRS, skip: int = TRIAL_SKIP,
+                 give_up: int = TRIAL_GIVE_UP):
+        self.set_t0, self.pairs, self.skip, self.give_up = set_t0, pairs, skip, give_up
+        self.ratios: list[float] = []  # t0 / t1 of each pair
+        self.seen, self.t0, self.last = 0, False, None  # last: (rows, t0, seconds) of an open pair
+        self.choice: str | None = None
+        set_t0(False)
+
+    @classmethod
+    def begin(cls, set_t0: Callable[[bool], object]) -> tuple[HintTrial | None, dict | None]:
+        """(a trial, None), or (None, the record) where SPECSERVE_PREFETCH_HINT forces the hint."""
+        forced = _forced(HINT_ENV, ("t0", "t1"))
+        if forced:
+            set_t0(forced == "t0")
+            return None, {"prefetch": forced, "source": HINT_ENV}
+        return cls(set_t0), None
+
+    def before(self) -> None:
+        if self.choice is None and self.seen >= self.skip:
+            self.set_t0(self.t0)
+
+    def after(self, rows: int, seconds: float) -> dict | None:
+        if self.choice is not None:
+            return None
+        self.seen += 1
+        if self.seen <= self.skip:
+            return None
+        hint, self.t0 = self.t0, not self.t0
+        if rows > TRIAL_ROWS or self.last is None or self.last[0] != rows:
+            self.last = (rows, hint, seconds) if rows <= TRIAL_ROWS else None
+        else:
+            t0s, t1s = (seconds, self.last[2]) if hint else (self.last[2], seconds)
+            self.ratios.append(t0s / t1s)
+            self.last, self.t0 = None, hint  # the next pair starts where this one ended
+        if len(self.ratios) < self.pairs and self.seen < self.skip + self.give_up:
+            return None
+        return self._decide()
+
+    def _decide(self) -> dict:
+        ratio = statistics.median(self.ratios) if self.ratios else None
+        self.choice = "t0" if len(self.ratios) >= self.pairs and ratio < 1.0 - HINT_MARGIN else "t1"
+        self.set_t0(self.choice == "t0")
+        return {"prefetch": self.choice, "source": "measured", "pairs": len(self.ratios),
+                "t0_over_t1": None if ratio is None else round(ratio, 4)}
 
 
 def _record_path() -> Path | None:

@@ -35,8 +35,8 @@
 #ifndef QP_PF_HINT
 #define QP_PF_HINT 2 /* __builtin_prefetch's locality: 3 prefetcht0, 2 t1, 1 t2, 0 nta */
 #endif
-/* prefetcht0 instead of QP_PF_HINT, chosen at run time by timing the model's own one-row forward
-   both ways (kernels/tune.py choose_prefetch): on Zen 5 t0 made qwen2.5-coder-1.5b's one-row forward
+/* prefetcht0 instead of QP_PF_HINT, chosen at run time by timing the model's own forwards both ways
+   (kernels/tune.py HintTrial): on Zen 5 t0 made qwen2.5-coder-1.5b's one-row forward
    19.0 -> 17.0 ms, on Zen 4 it read the stream at 20.5 GB/s instead of 29.9 (results_final/zen5_1206).
    Prefetch moves no bits: the output is the same either way. */
 static int qp_pf_t0 = 0;
