@@ -1,16 +1,20 @@
 """Where one forward spends its time, per kernel, for 1 row and for M rows (a verification).
 
     python benchmarks/forward_breakdown.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--rows 1,8]
-        [--context 512] [--rounds 20] [--markdown breakdown.md] [--out breakdown.json]
+        [--context 512] [--rounds 20] [--path python|fused] [--markdown breakdown.md] [--out breakdown.json]
 
-The model runs its per-op Python path (``Transformer.fused = False``: the same kernels as the fused
-C path, one call each), with every kernel entry point wrapped by a timer: the linear layers by
-role (qkv, o, gate|up, down, lm_head), paged attention, the norms, rope, act_mul, and the rest of
-the forward (embedding lookup, Python, tensor glue) as "other". The row counts are interleaved
-round by round and each cell is the median over the rounds, in ms per forward; the last column
-is the cell at the largest M over the cell at the first. The per-op path pays a few ms of
-Python overhead per forward that the default fused path does not (README "Forward cost"), which
-lands in "other".
+--path python (the default): the model runs its per-op Python path (``Transformer.fused = False``:
+the same kernels as the fused C path, one call each), with every kernel entry point wrapped by a
+timer: the linear layers by role (qkv, o, gate|up, down, lm_head), paged attention, the norms,
+rope, act_mul, and the rest of the forward (embedding lookup, Python, tensor glue) as "other". The
+per-op path pays a few ms of Python overhead per forward that the default fused path does not
+(README "Forward cost"), which lands in "other".
+--path fused: the default fused path (all decoder layers in one C call), timed by the C library's
+own stage timers (``ss_decoder_profile``: norm, qkv, rope + kv write, attention, o, residual,
+gate|up, act_mul, down, summed over the layers); "outside the layers" is the rest of the forward
+(embedding, final norm, LM head, Python).
+The row counts are interleaved round by round and each cell is the median over the rounds, in ms
+per forward; the last column is the cell at the largest M over the cell at the first.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch  # noqa: E402
 
 from decode_cost import BLOCK, filled_cache, make_batch  # noqa: E402
 from specserve.engine.builder import set_threads  # noqa: E402
-from specserve.kernels import ops  # noqa: E402
+from specserve.kernels import library, ops  # noqa: E402
 from specserve.models.layers import Linear  # noqa: E402
 from specserve.models.loader import LoadOptions, load_model  # noqa: E402
 
@@ -69,15 +73,48 @@ class Timers:
             setattr(ops, k, fn)
 
 
+class StageTimers:
+    """The fused path's stages, from the C library's own timers (library.decoder_profile)."""
+
+    rest = "outside the layers"
+
+    def __init__(self, model):
+        model.fused = True
+        self.acc: dict[str, float] = {}
+        library.decoder_profile(True)
+
+    def clear(self) -> None:
+        library.decoder_profile(True)
+
+    def read(self) -> dict[str, float]:
+        return library.decoder_profile()
+
+    def restore(self) -> None:
+        library.decoder_profile(False)
+
+
+class PythonTimers(Timers):
+    rest = "other"
+
+    def __init__(self, model):
+        model.fused = False
+        super().__init__(model)
+
+    def clear(self) -> None:
+        self.acc.clear()
+
+    def read(self) -> dict[str, float]:
+        return dict(self.acc)
+
+
 def measure(name: str, a: argparse.Namespace) -> dict:
     lm = load_model(name, LoadOptions("cpu", "auto", "auto"))
     cfg, model = lm.config, lm.model
-    model.fused = False
     rows = [int(x) for x in a.rows.split(",")]
     bps = -(-(a.context + max(rows)) // BLOCK)
     kv = filled_cache(cfg, bps, "fp32")
     batches = {m: make_batch(m, a.context, "verify", bps, cfg.vocab_size) for m in rows}
-    timers = Timers(model)
+    timers = (StageTimers if a.path == "fused" else PythonTimers)(model)
     samples: dict[int, list[dict[str, float]]] = {m: [] for m in rows}
     try:
         with torch.inference_mode():
@@ -85,26 +122,27 @@ def measure(name: str, a: argparse.Namespace) -> dict:
                 model.forward(batches[m], kv)  # warm-up
             for _ in range(a.rounds):
                 for m in rows:
-                    timers.acc.clear()
+                    timers.clear()
                     t = time.perf_counter()
                     model.forward(batches[m], kv)
                     total = time.perf_counter() - t
-                    cell = dict(timers.acc)
-                    cell["other"] = total - sum(cell.values())
+                    cell = timers.read()
+                    cell[timers.rest] = total - sum(cell.values())
                     cell["total"] = total
                     samples[m].append(cell)
     finally:
         timers.restore()
-    labels = sorted({k for s in samples[rows[0]] for k in s}, key=lambda k: (k == "total", k == "other", k))
+    labels = sorted({k for s in samples[rows[0]] for k in s}, key=lambda k: (k == "total", k == timers.rest, k))
     med = {m: {k: statistics.median(s.get(k, 0.0) for s in samples[m]) * 1e3 for k in labels} for m in rows}
-    return {"model": name, "rows": rows, "context": a.context, "median_ms": med, "labels": labels}
+    return {"model": name, "rows": rows, "context": a.context, "path": a.path, "median_ms": med, "labels": labels}
 
 
 def markdown(results: list[dict]) -> str:
     out = []
     for r in results:
         rows, first, last = r["rows"], r["rows"][0], r["rows"][-1]
-        out += [f"{r['model']}, context {r['context']}, per-op path (ms per forward, median):", "",
+        path = "fused path, C stage timers" if r.get("path") == "fused" else "per-op path"
+        out += [f"{r['model']}, context {r['context']}, {path} (ms per forward, median):", "",
                 "| kernel | " + " | ".join(f"M={m}" for m in rows) + f" | M={last} / M={first} |",
                 "|---|" + "---|" * (len(rows) + 1)]
         for k in r["labels"]:
@@ -123,6 +161,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--path", choices=("python", "fused"), default="python")
     ap.add_argument("--out", default=None)
     ap.add_argument("--markdown", default=None)
     a = ap.parse_args()

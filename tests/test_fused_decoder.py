@@ -310,3 +310,25 @@ def test_fused_layers_same_bits_in_every_build(variant, tiny_models):
         ops.set_default_impl(None)
     for a, b in zip(native, other):
         assert torch.equal(a.logits, b.logits)
+
+
+def test_the_stage_timers_add_time_only_while_on_and_move_no_bits(tiny_models):
+    """library.decoder_profile: with the timers on, a fused forward adds time to every stage of its
+    layers (each stage runs in every layer) and gives the same bits as with them off; switched off,
+    nothing is added."""
+    from specserve.kernels import library
+
+    if not library.kernels_available():
+        pytest.skip("no C compiler")
+    lm, _ = tiny_models("qwen2")
+    try:
+        off, _ = _run_path(lm.model, lm.config, "verify", True, expect_fused=True)
+        assert set(library.decoder_profile(True)) == set(library.DECODER_STAGES)
+        on, _ = _run_path(lm.model, lm.config, "verify", True, expect_fused=True)
+        spent = library.decoder_profile(False)
+        assert all(spent[s] > 0 for s in library.DECODER_STAGES), spent
+        _run_path(lm.model, lm.config, "verify", True, expect_fused=True)
+        assert not any(library.decoder_profile().values())
+    finally:
+        library.decoder_profile(False)
+    assert all(torch.equal(a.logits, b.logits) for a, b in zip(off, on))

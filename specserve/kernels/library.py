@@ -75,6 +75,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, name).restype = _i32
     lib.ss_set_prefetch_t0.argtypes = [_i32]
     lib.ss_set_prefetch_t0.restype = None
+    lib.ss_decoder_profile.argtypes = [_i32, _vp]
+    lib.ss_decoder_profile.restype = _i32
     lib.ss_dequantize.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp, _i32]
     lib.ss_dequantize.restype = _i32
     lib.ss_linear.argtypes = [_vp, _i64, _i64, _i64, _vp, _i32, _i64, _vp, _vp, _vp, _i64, _i64, _i32]
@@ -185,6 +187,22 @@ def set_prefetch_t0(on: bool) -> bool:
         return False
     lib.ss_set_prefetch_t0(int(on))
     return True
+
+
+DECODER_STAGES = ("norm", "qkv", "rope + kv write", "attention", "o", "residual", "gate|up", "act_mul", "down")
+
+
+def decoder_profile(on: bool | None = None) -> dict[str, float]:
+    """Seconds the fused decoder layers spent per stage since profiling was last switched (a
+    development tool: benchmarks/forward_breakdown.py --path fused); ``on`` then switches it on or
+    off and zeroes the sums (None: neither). Empty when there is no C build."""
+    lib = _auto_lib()
+    if lib is None:
+        return {}
+    out = (ctypes.c_double * len(DECODER_STAGES))()
+    n = lib.ss_decoder_profile(-1 if on is None else int(on), out)
+    assert n == len(DECODER_STAGES), "decoder stages differ between the C build and library.py"
+    return dict(zip(DECODER_STAGES, out))
 
 
 def _auto_lib() -> ctypes.CDLL | None:

@@ -299,30 +299,57 @@ static int residual_add(const SSModel *m, float *x, const float *y, const float 
     return SS_OK;
 }
 
+/* Seconds spent in each stage of the decoder layers, summed over calls while profiling is on: a
+   development tool (benchmarks/forward_breakdown.py --path fused), off by default. Process-global,
+   like the prefetch hint; the stages run one after another on the calling thread (each parallel
+   inside), so their wall times add up to the layers' time. */
+enum { PF_NORM, PF_QKV, PF_ROPE_KV, PF_ATTN, PF_O, PF_RESIDUAL, PF_GATE_UP, PF_ACT, PF_DOWN, PF_STAGES };
+static int pf_on = 0;
+static double pf_sec[PF_STAGES];
+/* out (or NULL) <- the sums so far (PF_STAGES doubles); then on >= 0 switches profiling on (1) or
+   off (0) and zeroes the sums (on < 0: leaves both) */
+SS_EXPORT int ss_decoder_profile(int on, double *out) {
+    if (out) memcpy(out, pf_sec, sizeof pf_sec);
+    if (on >= 0) pf_on = on != 0, memset(pf_sec, 0, sizeof pf_sec);
+    return PF_STAGES;
+}
+static double pf_clock(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+/* rc = call, its time added to stage st while profiling; returns from the caller on an error */
+#define PF_RUN(st, call)                                  \
+    do {                                                  \
+        const double t_ = pf_on ? pf_clock() : 0.0;      \
+        rc = (call);                                      \
+        if (pf_on) pf_sec[st] += pf_clock() - t_;         \
+        if (rc) return rc;                                \
+    } while (0)
+
 /* one decoder layer on x [T, hidden] in place; the order of DecoderLayer.forward (models/transformer.py) */
 static int decoder_layer(const SSModel *m, const SSLayer *L, const SSKVPool *kv, const SSRows *r, float *x,
                          const SSScratch *s, int nthreads) {
     const int64_t T = r->T, H = m->hidden, I = m->inter;
     const int64_t qs = m->n_heads * m->head_dim, ld = qs + 2 * m->n_kv_heads * m->head_dim;
     int rc;
-    if ((rc = ss_rms_norm(x, T, H, H, L->attn_norm, m->eps, 0, s->h, H, nthreads))) return rc;
-    if ((rc = run_lins(L, LIN_Q, 3, s->h, T, H, s->qkv, ld, nthreads))) return rc;
-    if ((rc = qkv_to_cache(m, L, kv, r, s, nthreads))) return rc;
-    if ((rc = paged_attention_core(kv->fmt, s->q, kv->k, kv->v, kv->k_scales, kv->v_scales, kv->group,
-                                   kv->num_blocks, kv->block_size,
-                                   m->n_kv_heads, r->block_tables, r->S, r->max_blocks, r->seq_ids, r->positions,
-                                   T, m->n_heads, m->head_dim, m->scale, L->window, m->softcap, s->attn,
-                                   nthreads)))
-        return rc;
-    if ((rc = run_lin(&L->lin[LIN_O], s->attn, T, qs, qs, s->o, H, nthreads))) return rc;
+    PF_RUN(PF_NORM, ss_rms_norm(x, T, H, H, L->attn_norm, m->eps, 0, s->h, H, nthreads));
+    PF_RUN(PF_QKV, run_lins(L, LIN_Q, 3, s->h, T, H, s->qkv, ld, nthreads));
+    PF_RUN(PF_ROPE_KV, qkv_to_cache(m, L, kv, r, s, nthreads));
+    PF_RUN(PF_ATTN, paged_attention_core(kv->fmt, s->q, kv->k, kv->v, kv->k_scales, kv->v_scales, kv->group,
+                                         kv->num_blocks, kv->block_size, m->n_kv_heads, r->block_tables, r->S,
+                                         r->max_blocks, r->seq_ids, r->positions, T, m->n_heads, m->head_dim,
+                                         m->scale, L->window, m->softcap, s->attn, nthreads));
+    PF_RUN(PF_O, run_lin(&L->lin[LIN_O], s->attn, T, qs, qs, s->o, H, nthreads));
     if (m->reduce && m->reduce(s->o, T * H, m->reduce_ctx)) return SS_EREDUCE;
-    if ((rc = residual_add(m, x, s->o, L->post_attn_norm, s->h, T, nthreads))) return rc;
-    if ((rc = ss_rms_norm(x, T, H, H, L->ffn_norm, m->eps, 0, s->h, H, nthreads))) return rc;
-    if ((rc = run_lins(L, LIN_GATE, 2, s->h, T, H, s->gu, 2 * I, nthreads))) return rc;
-    if ((rc = ss_act_mul(s->gu, s->gu + I, T, I, 2 * I, 2 * I, m->act, s->act, I, nthreads))) return rc;
-    if ((rc = run_lin(&L->lin[LIN_DOWN], s->act, T, I, I, s->o, H, nthreads))) return rc;
+    PF_RUN(PF_RESIDUAL, residual_add(m, x, s->o, L->post_attn_norm, s->h, T, nthreads));
+    PF_RUN(PF_NORM, ss_rms_norm(x, T, H, H, L->ffn_norm, m->eps, 0, s->h, H, nthreads));
+    PF_RUN(PF_GATE_UP, run_lins(L, LIN_GATE, 2, s->h, T, H, s->gu, 2 * I, nthreads));
+    PF_RUN(PF_ACT, ss_act_mul(s->gu, s->gu + I, T, I, 2 * I, 2 * I, m->act, s->act, I, nthreads));
+    PF_RUN(PF_DOWN, run_lin(&L->lin[LIN_DOWN], s->act, T, I, I, s->o, H, nthreads));
     if (m->reduce && m->reduce(s->o, T * H, m->reduce_ctx)) return SS_EREDUCE;
-    return residual_add(m, x, s->o, L->post_ffn_norm, s->h, T, nthreads);
+    PF_RUN(PF_RESIDUAL, residual_add(m, x, s->o, L->post_ffn_norm, s->h, T, nthreads));
+    return SS_OK;
 }
 
 /* a pool's format, scales and int4 group are usable for head_dim D */

@@ -1,0 +1,13 @@
+#!/bin/sh
+# 2026-12-06 (second session), AMD EPYC Zen 5 (family 26 model 2), 2 cores: qwen2.5-coder-1.5b against
+# native llama-server after the prefetch hint moved to a trial over the first real forwards
+# (results_final/zen5_1206/run.sh's configurations), one server at a time
+D=results_final/zen5_1206b
+python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --rounds 2 --limit 2 \
+  --configs "llama.cpp plain,specserve plain,specserve draft q4_0 32K" \
+  --out $D/native_qwen1.5b.json --markdown $D/native_qwen1.5b.md
+# where the fused forward's time goes, from the C library's own stage timers (fused_breakdown.md)
+python benchmarks/forward_breakdown.py --models smollm2-135m,qwen2.5-coder-1.5b --rows 1,4,8 --rounds 20 \
+  --path fused --markdown $D/fused_breakdown.md
+# also here: hint_trials.sh (the prefetch-hint trial in five fresh engines), panel_calls.sh (the
+# panel kernel alone, and with Q4_K's sub-block loop unrolled: q4k_unroll.patch, not committed)
