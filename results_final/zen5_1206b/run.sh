@@ -11,3 +11,7 @@ python benchmarks/forward_breakdown.py --models smollm2-135m,qwen2.5-coder-1.5b 
   --path fused --markdown $D/fused_breakdown.md
 # also here: hint_trials.sh (the prefetch-hint trial in five fresh engines), panel_calls.sh (the
 # panel kernel alone, and with Q4_K's sub-block loop unrolled: q4k_unroll.patch, not committed)
+# the 1.5b comparison again, later (native_qwen1.5b_run2.md)
+python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --rounds 2 --limit 2 \
+  --configs "llama.cpp plain,specserve plain,specserve draft q4_0 32K" \
+  --out $D/native_qwen1.5b_run2.json --markdown $D/native_qwen1.5b_run2.md
