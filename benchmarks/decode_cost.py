@@ -3,7 +3,7 @@
     python benchmarks/decode_cost.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--formats none,int8,q4]
         [--rows 1,2,4,8,16] [--context 256] [--layout verify|batch] [--min-time 2] [--markdown cost.md]
         [--activations int8,fp32] [--paths fused,python] [--kv-dtypes fp32,int8]
-        [--variants "label=cflags;label=cflags"]
+        [--variants "label=cflags;label=cflags"] [--prefetch trial|t0|t1]
 
 One forward of the full model (all layers + lm_head, logits for every row) is timed for M rows:
   verify: ONE sequence with M new tokens after --context cached tokens (the shape of verifying M-1
@@ -21,6 +21,9 @@ multiplied with fp32 activations), interleaved within each round like the row co
 the per-op Python path (Transformer.fused = False; bit-identical results) the same way.
 --kv-dtypes fp32,bf16,int8 times the same forward over caches of those dtypes (long --context: the
 cache's bytes are what a decode step reads besides the weights).
+--prefetch: the weight streams' prefetch hint, chosen per model as an engine chooses it (``trial``,
+the default: tune.HintTrial over one-row forwards before the timing) or forced (t0, t1); the table
+names it. Before 2026-12-07 this script always ran at t1, which engines on Zen 5 no longer use.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch  # noqa: E402
 
 from specserve.engine.builder import set_threads  # noqa: E402
 from specserve.kernels import library  # noqa: E402
+from specserve.kernels.tune import HintTrial  # noqa: E402
 from specserve.models.layers import linears  # noqa: E402
 from specserve.models.loader import LoadOptions, load_model  # noqa: E402
 from specserve.engine.model_runner import BatchEntry, build_forward_batch  # noqa: E402
@@ -93,6 +97,28 @@ def timed_forward(model, batch: ForwardBatch, kv: KVCache, lib) -> float:
         return time.perf_counter() - t0
 
 
+def set_hint(builds: dict, t0: bool) -> None:
+    """The weight streams' prefetch hint, in the chosen build and in every build being compared."""
+    library.set_prefetch_t0(t0)
+    for lib in builds.values():
+        if lib is not None:
+            lib.ss_set_prefetch_t0(int(t0))
+
+
+def prefetch_hint(model, mode: str, builds: dict, batch: ForwardBatch, kv: KVCache) -> dict:
+    """Set the hint as an engine would (``trial``: tune.HintTrial over one-row forwards) or as
+    --prefetch forces it; returns the record."""
+    if mode != "trial":
+        set_hint(builds, mode == "t0")
+        return {"prefetch": mode, "source": "--prefetch"}
+    trial = HintTrial(lambda on: set_hint(builds, on))
+    while True:
+        trial.before()
+        rec = trial.after(1, timed_forward(model, batch, kv, None))
+        if rec is not None:
+            return rec
+
+
 def measure(model_name: str, fmt: str, a: argparse.Namespace, builds: dict) -> list[dict]:
     """builds: label -> kernel library to time (``{"": None}``: the chosen build alone)."""
     t = time.perf_counter()
@@ -111,6 +137,8 @@ def measure(model_name: str, fmt: str, a: argparse.Namespace, builds: dict) -> l
     times: dict[tuple[str, str, str, str, int], list[float]] = {c: [] for c in cases}
 
     with torch.inference_mode():
+        one = make_batch(1, a.context, "verify", bps, cfg.vocab_size)
+        hint = prefetch_hint(model, a.prefetch, builds, one, kvs[kv_dtypes[0]])
         for act, path, d, b, m in cases:  # warm-up
             set_case(model, act, path)
             for _ in range(2):
@@ -133,7 +161,7 @@ def measure(model_name: str, fmt: str, a: argparse.Namespace, builds: dict) -> l
         out.append({"model": model_name, "format": label, "weights_mb": model.weight_bytes() / 1e6,
                     "load_s": load_s, "rounds": rnd, "median_ms": {m: med[m] * 1e3 for m in rows},
                     "min_ms": {m: min(times[(act, path, d, b, m)]) * 1e3 for m in rows},
-                    "ratio_vs_1": {m: med[m] / med[rows[0]] for m in rows}})
+                    "ratio_vs_1": {m: med[m] / med[rows[0]] for m in rows}, "prefetch": hint})
     del lm, model, kvs, batches
     gc.collect()
     return out
@@ -145,11 +173,15 @@ def markdown(results: list[dict], a: argparse.Namespace, threads: int) -> str:
             f"t(M)/t(1) in brackets.")
     lines = [head, "", "| model | weights | MB | " + " | ".join(f"M={m}" for m in rows) + " | t(8)/t(1) |",
              "|---|---|---|" + "---|" * (len(rows) + 1)]
+    hints = []
     for r in results:
         cells = [f"{r['median_ms'][m]:.1f} ({r['ratio_vs_1'][m]:.2f})" for m in rows]
         r8 = f"{r['ratio_vs_1'][8]:.2f}" if 8 in r["ratio_vs_1"] else "-"
         lines.append(f"| {r['model']} | {r['format']} | {r['weights_mb']:.0f} | " + " | ".join(cells) + f" | {r8} |")
-    return "\n".join(lines) + "\n"
+        h = r["prefetch"]
+        how = f"trial, median t0/t1 {h['t0_over_t1']}" if h["source"] == "measured" else h["source"]
+        hints.append(f"{r['model']} {r['format']}: {h['prefetch']} ({how})")
+    return "\n".join(lines) + "\n\nWeight prefetch hint: " + "; ".join(hints) + "\n"
 
 
 def main() -> int:
@@ -174,6 +206,9 @@ def main() -> int:
     ap.add_argument("--variants", default="",
                     help="kernel builds to compare, 'label=cflags;label=cflags' (e.g. 'pairs=-DQP_SINGLE_ROWS=0;"
                          "single='), interleaved like the row counts")
+    ap.add_argument("--prefetch", choices=("trial", "t0", "t1"), default="trial",
+                    help="the weight prefetch hint: chosen per model by the engine's trial over one-row "
+                         "forwards (default), or forced; set in every build compared")
     ap.add_argument("--out", default=None)
     ap.add_argument("--markdown", default=None)
     a = ap.parse_args()

@@ -15,3 +15,7 @@ python benchmarks/forward_breakdown.py --models smollm2-135m,qwen2.5-coder-1.5b 
 python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --rounds 2 --limit 2 \
   --configs "llama.cpp plain,specserve plain,specserve draft q4_0 32K" \
   --out $D/native_qwen1.5b_run2.json --markdown $D/native_qwen1.5b_run2.md
+# verification width with the prefetch hint chosen as engines choose it (decode_cost.py --prefetch trial,
+# now the default): every catalog model
+python benchmarks/decode_cost.py --models smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b \
+  --formats auto --rows 1,2,4,8,16 --context 512 --min-time 1.5 --out $D/decode_cost.json --markdown $D/decode_cost.md
