@@ -165,6 +165,23 @@ def test_the_prefetch_trial_keeps_t0_only_when_faster_by_the_margin(t0_ms, want)
     assert f.run(trial) is None and f.t0 == (want == "t0")  # chosen once, then left alone
 
 
+def test_after_its_choice_a_trial_sets_its_hint_before_every_forward():
+    """The hint is process-global: another engine (or anything else) may change it between two
+    forwards of this one, which still run under this engine's choice (and before the trial's
+    turns begin, under the default)."""
+    f = _Forwards(17.0, 19.0)
+    trial = tune.HintTrial(f.set_t0)
+    f.set_t0(True)
+    f.run(trial)
+    assert f.hints == [False]  # a skipped forward: the default, whatever was set before
+    rec, _ = _until_chosen(f, trial)
+    assert rec["prefetch"] == "t0"
+    for other in (False, True, False):
+        f.set_t0(other)  # another engine's forward, say
+        f.run(trial)
+        assert f.hints[-1] is True
+
+
 def test_the_prefetch_trial_pairs_only_narrow_forwards_of_one_width():
     """Forwards wider than TRIAL_ROWS (compute bound) and neighbours of different widths form no
     pair: a t0 that only looks faster because its forwards were narrower is not chosen."""

@@ -116,7 +116,7 @@ class ModelRunner:
         self.model, self.kv, self.cache, self.encoder = model, kv, cache, encoder
         self.block_size, self.max_blocks = block_size, max_blocks
         self.cost, self.hidden_layers = cost, hidden_layers
-        self.hint = hint  # the prefetch hint's trial, until it has chosen
+        self.hint = hint  # the prefetch hint's trial, then its choice, set before each forward
 
     def entry(self, r: ScheduledRow) -> BatchEntry:
         seq = r.seq
@@ -159,4 +159,3 @@ class ModelRunner:
         if rec is not None:
             log.info("weight prefetch: %s (measured over %d pairs of forwards, median t0/t1 %s)",
                      rec["prefetch"], rec["pairs"], rec["t0_over_t1"])
-            self.hint = None

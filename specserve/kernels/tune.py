@@ -179,8 +179,13 @@ class HintTrial:
         return cls(set_t0), None
 
     def before(self) -> None:
-        if self.choice is None and self.seen >= self.skip:
-            self.set_t0(self.t0)
+        """Set the hint the engine's next forward runs with: the trial's turn, then the choice. The
+        hint is process-global (the C library's), so it is set before every forward: in a process
+        with several engines each forward runs under its own engine's hint."""
+        if self.choice is not None:
+            self.set_t0(self.choice == "t0")
+        else:
+            self.set_t0(self.seen >= self.skip and self.t0)
 
     def after(self, rows: int, seconds: float) -> dict | None:
         if self.choice is not None:
