@@ -80,10 +80,8 @@ class StageTimers:
 
     def __init__(self, model):
         model.fused = True
-        self.acc: dict[str, float] = {}
-        library.decoder_profile(True)
 
-    def clear(self) -> None:
+    def clear(self) -> None:  # the sums zeroed, the timers on: one forward's stages follow
         library.decoder_profile(True)
 
     def read(self) -> dict[str, float]:

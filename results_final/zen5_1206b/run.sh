@@ -19,3 +19,6 @@ python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --r
 # now the default): every catalog model
 python benchmarks/decode_cost.py --models smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b \
   --formats auto --rows 1,2,4,8,16 --context 512 --min-time 1.5 --out $D/decode_cost.json --markdown $D/decode_cost.md
+# the int8 dot peak the README's "two thirds of the peak" is measured against (int_dot_peak.md)
+python benchmarks/int_dot_peak.py --rows 8 --formats Q4_K --models "" --markdown $D/int_dot_peak.md
+# also: smollm2_hint.sh (smollm2's hint trial in three decode_cost processes), catalog.sh
