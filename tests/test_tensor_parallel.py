@@ -465,3 +465,50 @@ def test_a_rank_that_cannot_hold_its_kv_slice_is_refused_naming_it(one, monkeypa
                            state_planes=0, state_checkpoints=0)
     with pytest.raises(SpecserveError, match="rank 1: its slice of the KV pool"):
         share_plan(RefusingGroup(), pool)
+
+
+def test_the_drivers_prefetch_hint_reaches_every_rank(one, tp2):
+    """The prefetch hint is each process's own (its C library's) while the engine's trial times
+    forwards every rank takes part in: the driver sends each setting that changes to the workers (a
+    HINT call between forwards), a worker applies it, and the ranks stay in step through a trial
+    that flips the hint forward by forward, with the same tokens (prefetch moves no bits)."""
+    from specserve.kernels import library
+    from specserve.kernels.tune import HintTrial
+    from specserve.parallel import worker
+    from specserve.parallel.group import Op, share_hint
+
+    sent, local = [], []
+
+    class Recorder:
+        def send(self, op, tensors):
+            sent.append((op, tensors[0].tolist()))
+
+    set_t0 = share_hint(Recorder(), local.append)
+    for on in (False, False, True, True, False):
+        set_t0(on)
+    assert sent == [(Op.HINT, [0]), (Op.HINT, [1]), (Op.HINT, [0])]
+    assert local == [False, False, True, True, False]  # the driver's own, every time
+
+    if not library.kernels_available():
+        pytest.skip("no C compiler")
+    calls = iter([(Op.HINT, [torch.tensor([1])]), (Op.STOP, [])])
+
+    class Driver:  # a worker's view of the driver's calls
+        rank = 1
+
+        def receive(self, device):
+            return next(calls)
+
+    try:
+        assert worker.serve(one.model, Driver()) == 0 and library.prefetch_t0() is True
+        library.set_prefetch_t0(False)
+        assert library.prefetch_t0() is False
+        plain = engine(tp2)
+        assert "share_hint" in plain.runner.hint.set_t0.__qualname__  # the engine's own trial reaches the workers
+        before = run_all(plain, prompts(2), GREEDY)
+        eng = engine(tp2)
+        eng.runner.hint = HintTrial(share_hint(tp2.model.tp, library.set_prefetch_t0), pairs=4, skip=0)
+        assert run_all(eng, prompts(2), GREEDY) == before
+        assert eng.runner.hint.choice is not None and tp2.model.tp.failed is None
+    finally:
+        library.set_prefetch_t0(False)

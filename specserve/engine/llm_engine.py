@@ -23,7 +23,7 @@ from specserve.engine.constraint import Constraint, cut_proposal
 from specserve.engine.config import EngineConfig, MemoryPlan, engine_plan, kv_bytes_per_token, state_checkpoints
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.model_runner import ModelRunner
-from specserve.parallel.group import share_plan
+from specserve.parallel.group import share_hint, share_plan
 from specserve.parallel.launch import ranks_sharing_memory
 from specserve.engine.multimodal import EncoderCache, ImageInput, MultiModalPrompt, vision_memory
 from specserve.engine.scheduler import ScheduledRow, Scheduler
@@ -135,7 +135,8 @@ class LLMEngine:
         (kernels/tune.py; the runner runs it), or None: not the CPU kernels, or the hint forced."""
         if torch.device(self.device).type != "cpu" or not kernels_available():
             return None
-        trial, forced = HintTrial.begin(set_prefetch_t0)
+        tp = self.model.tp  # a tensor-parallel target: every rank runs under the driver's hint
+        trial, forced = HintTrial.begin(set_prefetch_t0 if tp is None else share_hint(tp, set_prefetch_t0))
         if forced:
             log.info("weight prefetch: %s (%s)", forced["prefetch"], forced["source"])
         return trial

@@ -74,7 +74,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = _i32
     lib.ss_set_prefetch_t0.argtypes = [_i32]
-    lib.ss_set_prefetch_t0.restype = None
+    lib.ss_set_prefetch_t0.restype = _i32
     lib.ss_decoder_profile.argtypes = [_i32, _vp]
     lib.ss_decoder_profile.restype = _i32
     lib.ss_dequantize.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp, _i32]
@@ -187,6 +187,12 @@ def set_prefetch_t0(on: bool) -> bool:
         return False
     lib.ss_set_prefetch_t0(int(on))
     return True
+
+
+def prefetch_t0() -> bool | None:
+    """Whether the chosen build's weight streams prefetch with prefetcht0 now (None: no C build)."""
+    lib = _auto_lib()
+    return None if lib is None else bool(lib.ss_set_prefetch_t0(-1))
 
 
 DECODER_STAGES = ("norm", "qkv", "rope + kv write", "attention", "o", "residual", "gate|up", "act_mul", "down")

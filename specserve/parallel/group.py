@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import enum
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,7 @@ class Op(enum.IntEnum):
     INIT_KV = 4
     STOP = 5
     CUT_HEAD = 6  # a draft vocabulary's cut of the LM head (Transformer.cut_head)
+    HINT = 7  # the weight streams' prefetch hint (kernels/tune.py HintTrial): [1] t0, [0] the default
 
 
 class TensorParallel:
@@ -295,3 +297,19 @@ def share_plan(tp: TensorParallel, plan) -> None:
     if bad:
         raise SpecserveError(f"tensor-parallel rank {bad - 1}: its slice of the KV pool ({plan.num_blocks} blocks) "
                              "does not fit in its available memory: lower --kv-cache-memory")
+
+
+def share_hint(tp: TensorParallel, set_local: Callable[[bool], object]) -> Callable[[bool], object]:
+    """Driver: the prefetch hint's setter for an engine whose target runs tensor parallel. The hint is
+    each process's own (its C library's), and the engine's trial times forwards every rank takes part
+    in, so each setting reaches the workers too: sent when it changes (the engine sets it before every
+    forward), between calls."""
+    sent: list[bool] = []
+
+    def set_t0(on: bool) -> object:
+        if sent != [on]:
+            tp.send(Op.HINT, [torch.tensor([int(on)], dtype=torch.int64)])
+            sent[:] = [on]
+        return set_local(on)
+
+    return set_t0

@@ -2,7 +2,7 @@
 
 Started by the driver (parallel/launch.py), never by hand. It loads its shard, joins the group,
 allocates its slice of the KV pool when the driver sends the memory plan, then runs every call
-the driver makes (forward, embed, logits, a cut of the LM head) until told to stop. It exits non-zero when the group
+the driver makes (forward, embed, logits, a cut of the LM head, the prefetch hint) until told to stop. It exits non-zero when the group
 breaks (the driver died, a collective timed out), so nothing is left running.
 """
 
@@ -53,6 +53,7 @@ def allocate_kv(model, plan: list[int]):
 
 def serve(model, tp) -> int:
     """Run the driver's calls until STOP (0) or the group breaks (1)."""
+    from specserve.kernels.library import set_prefetch_t0
     from specserve.models.transformer import ForwardBatch
     from specserve.parallel.group import Op, ParallelError
 
@@ -69,6 +70,8 @@ def serve(model, tp) -> int:
             elif op == Op.CUT_HEAD:  # [(key, key dropped or -1), ids]
                 key, drop = t[0].tolist()
                 model.cut_head(t[1], model.head_cuts.get(drop), key)
+            elif op == Op.HINT:
+                set_prefetch_t0(bool(t[0].item()))
             elif op == Op.INIT_KV:
                 kv = allocate_kv(model, t[0].tolist())
                 tp.max_flag(0 if kv is not None else tp.rank + 1)

@@ -40,7 +40,12 @@
    19.0 -> 17.0 ms, on Zen 4 it read the stream at 20.5 GB/s instead of 29.9 (results_final/zen5_1206).
    Prefetch moves no bits: the output is the same either way. */
 static int qp_pf_t0 = 0;
-SS_EXPORT void ss_set_prefetch_t0(int on) { qp_pf_t0 = on != 0; }
+/* on: 1 t0, 0 the default hint, -1 no change; returns the setting before the call */
+SS_EXPORT int ss_set_prefetch_t0(int on) {
+    const int was = qp_pf_t0;
+    if (on >= 0) qp_pf_t0 = on != 0;
+    return was;
+}
 SS_INLINE void pq_prefetch(const uint8_t *p, int n) {
 #if QP_PF_BYTES > 0 /* 0: no software prefetch */
     if (qp_pf_t0)
