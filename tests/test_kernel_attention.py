@@ -168,3 +168,33 @@ def test_paged_attention_index_errors(impl):
         ops.paged_attention(q, kc, vc, bt, sid.long(), pos, 0.1, impl=impl)
     with pytest.raises(ValueError):
         ops.paged_attention(q[:, :, :16].contiguous(), kc, vc, bt, sid, pos, 0.1, impl=impl)
+
+
+@needs_c
+@pytest.mark.parametrize("window", [0, 300])
+def test_rows_over_several_fp32_tiles_keep_their_bits(window):
+    """An fp32 cache is read in tiles of ATT_F32_TILE_BYTES of its rows (256 keys at D = 256): a
+    verification of 8 rows 700 keys deep (6 blocks of query vectors over every tile, a window
+    crossing tile edges) matches the dense reference, and every row gets the bits it gets alone, on
+    2 threads, and in the AVX2 and scalar builds."""
+    q, kc, vc, bt, sid, pos = attention_case(D=256, Hq=8, Hkv=2, lengths=(700, 45))
+    rows = torch.arange(692, 700)  # the last 8 positions of the long sequence
+    args = (kc, vc, bt, sid[rows], pos[rows], 256 ** -0.5, window, 0.0)
+    out = ops.paged_attention(q[rows], *args, impl="c")
+    ref = _dense_reference(q[rows], kc, vc, bt, sid[rows], pos[rows], 256 ** -0.5, window)
+    assert (out.double() - ref).abs().max() < 1e-5
+    for i in range(len(rows)):
+        one = ops.paged_attention(q[rows[i:i + 1]], kc, vc, bt, sid[rows[i:i + 1]], pos[rows[i:i + 1]],
+                                  256 ** -0.5, window, 0.0, impl="c")
+        assert torch.equal(one[0], out[i]), i
+    set_threads(2)
+    try:
+        assert torch.equal(ops.paged_attention(q[rows], *args, impl="c"), out)
+    finally:
+        set_threads(1)
+    for variant in ("c-avx2", "c-scalar"):
+        try:
+            ops._select(variant)
+        except ops.KernelError:
+            continue
+        assert torch.equal(ops.paged_attention(q[rows], *args, impl=variant), out), variant

@@ -2,6 +2,14 @@
  * in order (one translation unit; build.py hashes every csrc file). */
 
 #define ATT_TILE 64 /* keys per dequantized tile (a multiple of 8: the score groups stay the same) */
+#ifndef ATT_F32_TILE_BYTES
+/* an fp32 cache's keys per tile (read in place, not copied): the bytes of one pool's rows a tile
+   keeps in L2 while every block of the item's query vectors (and both halves of a 128-dim row's V
+   sums) go over it. One tile per item instead re-read qwen2.5-coder-1.5b's 1 MB of a kv head's K
+   per block of 6 vectors, from beyond L2 at 2048 keys: its attention of 4 and 8 rows there took
+   7-10% longer (results_final/zen5_1206c/att_tiles.txt); shorter items are one tile either way */
+#define ATT_F32_TILE_BYTES (256 << 10)
+#endif
 #define ATT_COOP_KEYS 256 /* keys an item needs before threads share it (attn_coop) */
 
 /* bytes of one stored (slot, kv head) row, and of its scales */
@@ -62,8 +70,8 @@ SS_INLINE void own_segments(int64_t lo, int64_t hi, int64_t cs, int64_t ce, int6
  * One work item: nv query vectors (rows of one sequence x heads of one kv head); vector v has
  * query qs[v], keys lo[v] .. hi[v] - 1 of the item's key range (off[]: see kv_tile), scores in
  * scv[v], output outs[v]. Keys go by tiles of ATT_TILE (dequantized once for all vectors; an
- * fp32 cache: one tile per key range). The keys every vector has (rounded down to a multiple of
- * 8) go through the multi-vector kernels, each vector's other keys (before and after them)
+ * fp32 cache: tiles of ATT_F32_TILE_BYTES, read in place). The keys every vector has (rounded
+ * down to a multiple of 8) go through the multi-vector kernels, each vector's other keys (before and after them)
  * vector by vector, in key order. Per (vector, key) the arithmetic is that of the vector alone
  * (scores per key, exp_sub_sum over its own keys, V sums in key order), so a row's output does
  * not depend on the rows it shares an item with.
@@ -130,9 +138,11 @@ static void item_setup(AttItem *it, int fmt, const float *q, float *out, const v
 
 /* length of the tile at key i0 of a range ending at k1: tiles start at keys congruent to cs mod
    8 (a first short tile before them), so the part of the common range in a tile is a multiple of
-   8 keys, as the multi-vector kernels need; fp32 (no buffer): the rest of the range */
+   8 keys, as the multi-vector kernels need; fp32 (read in place): ATT_F32_TILE_BYTES of its rows */
 SS_INLINE int64_t item_tile(const AttItem *it, int64_t i0, int64_t k1) {
-    const int64_t n = i0 == 0 && it->cs % 8 ? it->cs % 8 : it->fmt == KV_F32 ? k1 - i0 : ATT_TILE;
+    const int64_t f32 = ATT_F32_TILE_BYTES / (4 * it->D) / 8 * 8;
+    const int64_t whole = it->fmt != KV_F32 ? ATT_TILE : f32 > ATT_TILE ? f32 : ATT_TILE;
+    const int64_t n = i0 == 0 && it->cs % 8 ? it->cs % 8 : whole;
     return k1 - i0 < n ? k1 - i0 : n;
 }
 

@@ -1,0 +1,58 @@
+"""Paged attention alone over an fp32 cache: tiles of ATT_F32_TILE_BYTES (the build as committed) against
+one tile per work item (the kernels before, -DATT_F32_TILE_BYTES=1 GiB), builds taking turns in one
+process, at the shapes of qwen2.5-coder-1.5b (12 query heads, 2 kv heads, head dim 128, 28 layers)
+and smollm2-135m (9 / 3 / 64, 30 layers), one sequence of `ctx` cached keys and M new rows (the
+verify shape), median of 25 rounds of all layers; every round's outputs are checked equal (tiles
+move no bits).
+
+    python results_final/zen5_1206c/att_tiles.py > results_final/zen5_1206c/att_tiles.txt
+"""
+import os
+import statistics as st
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from specserve.kernels import library  # noqa: E402
+from specserve.kernels.attention import paged_attention  # noqa: E402
+
+BUILDS = {"one tile": library.build_with_flags("-DATT_F32_TILE_BYTES=1073741824"), "tiles": library.build_with_flags("")}
+
+
+def case(Hq, Hkv, D, ctx, M, layers, BS=16):
+    g = torch.Generator().manual_seed(0)
+    NB = (ctx + M) // BS + 2
+    ks = [torch.randn(NB, BS, Hkv, D, generator=g) for _ in range(layers)]
+    vs = [torch.randn(NB, BS, Hkv, D, generator=g) for _ in range(layers)]
+    bt = torch.randperm(NB, generator=g).to(torch.int32)[None]
+    q = torch.randn(M, Hq, D, generator=g)
+    return ks, vs, bt, q, torch.zeros(M, dtype=torch.int32), torch.arange(ctx, ctx + M, dtype=torch.int32)
+
+
+def layers_once(c, D):
+    ks, vs, bt, q, seq, pos = c
+    t0 = time.perf_counter()
+    outs = [paged_attention(q, k, v, bt, seq, pos, D ** -0.5) for k, v in zip(ks, vs)]
+    return time.perf_counter() - t0, outs
+
+
+print("ms for all layers (median of 25), ratio tiles / one tile")
+for name, (Hq, Hkv, D, layers) in {"qwen2.5-coder-1.5b": (12, 2, 128, 28), "smollm2-135m": (9, 3, 64, 30)}.items():
+    for ctx in (512, 2048, 8192):
+        for M in (1, 4, 8):
+            if ctx == 8192 and name == "smollm2-135m":
+                continue
+            c = case(Hq, Hkv, D, ctx, M, layers)
+            ts = {k: [] for k in BUILDS}
+            for r in range(25):
+                ref = None
+                for label, lib in BUILDS.items():
+                    with library.using(lib):
+                        t, outs = layers_once(c, D)
+                    ts[label].append(t)
+                    assert ref is None or all(torch.equal(a, b) for a, b in zip(ref, outs))
+                    ref = outs
+            a, b = (st.median(ts[k]) * 1e3 for k in BUILDS)
+            print(f"{name} ctx {ctx} M {M}: one tile {a:.2f}, tiles {b:.2f} ({b / a:.2f})", flush=True)
