@@ -1,0 +1,16 @@
+#!/bin/sh
+# 2026-12-06 (third session), AMD EPYC Zen 5 (family 26 model 2), 2 cores: attention over an fp32 cache
+# in tiles (commit 88009ac), and experiments not kept. Run from the repository root.
+D=results_final/zen5_1206c
+# paged attention alone, tiles against one tile per work item (att_tiles.txt)
+python $D/att_tiles.py > $D/att_tiles.txt
+# the whole forward at 2048 cached keys, both builds taking turns (decode_cost_tiles_2048.md)
+python benchmarks/decode_cost.py --models qwen2.5-coder-1.5b,smollm2-135m --formats auto --rows 1,4,8 \
+  --context 2048 --min-time 3 --variants "tiles=;one tile=-DATT_F32_TILE_BYTES=1073741824" \
+  --markdown $D/decode_cost_tiles_2048.md
+# where a forward at 2048 cached keys goes (fused_breakdown_2048.md)
+python benchmarks/forward_breakdown.py --models qwen2.5-coder-1.5b,smollm2-135m --rows 1,4,8 --context 2048 \
+  --path fused --rounds 20 --markdown $D/fused_breakdown_2048.md
+# not kept: Q4_K's 8-row panel call (kernel_experiments.txt) and attention (att_experiments.txt)
+sh $D/kernel_experiments.sh > $D/kernel_experiments.txt
+sh $D/att_experiments.sh > $D/att_experiments.txt
