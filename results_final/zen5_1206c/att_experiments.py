@@ -5,6 +5,11 @@ smollm2-135m's (9 / 3, 64, 30 layers), one sequence of `ctx` keys and M new rows
   head-major: K / V pools [blocks, kv heads, block size, dim] instead of [blocks, block size, kv heads,
               dim] (each kv head's rows of a block contiguous; the same values permuted, same bits)
   V prefetch: while the scores read K's rows, prefetch V's rows of the same keys (into L2)
+  8 rows an item: up to 8 rows of a sequence per work item instead of 4 (ATT_QT)
+  prefetch 64 t0: the cache rows prefetched 64 keys ahead with prefetcht0 (32 with prefetcht1)
+  no prefetch: no software prefetch of the cache rows
+Then one row at 2048 keys, the 1.5b's shape: all 28 layers (each layer's K / V from memory) against
+one layer called 28 times (its 4 MB of K / V in cache), with the base build.
 """
 import statistics as st
 import time
@@ -14,7 +19,8 @@ import torch
 from specserve.kernels import library
 from specserve.kernels.attention import paged_attention
 
-BUILDS = {"base": "", "head-major": "-DKV_HEAD_MAJOR", "V prefetch": "-DATT_VPF=2"}
+BUILDS = {"base": "", "head-major": "-DKV_HEAD_MAJOR", "V prefetch": "-DATT_VPF=2", "8 rows an item": "-DATT_QT=8",
+          "prefetch 64 t0": "-DATT_PF=64 -DATT_PF_HINT=3", "no prefetch": "-DATT_NOPF=1"}
 LIBS = {k: library.build_with_flags(v) for k, v in BUILDS.items()}
 
 
@@ -55,3 +61,14 @@ for name, (Hq, Hkv, D, layers) in {"qwen2.5-coder-1.5b": (12, 2, 128, 28), "smol
             base = st.median(ts["base"])
             print(f"{name} ctx {ctx} M {M}: " + ", ".join(
                 f"{k} {st.median(v) * 1e3:.2f} ({st.median(v) / base:.2f})" for k, v in ts.items()), flush=True)
+
+plain, _ = case(12, 2, 128, 2048, 1, 28)
+ks, vs, *rest = plain
+cached = ([ks[0]] * 28, [vs[0]] * 28, *rest)
+ts = {"28 layers": [], "one layer x 28": []}
+with library.using(LIBS["base"]):
+    for r in range(25):
+        ts["28 layers"].append(run(plain, 128)[0])
+        ts["one layer x 28"].append(run(cached, 128)[0])
+print("qwen2.5-coder-1.5b ctx 2048 M 1, base: " + ", ".join(
+    f"{k} {st.median(v) * 1e3:.2f} ms ({st.median(v) / 28 * 1e6:.0f} us a layer)" for k, v in ts.items()))
