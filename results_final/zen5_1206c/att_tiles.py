@@ -6,6 +6,9 @@ verify shape), median of 25 rounds of all layers; every round's outputs are chec
 move no bits).
 
     python results_final/zen5_1206c/att_tiles.py > results_final/zen5_1206c/att_tiles.txt
+
+With an argument "label=cflags;label=cflags;..." the same comparison of other builds (the first is
+the one the ratios are to), e.g. att_prefetch.txt (run.sh).
 """
 import os
 import statistics as st
@@ -18,7 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from specserve.kernels import library  # noqa: E402
 from specserve.kernels.attention import paged_attention  # noqa: E402
 
-BUILDS = {"one tile": library.build_with_flags("-DATT_F32_TILE_BYTES=1073741824"), "tiles": library.build_with_flags("")}
+SPEC = sys.argv[1] if len(sys.argv) > 1 else "one tile=-DATT_F32_TILE_BYTES=1073741824;tiles="
+BUILDS = {label: library.build_with_flags(flags) for label, flags in (b.split("=", 1) for b in SPEC.split(";"))}
 
 
 def case(Hq, Hkv, D, ctx, M, layers, BS=16):
@@ -38,7 +42,7 @@ def layers_once(c, D):
     return time.perf_counter() - t0, outs
 
 
-print("ms for all layers (median of 25), ratio tiles / one tile")
+print("ms for all layers (median of 25), ratio to the first build")
 for name, (Hq, Hkv, D, layers) in {"qwen2.5-coder-1.5b": (12, 2, 128, 28), "smollm2-135m": (9, 3, 64, 30)}.items():
     for ctx in (512, 2048, 8192):
         for M in (1, 4, 8):
@@ -54,5 +58,6 @@ for name, (Hq, Hkv, D, layers) in {"qwen2.5-coder-1.5b": (12, 2, 128, 28), "smol
                     ts[label].append(t)
                     assert ref is None or all(torch.equal(a, b) for a, b in zip(ref, outs))
                     ref = outs
-            a, b = (st.median(ts[k]) * 1e3 for k in BUILDS)
-            print(f"{name} ctx {ctx} M {M}: one tile {a:.2f}, tiles {b:.2f} ({b / a:.2f})", flush=True)
+            base = st.median(ts[next(iter(BUILDS))])
+            print(f"{name} ctx {ctx} M {M}: " + ", ".join(
+                f"{k} {st.median(v) * 1e3:.2f} ({st.median(v) / base:.2f})" for k, v in ts.items()), flush=True)

@@ -14,3 +14,10 @@ python benchmarks/forward_breakdown.py --models qwen2.5-coder-1.5b,smollm2-135m 
 # not kept: Q4_K's 8-row panel call (kernel_experiments.txt) and attention (att_experiments.txt)
 sh $D/kernel_experiments.sh > $D/kernel_experiments.txt
 sh $D/att_experiments.sh > $D/att_experiments.txt
+# attention's prefetch of an fp32 cache's rows spread through the kernels' loops (ATT_PF_SPREAD), against
+# each row's lines at once, in the 512-bit build and the 256-bit one (att_prefetch.txt), and the whole
+# forward at 2048 keys (decode_cost_prefetch_2048.md)
+python $D/att_tiles.py "burst=-DATT_PF_SPREAD=0;spread=;burst 256-bit=-mno-avx512f -DATT_PF_SPREAD=0;spread 256-bit=-mno-avx512f" \
+  > $D/att_prefetch.txt
+python benchmarks/decode_cost.py --models qwen2.5-coder-1.5b,smollm2-135m --formats auto --rows 1,4,8 \
+  --context 2048 --min-time 3 --variants "spread=;burst=-DATT_PF_SPREAD=0" --markdown $D/decode_cost_prefetch_2048.md

@@ -4,6 +4,13 @@
 #define ATT_QV 4 /* query vectors per block of the multi-vector kernels */
 #define ATT_QT 4 /* rows of one sequence per work item (with the heads of a kv head) */
 #define ATT_VMAX 64 /* query vectors per work item at most (rows x heads) */
+#ifndef ATT_PF_SPREAD
+/* 1: an fp32 cache's rows prefetched a line at a time inside the multi-vector kernels' loops (K)
+   and by the 64 dims each pass of the V sums reads; 0: each row's lines at once (an in-process
+   A/B, decode_cost.py --variants). One row of qwen2.5-coder-1.5b at 2048 keys: attention 4.4 ms
+   instead of 5.1 (results_final/zen5_1206c/att_prefetch.txt) */
+#define ATT_PF_SPREAD 1
+#endif
 #ifndef ATT_PAIRS
 #define ATT_PAIRS 1 /* AVX-512: the scores of two query vectors per register (dot8x8_pairs); 0: the AVX2
                        build's dot8x8_multi instead (an in-process A/B, decode_cost.py --variants) */
@@ -15,7 +22,8 @@
 #ifdef SS_AVX2
 /* out[v] = the 8 scores dot8x8(qv[v], kp) for v < NV: per (vector, key) the same lanes, FMAs
    and hsum8x8 as dot8x8; each K row load serves NV vectors */
-SS_INLINE void dot8x8_multi(const int NV, const float *const *qv, const float *const *kp, int D, __m256 *out) {
+SS_INLINE void dot8x8_multi(const int NV, const float *const *qv, const float *const *kp, int D, __m256 *out,
+                            const float *const *pk) {
     __m256 a[ATT_QV][8];
     for (int h = 0; h < 8; h += 4) { /* keys h .. h + 3 (half the accumulators live at a time) */
         for (int v = 0; v < NV; v++)
@@ -31,6 +39,8 @@ SS_INLINE void dot8x8_multi(const int NV, const float *const *qv, const float *c
                 a[v][h + 2] = _mm256_fmadd_ps(qd, k2, a[v][h + 2]);
                 a[v][h + 3] = _mm256_fmadd_ps(qd, k3, a[v][h + 3]);
             }
+            if (pk && d % 16 == 0) /* (pk: see attn_scores_multi) */
+                for (int j = h; j < h + 4; j++) __builtin_prefetch(pk[j] + d, 0, ATT_PF_HINT);
         }
         if (d < D) {
             const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(D - d), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -81,7 +91,8 @@ SS_INLINE void pack_pairs(const float *const *qv, int n, int D, float *qp) {
 /* out[2p], out[2p + 1] = dot8x8 of the pair p's two vectors for NP pairs: each register holds both
    vectors' 8 lanes of one key (the key's 8 dims broadcast to both halves, no shuffle in the loop),
    the same FMAs per lane as dot8x8 and its hsum8x8 (as hsum8x8_512) per (vector, key) */
-SS_INLINE void dot8x8_pairs(const int NP, const float *qp, const float *const *kp, int D, __m256 *out) {
+SS_INLINE void dot8x8_pairs(const int NP, const float *qp, const float *const *kp, int D, __m256 *out,
+                            const float *const *pk) {
     const int D8 = (D + 7) / 8 * 8;
     __m512 a[ATT_QB / 2][8];
     for (int p = 0; p < NP; p++)
@@ -94,6 +105,8 @@ SS_INLINE void dot8x8_pairs(const int NP, const float *qp, const float *const *k
                 const __m512 k = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(kp[j] + d))));
                 for (int p = 0; p < NP; p++) a[p][j] = _mm512_fmadd_ps(q[p], k, a[p][j]);
             }
+            if (pk && d % 16 == 0) /* (pk: see attn_scores_multi) */
+                for (int j = 0; j < 8; j++) __builtin_prefetch(pk[j] + d, 0, ATT_PF_HINT);
             continue;
         }
         const __mmask8 m = (__mmask8)((1u << (D - d)) - 1);
@@ -131,19 +144,25 @@ static void attn_scores_multi(const float *const *qs, int nv, const float *kbase
 #endif
         for (int64_t i = 0; i < L; i += 8) {
             const float *kp[8];
-            for (int64_t j = i + ATT_PF; pf && v0 == 0 && j < i + ATT_PF + 8 && j < L; j++)
-                prefetch_bytes(kbase + koff[j], 4 * D);
             for (int j = 0; j < 8; j++) kp[j] = kbase + koff[i + j];
+            /* the rows ATT_PF keys ahead: the multi-vector kernels prefetch a line of each every 16
+               dims (pk); all their lines at once, 8 x D / 16 of them, stalled on the miss queue */
+            const float *pk[8];
+            const int spread = ATT_PF_SPREAD && pf && v0 == 0 && n > 1;
+            for (int j = 0; spread && j < 8; j++) pk[j] = i + ATT_PF + j < L ? kbase + koff[i + ATT_PF + j] : kp[j];
+            for (int64_t j = i + ATT_PF; pf && !spread && v0 == 0 && j < i + ATT_PF + 8 && j < L; j++)
+                prefetch_bytes(kbase + koff[j], 4 * D);
+            const float *const *pp = spread ? pk : NULL;
             __m256 r[ATT_QB];
             switch (n) {
 #ifdef ATT_PAIR512
-            case 6: case 5: dot8x8_pairs(3, qp, kp, D, r); break;
-            case 4: case 3: dot8x8_pairs(2, qp, kp, D, r); break;
-            case 2: dot8x8_pairs(1, qp, kp, D, r); break;
+            case 6: case 5: dot8x8_pairs(3, qp, kp, D, r, pp); break;
+            case 4: case 3: dot8x8_pairs(2, qp, kp, D, r, pp); break;
+            case 2: dot8x8_pairs(1, qp, kp, D, r, pp); break;
 #else
-            case 4: dot8x8_multi(4, qs + v0, kp, D, r); break;
-            case 3: dot8x8_multi(3, qs + v0, kp, D, r); break;
-            case 2: dot8x8_multi(2, qs + v0, kp, D, r); break;
+            case 4: dot8x8_multi(4, qs + v0, kp, D, r, pp); break;
+            case 3: dot8x8_multi(3, qs + v0, kp, D, r, pp); break;
+            case 2: dot8x8_multi(2, qs + v0, kp, D, r, pp); break;
 #endif
             default: r[0] = dot8x8(qs[v0], kp, D); break; /* 8 accumulator chains, not 4 */
             }
@@ -196,7 +215,11 @@ SS_INLINE void values_multi(const int NV, const float *const *pw, const float *v
             for (int c = 0; c < 4; c++) a[v][c] = _mm512_loadu_ps(acc[v] + d0 + 16 * c);
         for (int64_t i = 0; i < L; i++) {
             const float *vr = vbase + voff[i] + d0;
+#if ATT_PF_SPREAD /* each pass the 64 dims it reads of the row ATT_PF keys ahead, not the whole row in the first */
+            if (pf && i + ATT_PF < L) prefetch_bytes(vbase + voff[i + ATT_PF] + d0, 4 * (D - d0 < 64 ? D - d0 : 64));
+#else
             if (pf && d0 == 0 && i + ATT_PF < L) prefetch_bytes(vbase + voff[i + ATT_PF], 4 * D);
+#endif
             const __m512 x0 = _mm512_loadu_ps(vr), x1 = _mm512_loadu_ps(vr + 16);
             const __m512 x2 = _mm512_loadu_ps(vr + 32), x3 = _mm512_loadu_ps(vr + 48);
             for (int v = 0; v < NV; v++) {
@@ -218,7 +241,11 @@ SS_INLINE void values_multi(const int NV, const float *const *pw, const float *v
             for (int c = 0; c < 2; c++) a[v][c] = _mm256_loadu_ps(acc[v] + d0 + 8 * c);
         for (int64_t i = 0; i < L; i++) {
             const float *vr = vbase + voff[i] + d0;
+#if ATT_PF_SPREAD
+            if (pf && i + ATT_PF < L) prefetch_bytes(vbase + voff[i + ATT_PF] + d0, 4 * (D - d0 < 16 ? D - d0 : 16));
+#else
             if (pf && d0 == 0 && i + ATT_PF < L) prefetch_bytes(vbase + voff[i + ATT_PF], 4 * D);
+#endif
             const __m256 x0 = _mm256_loadu_ps(vr), x1 = _mm256_loadu_ps(vr + 8);
             for (int v = 0; v < NV; v++) {
                 const __m256 p = _mm256_set1_ps(pw[v][i]);
