@@ -176,7 +176,7 @@ def test_rows_over_several_fp32_tiles_keep_their_bits(window):
     """An fp32 cache is read in tiles of ATT_F32_TILE_BYTES of its rows (256 keys at D = 256): a
     verification of 8 rows 700 keys deep (6 blocks of query vectors over every tile, a window
     crossing tile edges) matches the dense reference, and every row gets the bits it gets alone, on
-    2 threads, and in the AVX2 and scalar builds."""
+    2 threads, under either prefetch hint, and in the AVX2 and scalar builds."""
     q, kc, vc, bt, sid, pos = attention_case(D=256, Hq=8, Hkv=2, lengths=(700, 45))
     rows = torch.arange(692, 700)  # the last 8 positions of the long sequence
     args = (kc, vc, bt, sid[rows], pos[rows], 256 ** -0.5, window, 0.0)
@@ -192,6 +192,13 @@ def test_rows_over_several_fp32_tiles_keep_their_bits(window):
         assert torch.equal(ops.paged_attention(q[rows], *args, impl="c"), out)
     finally:
         set_threads(1)
+    from specserve.kernels import library
+
+    try:  # the prefetch hint's run-time switch (prefetcht0 for the cache's rows too) moves no bits
+        assert library.set_prefetch_t0(True) and library.prefetch_t0() is True
+        assert torch.equal(ops.paged_attention(q[rows], *args, impl="c"), out)
+    finally:
+        library.set_prefetch_t0(False)
     for variant in ("c-avx2", "c-scalar"):
         try:
             ops._select(variant)

@@ -21,3 +21,6 @@ python $D/att_tiles.py "burst=-DATT_PF_SPREAD=0;spread=;burst 256-bit=-mno-avx51
   > $D/att_prefetch.txt
 python benchmarks/decode_cost.py --models qwen2.5-coder-1.5b,smollm2-135m --formats auto --rows 1,4,8 \
   --context 2048 --min-time 3 --variants "spread=;burst=-DATT_PF_SPREAD=0" --markdown $D/decode_cost_prefetch_2048.md
+# the KV rows' prefetch under prefetcht0 (the run-time hint's other setting; for attention alone the
+# same as building with -DATT_PF_HINT=3) against prefetcht1 (att_hint.txt)
+python $D/att_tiles.py "t1=;t0=-DATT_PF_HINT=3" > $D/att_hint.txt

@@ -40,7 +40,7 @@ SS_INLINE void dot8x8_multi(const int NV, const float *const *qv, const float *c
                 a[v][h + 3] = _mm256_fmadd_ps(qd, k3, a[v][h + 3]);
             }
             if (pk && d % 16 == 0) /* (pk: see attn_scores_multi) */
-                for (int j = h; j < h + 4; j++) __builtin_prefetch(pk[j] + d, 0, ATT_PF_HINT);
+                for (int j = h; j < h + 4; j++) prefetch_line(pk[j] + d);
         }
         if (d < D) {
             const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(D - d), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -106,7 +106,7 @@ SS_INLINE void dot8x8_pairs(const int NP, const float *qp, const float *const *k
                 for (int p = 0; p < NP; p++) a[p][j] = _mm512_fmadd_ps(q[p], k, a[p][j]);
             }
             if (pk && d % 16 == 0) /* (pk: see attn_scores_multi) */
-                for (int j = 0; j < 8; j++) __builtin_prefetch(pk[j] + d, 0, ATT_PF_HINT);
+                for (int j = 0; j < 8; j++) prefetch_line(pk[j] + d);
             continue;
         }
         const __mmask8 m = (__mmask8)((1u << (D - d)) - 1);

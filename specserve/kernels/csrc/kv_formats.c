@@ -105,9 +105,31 @@ static float exp_sub_sum(float *v, int n, float mx) {
 #define ATT_PF_HINT 2
 #endif
 
+/* prefetcht0 instead of the default hints (ATT_PF_HINT here, QP_PF_HINT for the weight panels in
+   linear_panel.h), for the weight streams and the KV cache's rows alike: one switch, chosen at run
+   time by timing the model's own forwards both ways (kernels/tune.py HintTrial). On Zen 5 t0 made
+   qwen2.5-coder-1.5b's one-row forward 19.0 -> 17.0 ms, on Zen 4 it read the weight stream at 20.5
+   GB/s instead of 29.9 (results_final/zen5_1206); attention alone on Zen 5 took 0.88-1.03 of its time
+   under t1, most 0.94-0.99 (results_final/zen5_1206c/att_hint.txt). Prefetch moves no bits. */
+static int ss_pf_t0 = 0;
+/* on: 1 t0, 0 the default hints, -1 no change; returns the setting before the call */
+SS_EXPORT int ss_set_prefetch_t0(int on) {
+    const int was = ss_pf_t0;
+    if (on >= 0) ss_pf_t0 = on != 0;
+    return was;
+}
+
+/* prefetch the line at p into the cache level of the hint in force */
+SS_INLINE void prefetch_line(const void *p) {
+    if (ss_pf_t0)
+        __builtin_prefetch(p, 0, 3);
+    else
+        __builtin_prefetch(p, 0, ATT_PF_HINT);
+}
+
 /* prefetch the n bytes at p */
 SS_INLINE void prefetch_bytes(const void *p, int64_t n) {
-    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch((const char *)p + o, 0, ATT_PF_HINT);
+    for (int64_t o = 0; o < n; o += 64) prefetch_line((const char *)p + o);
 }
 
 #ifdef SS_AVX2

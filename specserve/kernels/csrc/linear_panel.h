@@ -35,20 +35,10 @@
 #ifndef QP_PF_HINT
 #define QP_PF_HINT 2 /* __builtin_prefetch's locality: 3 prefetcht0, 2 t1, 1 t2, 0 nta */
 #endif
-/* prefetcht0 instead of QP_PF_HINT, chosen at run time by timing the model's own forwards both ways
-   (kernels/tune.py HintTrial): on Zen 5 t0 made qwen2.5-coder-1.5b's one-row forward
-   19.0 -> 17.0 ms, on Zen 4 it read the stream at 20.5 GB/s instead of 29.9 (results_final/zen5_1206).
-   Prefetch moves no bits: the output is the same either way. */
-static int qp_pf_t0 = 0;
-/* on: 1 t0, 0 the default hint, -1 no change; returns the setting before the call */
-SS_EXPORT int ss_set_prefetch_t0(int on) {
-    const int was = qp_pf_t0;
-    if (on >= 0) qp_pf_t0 = on != 0;
-    return was;
-}
+/* prefetcht0 instead of QP_PF_HINT where the run-time switch says so (ss_set_prefetch_t0, kv_formats.c) */
 SS_INLINE void pq_prefetch(const uint8_t *p, int n) {
 #if QP_PF_BYTES > 0 /* 0: no software prefetch */
-    if (qp_pf_t0)
+    if (ss_pf_t0)
         for (int o = 0; o < n; o += 64) __builtin_prefetch(p + QP_PF_BYTES + o, 0, 3);
     else
         for (int o = 0; o < n; o += 64) __builtin_prefetch(p + QP_PF_BYTES + o, 0, QP_PF_HINT);
