@@ -255,6 +255,13 @@ def serving(label: str, argv: list[str], chat: bool = True):
         srv.stop()
 
 
+def suite_prompts(spec: str, limit: int | None) -> tuple[list[str], list]:
+    """(the suites' names, their prompts in order) for --suites: a JSONL path's suite is named after
+    its file (``long.jsonl``: "long"), as its prompts are, so the tables find them."""
+    loaded = load_suites(spec, limit)
+    return list(loaded), [p for ps in loaded.values() for p in ps]
+
+
 def warm_up(http: httpx.Client, model: str, prompts: list, chat: bool) -> None:
     """One request of 16 tokens before any measured one (first-call costs out of the figures)."""
     ask(http, model, prompts[0].as_messages(), 16, chat)
@@ -403,8 +410,7 @@ def main() -> None:
         return
     configs = configurations(args.model, bindir, args.isa)
     labels = list(configs) if args.configs == "all" else args.configs.split(",")
-    suites = args.suites.split(",")
-    prompts = [p for ps in load_suites(args.suites, args.limit).values() for p in ps]
+    suites, prompts = suite_prompts(args.suites, args.limit)
     chat = CATALOG[args.model].chat_template if args.model in CATALOG else True  # else /v1/completions
     if args.interleave:
         results, idle = run_interleaved(configs, labels, prompts, args.tokens, args.rounds, chat)

@@ -170,3 +170,19 @@ def test_interleaved_servers_are_all_up_and_asked_in_turn_prompt_by_prompt(monke
     assert [e[1] for e in events if e[0] == "ask" and e[3] == 16] == ["a", "b"]  # warm-ups, before any prompt
     assert idle == pytest.approx({"a": 0.01, "b": 0.0})  # CPU seconds over the 3 s wait
     assert [(r["config"], r["prompt"], r["round"]) for r in results][:2] == [("a", "code/p0", 0), ("b", "code/p0", 0)]
+
+
+def test_a_suite_given_as_a_file_is_named_after_it_in_the_tables(tmp_path):
+    """--suites path/long.jsonl: the prompts' suite is "long", and so are the tables' columns (they
+    were keyed by the path and came out empty)."""
+    path = tmp_path / "long.jsonl"
+    path.write_text('{"id": "a", "messages": [{"role": "user", "content": "x"}]}\n'
+                    '{"id": "b", "prompt": "y"}\n')
+    suites, prompts = nl.suite_prompts(f"code,{path}", 1)
+    assert suites == ["code", "long"] and [p.suite for p in prompts] == ["code", "long"]
+    results = [{"config": c, "prompt": f"{p.suite}/{p.id}", "suite": p.suite, "round": 0, "tok_s": t, "text": "t",
+                "decode_tok_s": t} for p in prompts for c, t in (("llama.cpp plain", 10.0), ("specserve plain", 20.0))]
+    rows = nl.summarize(results, ["llama.cpp plain", "specserve plain"], suites)
+    text = nl.markdown(rows, argparse.Namespace(model="m", tokens=8, rounds=1, limit=1))
+    assert "| configuration | code | long | same text as its plain |" in text
+    assert "| specserve plain | 20.0 (2.00x) | 20.0 (2.00x) | 2/2 |" in text

@@ -24,3 +24,8 @@ python benchmarks/decode_cost.py --models qwen2.5-coder-1.5b,smollm2-135m --form
 # the KV rows' prefetch under prefetcht0 (the run-time hint's other setting; for attention alone the
 # same as building with -DATT_PF_HINT=3) against prefetcht1 (att_hint.txt)
 python $D/att_tiles.py "t1=;t0=-DATT_PF_HINT=3" > $D/att_hint.txt
+# decode after a long prompt against native llama-server (native_long.md): two prompts of 1,519 and
+# 1,893 tokens (qwen2.5-coder's tokenizer), a stdlib module's source and a question
+python $D/long_suite.py > $D/long.jsonl
+python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --suites $D/long.jsonl --limit 2 --rounds 2 --tokens 128 \
+  --configs "llama.cpp plain,specserve plain" --out $D/native_long.json --markdown $D/native_long.md
