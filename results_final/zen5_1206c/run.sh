@@ -29,3 +29,7 @@ python $D/att_tiles.py "t1=;t0=-DATT_PF_HINT=3" > $D/att_hint.txt
 python $D/long_suite.py > $D/long.jsonl
 python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --suites $D/long.jsonl --limit 2 --rounds 2 --tokens 128 \
   --configs "llama.cpp plain,specserve plain" --out $D/native_long.json --markdown $D/native_long.md
+# the same with speculation (native_long_spec.md)
+python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --suites $D/long.jsonl --limit 2 --rounds 2 --tokens 128 \
+  --configs "llama.cpp plain,llama.cpp ngram-mod,specserve plain,specserve suffix,specserve draft q4_0 32K" \
+  --out $D/native_long_spec.json --markdown $D/native_long_spec.md
