@@ -228,3 +228,28 @@ def test_a_draft_cut_to_nothing_ends_the_drift():
     for _ in range(10):
         p.learn(s, 0, 0)  # no news
     assert s.accept_ema == ema
+
+
+def test_a_long_catch_up_drafts_only_where_the_answer_can_repay_it():
+    """A draft model's first proposal reads the whole prompt (one wide forward): after a long
+    prompt a short answer decodes plain, a long one drafts; short catch-ups (a sequence back from
+    k = 0) are left to the probes, and a fixed k is not second-guessed."""
+    cost = CostModel()
+    for w, t in ((1, 0.020), (2, 0.021), (3, 0.022), (4, 0.023), (5, 0.030)):
+        cost.add(w, t)
+    unread = {"long": 2000, "short": 40}
+    policy = DraftPolicy(4, True, cost, draft_cost=lambda k: 0.004 * k, catch_up_cost=lambda n: 0.001 * n,
+                         unread=lambda s: unread[s.request_id])
+
+    def seq(name: str) -> Sequence:
+        s = Sequence(name, [1, 2, 3], SamplingParams(max_tokens=64), None)
+        s.accept_ema = s.accept_slow = 0.8
+        return s
+
+    # at 0.8 the best k saves ~8 ms a token: 2 s of catch-up needs ~250 tokens left
+    assert policy.lengths([seq("long")], [128]) == [0]
+    assert policy.lengths([seq("long")], [10000])[0] > 0
+    assert policy.lengths([seq("short")], [128])[0] > 0
+    fixed = DraftPolicy(4, False, cost, draft_cost=lambda k: 0.004 * k, catch_up_cost=lambda n: 0.001 * n,
+                        unread=lambda s: 2000)
+    assert fixed.lengths([seq("long")], [128]) == [4]

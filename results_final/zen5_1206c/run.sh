@@ -33,3 +33,9 @@ python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --suites $D/long
 python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --suites $D/long.jsonl --limit 2 --rounds 2 --tokens 128 \
   --configs "llama.cpp plain,llama.cpp ngram-mod,specserve plain,specserve suffix,specserve draft q4_0 32K" \
   --out $D/native_long_spec.json --markdown $D/native_long_spec.md
+# after the draft model's catch-up is weighed against the answer's length (native_long_payback.md)
+python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --suites $D/long.jsonl --limit 2 --rounds 2 --tokens 128 \
+  --configs "llama.cpp plain,specserve plain,specserve draft q4_0 32K" \
+  --out $D/native_long_payback.json --markdown $D/native_long_payback.md
+# the draft's catch-up on those prompts: estimated and measured, and the answers' draft forwards (draft_catch_up.txt)
+python $D/draft_catch_up.py > $D/draft_catch_up.txt

@@ -76,7 +76,8 @@ class LLMEngine:
         self.cost = CostModel()
         self.policy = DraftPolicy(k_max, bool(spec and spec.adaptive), self.cost,
                                   drafter.draft_cost if drafter else lambda k: 0.0,
-                                  drafter.catch_up_cost if drafter else lambda n: 0.0)
+                                  drafter.catch_up_cost if drafter else lambda n: 0.0,
+                                  drafter.unread if drafter else lambda seq: 0)
         self.runner = ModelRunner(self.model, self.kv, self.cache, ecfg.block_size,
                                   -(-self.max_model_len // ecfg.block_size) + 1, self.cost,
                                   drafter.hidden_layers if drafter else (), self.encoder_cache(target, ecfg),
@@ -146,7 +147,7 @@ class LLMEngine:
         that the first steps already choose draft lengths from this machine's costs."""
         widths = list(range(1, min(k_max, CALIBRATE_MAX_K) + 2))
         calibrate(self.cost, self._time_width, widths)
-        self.drafter.warm_up(lambda: self._scratch(max(widths)))
+        self.drafter.warm_up(lambda width=None: self._scratch(width or max(widths)))
 
     # ---- requests --------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -134,3 +134,6 @@ class ChainDrafter(Drafter):
 
     def catch_up_cost(self, n: int) -> float:
         return sum(r * d.catch_up_cost(n) for d, r in zip(self.drafters, self.rates))
+
+    def unread(self, seq: Sequence) -> int:
+        return max(d.unread(seq) for d in self.drafters)

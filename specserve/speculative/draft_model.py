@@ -53,6 +53,8 @@ class _State:
     num_cached: int = 0  # tokens served by the prefix cache when the sequence started
     generator: torch.Generator | None = None
 
+CATCH_UP_ROWS = 512  # warm_up's wide forward (the draft reading a prompt): wide enough that attention shows
+
 
 class DraftModelDrafter(Drafter):
     name = "draft_model"
@@ -74,7 +76,8 @@ class DraftModelDrafter(Drafter):
         self.cache = CacheCoordinator.build(specs, (num_blocks,), prefix_caching, salt=draft.identity)
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size) + 2
-        self.cost = CostModel()  # seconds per draft forward, by width
+        # seconds per draft forward, by width: its catch-up forwards (a new prompt's rows) too
+        self.cost = CostModel(max_width=1 << 20)
         self.lookup, self.lookup_min, self.lookup_max = lookup, lookup_min, lookup_max
         self.forwards_per_token = 1.0  # running means: a sequence's draft forwards per drafted token,
         self.width = 1.0  # and its rows in each (its next token and the guesses)
@@ -226,6 +229,10 @@ class DraftModelDrafter(Drafter):
             seq = make_seq()
             self.propose([seq], [3])
             self.on_finished(seq)
+        rows = min(CATCH_UP_ROWS, (self.max_blocks - 2) * self.block_size - 8)  # (a short max_model_len)
+        seq = make_seq(rows)  # one wide forward: what reading a prompt costs per row
+        self.propose([seq], [1])
+        self.on_finished(seq)
 
     def draft_cost(self, k: int) -> float:
         # a forward a token, fewer when the guesses of prompt lookup save some (each a little wider);
@@ -236,8 +243,12 @@ class DraftModelDrafter(Drafter):
 
     def catch_up_cost(self, n: int) -> float:
         # its KV is filled lazily: a proposal after n tokens it has not read starts with an n-row
-        # forward where one row would do
+        # forward where one row would do (wider than any measured: the slope of the widest two,
+        # CATCH_UP_ROWS among them since warm_up)
         return max(self.cost.time(n) - self.cost.time(1), 0.0) if n > 1 else 0.0
+
+    def unread(self, seq: Sequence) -> int:
+        return seq.num_tokens - self._state(seq).num_computed
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:

@@ -76,8 +76,8 @@ class Drafter(ABC):
         return 0
 
     def warm_up(self, make_seq) -> None:
-        """Time the drafter's own step once at start-up (``make_seq()``: a scratch sequence that
-        is dropped afterwards); model-free drafters have nothing to time."""
+        """Time the drafter's own step once at start-up (``make_seq(width=None)``: a scratch sequence
+        that is dropped afterwards, of ``width`` tokens if given); model-free drafters have nothing to time."""
 
     def draft_cost(self, k: int) -> float:
         """Seconds to propose k tokens for one sequence (0 for model-free drafters)."""
@@ -87,6 +87,11 @@ class Drafter(ABC):
         """Seconds a proposal costs on top of ``draft_cost`` when the drafter has not read the
         sequence's last n tokens (0 for drafters that read every token as it comes)."""
         return 0.0
+
+    def unread(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` the drafter would read at its next proposal (a draft model's KV
+        catching up: the whole prompt at a sequence's first); 0 for drafters that read as they go."""
+        return 0
 
 
 def pick_tokens(seq: Sequence, logits: torch.Tensor, generator: torch.Generator | None,
