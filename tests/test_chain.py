@@ -279,3 +279,18 @@ def test_chain_sampling_keeps_the_target_distribution(models):
     assert 0 < t.accepted_tokens < t.draft_tokens, t
     assert all(w > 0 for w in eng.drafter.wins), eng.drafter.wins
     assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_a_chain_needs_no_catch_up_while_one_of_its_drafters_reads_as_it_goes():
+    """The policy weighs what a drafter must first read of a long prompt (Drafter.unread): a chain
+    with a model-free drafter can draft without it, so its unread is the least of its drafters'."""
+
+    class Lazy(NgramDrafter):  # stands in for a draft model that has not read the prompt
+        name = "lazy"
+
+        def unread(self, seq):
+            return seq.num_tokens
+
+    s = _seq(list(range(100, 400)), rid="long")
+    assert ChainDrafter([SuffixDrafter(), Lazy(1, 3)], [4, 4]).unread(s) == 0
+    assert ChainDrafter([Lazy(1, 3)], [4]).unread(s) == 300

@@ -136,4 +136,6 @@ class ChainDrafter(Drafter):
         return sum(r * d.catch_up_cost(n) for d, r in zip(self.drafters, self.rates))
 
     def unread(self, seq: Sequence) -> int:
-        return max(d.unread(seq) for d in self.drafters)
+        # the least of its drafters': one that reads as it goes (suffix, n-gram) drafts with no catch-up,
+        # so a long prompt does not stop the whole chain (a draft model in it catches up when first asked)
+        return min(d.unread(seq) for d in self.drafters)
