@@ -253,3 +253,15 @@ def test_a_long_catch_up_drafts_only_where_the_answer_can_repay_it():
     fixed = DraftPolicy(4, False, cost, draft_cost=lambda k: 0.004 * k, catch_up_cost=lambda n: 0.001 * n,
                         unread=lambda s: 2000)
     assert fixed.lengths([seq("long")], [128]) == [4]
+
+
+def test_a_draft_models_catch_up_comes_from_its_wide_forwards():
+    """Past the cost table's widths a catch-up is read off the wide forwards measured (the latest per
+    power of two of rows, a bounded record): linear between the two around it, along the widest two
+    past them, never below the widest."""
+    from specserve.speculative.draft_model import wide_time
+
+    pts = [(1, 0.005), (512, 0.371), (1519, 1.35)]
+    assert abs(wide_time(pts, 1000) - (0.371 + (1.35 - 0.371) * 488 / 1007)) < 1e-12
+    assert abs(wide_time(pts, 1893) - (1.35 + (1.35 - 0.371) * 374 / 1007)) < 1e-12
+    assert wide_time([(1, 0.005), (512, 0.5), (600, 0.4)], 5000) == 0.4  # noise: wider measured faster

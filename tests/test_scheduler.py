@@ -6,6 +6,7 @@ from __future__ import annotations
 from engine_utils import run_all
 from specserve.engine.model_runner import logit_rows
 from specserve.engine.scheduler import ScheduledRow, Scheduler
+from specserve.engine.sequence import Sequence
 from specserve.engine.types import SamplingParams
 from specserve.speculative.config import SpeculativeConfig
 from specserve.speculative.ngram import NgramDrafter
@@ -171,3 +172,27 @@ def test_requests_sharing_a_prompt_compute_it_once_in_a_draft_models_cache_too(t
     assert sorted(first.values()) == [3, 3, 3, 51]  # 48 of 50 from the first request's committed blocks
     assert sum(n for _, n in rows) < 51 + 3 * 3 + 4 * 8 * 2  # prompt once, then a token or two a step each
     assert eng.totals.draft_tokens > 0 and eng.cache.idle()
+
+
+def test_a_draft_model_reads_a_long_prompt_only_where_the_answer_can_repay_it(tiny_target, tiny_engine):
+    """The engine's policy asks the draft model what it has not read (the whole 300-token prompt before
+    its first proposal, DraftModelDrafter.unread): with an 8-token answer a catch-up dearer than the
+    drafts could save keeps the sequence plain, a free one lets it draft; the same tokens either way.
+    Costs are set, so the machine's speed decides nothing."""
+    from specserve.speculative.draft_model import DraftModelDrafter
+
+    prompt = [100 + i % 150 for i in range(300)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    plain = run_all(tiny_engine(max_model_len=512), [prompt], params)[0]
+    for catch_up, drafts in ((1e3, False), (0.0, True)):
+        drafter = DraftModelDrafter(tiny_target, num_blocks=64, block_size=16, max_model_len=512)
+        seq = Sequence("probe", prompt, params, None)
+        assert drafter.unread(seq) == 300
+        drafter.on_finished(seq)
+        drafter.draft_cost = lambda k: 0.0
+        drafter.catch_up_cost = lambda n, c=catch_up: c if n > 1 else 0.0
+        eng = tiny_engine(SpeculativeConfig("draft_model", model="tiny", num_speculative_tokens=3), drafter,
+                          max_model_len=512)
+        eng.cost.time = lambda width: 0.010 + 0.001 * width  # verification widths nearly free
+        assert run_all(eng, [prompt], params) == [plain]
+        assert (eng.totals.draft_tokens > 0) is drafts, catch_up

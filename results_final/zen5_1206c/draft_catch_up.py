@@ -1,7 +1,7 @@
 """What a draft model's catch-up on a long prompt costs, and what the policy does with it (2026-12-06, Zen 5).
 
 qwen2.5-coder-1.5b with its 0.5b draft (q4_0, 32K draft vocabulary, as native_llamacpp.py's "specserve
-draft q4_0 32K"): the draft's cost table after start-up (its 512-row warm-up forward among them), the
+draft q4_0 32K"): the draft's cost table after start-up and its record of wide forwards (the 512-row warm-up), the
 policy's estimate of the catch-up on each long.jsonl prompt, then the draft model made to read each
 prompt (one proposal of one token, timed), and each prompt answered (128 tokens) with the number of
 draft forwards the answer took.
@@ -28,7 +28,8 @@ add_engine_args(p)
 engine = build_engine(p.parse_args(["--model", "qwen2.5-coder-1.5b", "--speculative-config", json.dumps(spec)]))
 drafter = engine.drafter
 ms = {k: round(v * 1e3, 1) for k, v in sorted(drafter.cost.table.items())}
-print(f"draft forward ms by rows after start-up: {ms}")
+wide = {r: round(t * 1e3, 1) for r, t in sorted(drafter.wide.values())}
+print(f"draft forward ms by rows after start-up: {ms}; wide forwards: {wide}")
 for i, line in enumerate(open(os.path.join(D, "long.jsonl"))):
     ids = engine.tokenizer.encode(json.loads(line)["messages"][0]["content"])  # the text alone, no chat template
     n = len(ids)

@@ -39,3 +39,6 @@ python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --suites $D/long
   --out $D/native_long_payback.json --markdown $D/native_long_payback.md
 # the draft's catch-up on those prompts: estimated and measured, and the answers' draft forwards (draft_catch_up.txt)
 python $D/draft_catch_up.py > $D/draft_catch_up.txt
+# the 1.5b's linears' arithmetic at 8 rows against this CPU's int8 peak (int_dot_floor.md)
+python benchmarks/int_dot_peak.py --rows 8 --formats "" --models qwen2.5-coder-1.5b --context 512 --rounds 10 \
+  --markdown $D/int_dot_floor.md

@@ -180,8 +180,9 @@ def chosen_build() -> dict[str, Any]:
 
 
 def set_prefetch_t0(on: bool) -> bool:
-    """The weight streams' software prefetch hint of the chosen build: prefetcht0 (True) or the
-    default prefetcht1 (tune.HintTrial picks). False when there is no C build to set."""
+    """The software prefetch hint of the chosen build, for the weight streams and the KV cache's rows
+    alike: prefetcht0 (True) or the default prefetcht1 (tune.HintTrial picks). False when there is no
+    C build to set."""
     lib = _auto_lib()
     if lib is None:
         return False
@@ -190,7 +191,7 @@ def set_prefetch_t0(on: bool) -> bool:
 
 
 def prefetch_t0() -> bool | None:
-    """Whether the chosen build's weight streams prefetch with prefetcht0 now (None: no C build)."""
+    """Whether the chosen build prefetches with prefetcht0 now (None: no C build)."""
     lib = _auto_lib()
     return None if lib is None else bool(lib.ss_set_prefetch_t0(-1))
 

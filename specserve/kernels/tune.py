@@ -14,7 +14,8 @@ concurrent processes (tensor-parallel ranks) wait on a file lock and read the sa
 
 ``SPECSERVE_KERNEL_VARIANT`` (``native``, ``native256``, ``avx2``) skips the contest.
 
-The weight streams' software prefetch hint (``prefetcht1`` by default, or ``prefetcht0``) is chosen
+The weight streams' software prefetch hint (``prefetcht1`` by default, or ``prefetcht0``; attention's
+prefetch of the KV cache's rows follows the same switch) is chosen
 per engine instead, over its model's first real forwards (``HintTrial``): the hint changes forward by
 forward, neighbours of the same width form pairs, and the median ratio of the pairs decides. t0 was
 ~10% faster on Zen 5 and a third slower on Zen 4; timing random matrices did not tell them apart

@@ -50,7 +50,7 @@ class Op(enum.IntEnum):
     INIT_KV = 4
     STOP = 5
     CUT_HEAD = 6  # a draft vocabulary's cut of the LM head (Transformer.cut_head)
-    HINT = 7  # the weight streams' prefetch hint (kernels/tune.py HintTrial): [1] t0, [0] the default
+    HINT = 7  # the weight and KV streams' prefetch hint (kernels/tune.py HintTrial): [1] t0, [0] the default
 
 
 class TensorParallel:

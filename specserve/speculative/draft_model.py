@@ -56,6 +56,18 @@ class _State:
 CATCH_UP_ROWS = 512  # warm_up's wide forward (the draft reading a prompt): wide enough that attention shows
 
 
+def wide_time(points: list[tuple[int, float]], n: int) -> float:
+    """Seconds of an n-row forward from two or more measured (rows, seconds) points sorted by rows, the
+    first at or under n: linear between the two around n, or along the widest two past them (never
+    below the widest one's time)."""
+    above = [pt for pt in points if pt[0] > n]
+    if above:
+        (r0, t0), (r1, t1) = [pt for pt in points if pt[0] <= n][-1], above[0]
+        return t0 + (t1 - t0) * (n - r0) / (r1 - r0)
+    (r0, t0), (r1, t1) = points[-2], points[-1]
+    return max(t1 + (t1 - t0) * (n - r1) / (r1 - r0), t1)
+
+
 class DraftModelDrafter(Drafter):
     name = "draft_model"
     has_cost = True
@@ -76,8 +88,10 @@ class DraftModelDrafter(Drafter):
         self.cache = CacheCoordinator.build(specs, (num_blocks,), prefix_caching, salt=draft.identity)
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size) + 2
-        # seconds per draft forward, by width: its catch-up forwards (a new prompt's rows) too
-        self.cost = CostModel(max_width=1 << 20)
+        self.cost = CostModel()  # seconds per draft forward, by width
+        # forwards wider than the cost table's (a prompt read at once), the latest per power of two of
+        # their rows: (rows, seconds), a bounded record for catch_up_cost
+        self.wide: dict[int, tuple[int, float]] = {}
         self.lookup, self.lookup_min, self.lookup_max = lookup, lookup_min, lookup_max
         self.forwards_per_token = 1.0  # running means: a sequence's draft forwards per drafted token,
         self.width = 1.0  # and its rows in each (its next token and the guesses)
@@ -203,7 +217,10 @@ class DraftModelDrafter(Drafter):
         t0 = time.perf_counter()
         out = self.model.forward(batch, self.kv)
         logits = out.logits if self.vocab is None else self.vocab.logits(out.final_hidden[wanted])
-        self.cost.add(int(batch.input_ids.shape[0]), time.perf_counter() - t0)
+        rows, seconds = int(batch.input_ids.shape[0]), time.perf_counter() - t0
+        self.cost.add(rows, seconds)
+        if rows > self.cost.max_width:
+            self.wide[rows.bit_length()] = (rows, seconds)
         return [logits[i:i + m] for i, m in spans]
 
     def on_verified(self, seq: Sequence, num_accepted: int) -> None:
@@ -243,9 +260,14 @@ class DraftModelDrafter(Drafter):
 
     def catch_up_cost(self, n: int) -> float:
         # its KV is filled lazily: a proposal after n tokens it has not read starts with an n-row
-        # forward where one row would do (wider than any measured: the slope of the widest two,
-        # CATCH_UP_ROWS among them since warm_up)
-        return max(self.cost.time(n) - self.cost.time(1), 0.0) if n > 1 else 0.0
+        # forward where one row would do; past the cost table's widths, from the wide forwards
+        # measured (CATCH_UP_ROWS among them since warm_up) and the one-row time
+        if n <= 1:
+            return 0.0
+        one = self.cost.time(1)
+        if n <= self.cost.max_width or not self.wide:
+            return max(self.cost.time(n) - one, 0.0)
+        return max(wide_time([(1, one)] + sorted(self.wide.values()), n) - one, 0.0)
 
     def unread(self, seq: Sequence) -> int:
         return seq.num_tokens - self._state(seq).num_computed

@@ -6,8 +6,9 @@
 /* an fp32 cache's keys per tile (read in place, not copied): the bytes of one pool's rows a tile
    keeps in L2 while every block of the item's query vectors (and both halves of a 128-dim row's V
    sums) go over it. One tile per item instead re-read qwen2.5-coder-1.5b's 1 MB of a kv head's K
-   per block of 6 vectors, from beyond L2 at 2048 keys: its attention of 4 and 8 rows there took
-   7-10% longer (results_final/zen5_1206c/att_tiles.txt); shorter items are one tile either way */
+   per block of 6 vectors, from beyond L2 at 2048 keys: its attention of 4 and 8 rows took 16-20%
+   longer there, 28-40% at 8192 (results_final/zen5_1206c/att_tiles.txt); shorter items are one
+   tile either way */
 #define ATT_F32_TILE_BYTES (256 << 10)
 #endif
 #define ATT_COOP_KEYS 256 /* keys an item needs before threads share it (attn_coop) */

@@ -7,8 +7,8 @@
 #ifndef ATT_PF_SPREAD
 /* 1: an fp32 cache's rows prefetched a line at a time inside the multi-vector kernels' loops (K)
    and by the 64 dims each pass of the V sums reads; 0: each row's lines at once (an in-process
-   A/B, decode_cost.py --variants). One row of qwen2.5-coder-1.5b at 2048 keys: attention 4.4 ms
-   instead of 5.1 (results_final/zen5_1206c/att_prefetch.txt) */
+   A/B, decode_cost.py --variants). One row of qwen2.5-coder-1.5b at 2048 keys: attention 4.75 ms
+   instead of 5.57 (results_final/zen5_1206c/att_prefetch.txt) */
 #define ATT_PF_SPREAD 1
 #endif
 #ifndef ATT_PAIRS

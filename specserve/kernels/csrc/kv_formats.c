@@ -119,13 +119,11 @@ SS_EXPORT int ss_set_prefetch_t0(int on) {
     return was;
 }
 
-/* prefetch the line at p into the cache level of the hint in force */
-SS_INLINE void prefetch_line(const void *p) {
-    if (ss_pf_t0)
-        __builtin_prefetch(p, 0, 3);
-    else
-        __builtin_prefetch(p, 0, ATT_PF_HINT);
-}
+/* prefetch the line at p: with prefetcht0 where the switch says so, else with locality DFLT */
+#define SS_PREFETCH(p, DFLT) (ss_pf_t0 ? __builtin_prefetch((p), 0, 3) : __builtin_prefetch((p), 0, (DFLT)))
+
+/* a KV row's line at p */
+SS_INLINE void prefetch_line(const void *p) { SS_PREFETCH(p, ATT_PF_HINT); }
 
 /* prefetch the n bytes at p */
 SS_INLINE void prefetch_bytes(const void *p, int64_t n) {

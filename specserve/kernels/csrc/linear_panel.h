@@ -38,10 +38,7 @@
 /* prefetcht0 instead of QP_PF_HINT where the run-time switch says so (ss_set_prefetch_t0, kv_formats.c) */
 SS_INLINE void pq_prefetch(const uint8_t *p, int n) {
 #if QP_PF_BYTES > 0 /* 0: no software prefetch */
-    if (ss_pf_t0)
-        for (int o = 0; o < n; o += 64) __builtin_prefetch(p + QP_PF_BYTES + o, 0, 3);
-    else
-        for (int o = 0; o < n; o += 64) __builtin_prefetch(p + QP_PF_BYTES + o, 0, QP_PF_HINT);
+    for (int o = 0; o < n; o += 64) SS_PREFETCH(p + QP_PF_BYTES + o, QP_PF_HINT);
 #else
     (void)p, (void)n;
 #endif
