@@ -168,14 +168,14 @@ def env_prefix(env: dict[str, str]) -> list[str]:
     return ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
 
 
-def configurations(model: str, bindir: Path, isa: str = "native") -> dict[str, list[str]]:
+def configurations(model: str, bindir: Path, isa: str = "native", ctx: int = CTX) -> dict[str, list[str]]:
     """label -> server command line without the port (added per start); ours with the kernel build
-    for ISA (ISA_ENV), llama.cpp's from BINDIR."""
+    for ISA (ISA_ENV), llama.cpp's from BINDIR; both with a context of ctx tokens."""
     gguf = str(gguf_of(model))
-    lcpp = [str(bindir / "llama-server"), "-m", gguf, "-t", "2", "-fa", "on", "-c", str(CTX),
+    lcpp = [str(bindir / "llama-server"), "-m", gguf, "-t", "2", "-fa", "on", "-c", str(ctx),
             "--no-webui", "--host", "127.0.0.1"]
     ours = [*env_prefix(ISA_ENV[isa]), sys.executable, "-m", "specserve", "serve", "--model", model,
-            "--max-model-len", str(CTX), "--host", "127.0.0.1"]
+            "--max-model-len", str(ctx), "--host", "127.0.0.1"]
     draft = DRAFT_FOR.get(model)
     out = {"llama.cpp plain": lcpp,
            "llama.cpp ngram-simple": lcpp + ["--spec-type", "ngram-simple"],
@@ -201,6 +201,14 @@ def configurations(model: str, bindir: Path, isa: str = "native") -> dict[str, l
         # the same draft stopping at its first unsure token (llama.cpp's --draft-p-min)
         out["specserve draft q4_0 32K p_min 0.3"] = ours + ["--speculative-config", json.dumps(
             {**small, "draft_p_min": 0.3})]
+        # after a long prompt the draft reads all of it (before 2026-12-07), or a 512-token window (the
+        # default window is DEFAULT_DRAFT_WINDOW)
+        out["specserve draft q4_0 32K read all"] = ours + ["--speculative-config", json.dumps(
+            {**small, "draft_window": 0})]
+        out["specserve draft q4_0 32K window 512"] = ours + ["--speculative-config", json.dumps(
+            {**small, "draft_window": 512})]
+        out["specserve draft q4_0 32K window 1024"] = ours + ["--speculative-config", json.dumps(
+            {**small, "draft_window": 1024})]
         # suffix decoding first, the draft where suffix has nothing (README "Chains")
         out["specserve suffix then draft q4_0 32K"] = ours + ["--speculative-config", json.dumps(
             {"method": "chain", "num_speculative_tokens": 8, "drafters": [{"method": "suffix"}, small]})]
@@ -320,10 +328,11 @@ def summarize(results: list[dict], labels: list[str], suites: list[str]) -> list
                 continue
             base = [by.get(("llama.cpp plain", r["prompt"], r["round"])) for r in mine]
             same = [by.get((plain, r["prompt"], r["round"])) for r in mine]
+            ratios = [r["tok_s"] / b["tok_s"] for r, b in zip(mine, base) if b]
             rows.append({
                 "config": label, "suite": suite,
                 "tok_s": statistics.median(r["tok_s"] for r in mine),
-                "vs_llamacpp": statistics.median(r["tok_s"] / b["tok_s"] for r, b in zip(mine, base) if b),
+                "vs_llamacpp": statistics.median(ratios) if ratios else None,  # (llama.cpp plain not run)
                 "same_text": same_text(mine, same),
                 **acceptance(mine),
             })
@@ -358,13 +367,15 @@ def markdown(rows: list[dict], args: argparse.Namespace, idle: dict[str, float] 
     suites = list(dict.fromkeys(r["suite"] for r in rows if r["suite"] != "all"))
     by = {(r["config"], r["suite"]): r for r in rows}
     flags = ("" if getattr(args, "isa", "native") == "native" else f" --isa {args.isa}") + \
-        (" --interleave" if getattr(args, "interleave", False) else "")
+        (" --interleave" if getattr(args, "interleave", False) else "") + \
+        (f" --ctx {args.ctx}" if getattr(args, "ctx", CTX) != CTX else "")
     lines = [f"`benchmarks/native_llamacpp.py --model {args.model} --tokens {args.tokens} --rounds {args.rounds} "
              f"--limit {args.limit}{flags}` on {cpu}, {len(os.sched_getaffinity(0))} cores (median tok/s):", "",
              "| configuration | " + " | ".join(suites) + " | same text as its plain |",
              "|---|" + "---|" * (len(suites) + 1)]
     for label in dict.fromkeys(r["config"] for r in rows):
-        cells = [f"{by[label, s]['tok_s']:.1f} ({by[label, s]['vs_llamacpp']:.2f}x)" for s in suites]
+        cells = [f"{by[label, s]['tok_s']:.1f}" + ("" if by[label, s]["vs_llamacpp"] is None
+                                                   else f" ({by[label, s]['vs_llamacpp']:.2f}x)") for s in suites]
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {by[label, 'all']['same_text']} |")
     lines += ["", "Decode only (the servers' own `timings`, prefill excluded), median tok/s per suite; speculation: "
               "accepted share of the drafted tokens, and mean acceptance length (tokens per target forward, "
@@ -395,6 +406,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--suites", default="code,math,prose,edit")
     ap.add_argument("--limit", type=int, default=2, help="prompts per suite")
+    ap.add_argument("--ctx", type=int, default=CTX, help="both servers' context length (tokens)")
     ap.add_argument("--configs", default="all", help="comma list of labels (default: all)")
     ap.add_argument("--isa", choices=tuple(ISA_FLAGS), default="native",
                     help="both engines built for this CPU, or for AVX2 alone (as on a Zen 3)")
@@ -408,7 +420,7 @@ def main() -> None:
     if args.build_only:
         print(bindir)
         return
-    configs = configurations(args.model, bindir, args.isa)
+    configs = configurations(args.model, bindir, args.isa, args.ctx)
     labels = list(configs) if args.configs == "all" else args.configs.split(",")
     suites, prompts = suite_prompts(args.suites, args.limit)
     chat = CATALOG[args.model].chat_template if args.model in CATALOG else True  # else /v1/completions

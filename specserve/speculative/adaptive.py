@@ -24,9 +24,10 @@ is usually wrong has a low slow estimate too and stays at k = 0. A drafter that 
 all (a draft cut to nothing by draft_p_min) brings the slow estimate down to the fast one at once:
 else, with cheap drafts, the drift kept asking an always-unsure drafter every few steps.
 
-A draft model reads a sequence lazily: its first proposal is one forward over the whole prompt. A
-sequence drafts only where that catch-up can be repaid within the tokens it may still make
-(``_pays_back``): after a 1,700-token prompt a 128-token answer lost 23% of its decode speed to it.
+A draft model reads a sequence lazily: its first proposal is one forward over the prompt (over at
+most a window of it, draft_model.py). A sequence drafts only where that catch-up can be repaid
+within the tokens it may still make (``_pays_back``): after a 1,700-token prompt read whole, a
+128-token answer lost 23% of its decode speed to it.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ METHODS = ("ngram", "draft_model", "dflash", "mtp", "suffix", "chain")
 SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                "suffix_decoding_max_spec_factor", "suffix_decoding_max_spec_offset", "suffix_decoding_min_token_prob")
 DEFAULT_DRAFT_LOOKUP = 3
+DEFAULT_DRAFT_WINDOW = 512
 CHAIN_KEYS = ("method", "drafters", "num_speculative_tokens", "adaptive")  # the rest belongs to a drafter
 
 
@@ -32,6 +33,10 @@ class SpeculativeConfig:
     # forwards besides its next token; each one it agrees with is a draft token without a forward of its own
     # (None: DEFAULT_DRAFT_LOOKUP; 0: off)
     draft_lookup_tokens: int | None = None
+    # draft_model: a draft model behind by more than this many tokens of a sequence (a long prompt) reads
+    # only the sequence's first tokens and its last draft_window, not all it missed (None:
+    # DEFAULT_DRAFT_WINDOW; 0: it reads everything)
+    draft_window: int | None = None
     # suffix (vLLM's names; None: the defaults in spec/suffix.py)
     suffix_decoding_max_tree_depth: int | None = None  # longest context + draft the trees index
     suffix_decoding_max_cached_requests: int | None = None  # earlier outputs kept (0: only the request's own)
@@ -73,6 +78,12 @@ class SpeculativeConfig:
             if not 0 <= self.draft_lookup_tokens <= 16:
                 raise SpecserveError("speculative config: draft_lookup_tokens must be in [0, 16], got "
                                      f"{self.draft_lookup_tokens}")
+        if self.draft_window is not None:
+            if self.method != "draft_model":
+                raise SpecserveError("speculative config: draft_window applies to method \"draft_model\" only")
+            if self.draft_window != 0 and not 64 <= self.draft_window <= 1 << 20:
+                raise SpecserveError("speculative config: draft_window must be 0 (off) or in [64, 1048576], got "
+                                     f"{self.draft_window}")
         if self.method in ("ngram", "suffix") and (self.model is not None or self.quantization is not None):
             raise SpecserveError("speculative config: \"model\" and \"quantization\" do not apply to method "
                                  f"\"{self.method}\" (it drafts from the context)")
@@ -121,7 +132,8 @@ class SpeculativeConfig:
 
 _TYPES = {"method": str, "num_speculative_tokens": int, "prompt_lookup_min": int, "prompt_lookup_max": int,
           "model": str, "adaptive": bool, "quantization": str, "draft_vocab_size": int,
-          "draft_p_min": (int, float), "draft_lookup_tokens": int, "suffix_decoding_max_tree_depth": int,
+          "draft_p_min": (int, float), "draft_lookup_tokens": int, "draft_window": int,
+          "suffix_decoding_max_tree_depth": int,
           "suffix_decoding_max_cached_requests": int, "suffix_decoding_max_spec_factor": (int, float),
           "suffix_decoding_max_spec_offset": (int, float), "suffix_decoding_min_token_prob": (int, float),
           "drafters": list}

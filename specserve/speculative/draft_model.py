@@ -14,6 +14,14 @@ sequence's last tokens matched earlier in its context): the draft picks its next
 first row as always, and while the token picked equals the guess whose row comes next, that row's
 logits give the following token without another forward. The drafts are the draft model's own;
 the K/V rows of guesses past the first wrong one are given back by bookkeeping.
+
+A draft model far behind a sequence (a long prompt, or many steps another drafter of a chain
+drafted) does not read all it missed: past ``draft_window`` unread tokens it drops what its cache
+holds and reads the sequence's first ``SINK_TOKENS`` tokens and its last ``draft_window`` ones, at
+positions numbered on from the first (the sequence's middle is skipped, as StreamingLLM keeps its
+attention sinks and a recent window). Its cache then holds its own view of the sequence, which is
+what its prefix-cache blocks are hashed by. Only the drafts change: verification keeps the output
+the target's.
 """
 
 from __future__ import annotations
@@ -32,13 +40,14 @@ from specserve.models.loader import LoadedModel, LoadOptions, load_model
 from specserve.engine.model_runner import BatchEntry, build_forward_batch
 from specserve.models.transformer import KVCache
 from specserve.speculative.adaptive import CostModel
-from specserve.speculative.config import DEFAULT_DRAFT_LOOKUP, SpeculativeConfig
+from specserve.speculative.config import DEFAULT_DRAFT_LOOKUP, DEFAULT_DRAFT_WINDOW, SpeculativeConfig
 from specserve.speculative.draft_vocab import DraftVocab, cut_vocab
 from specserve.speculative.drafter import Drafter, Proposal, pick_tokens
 from specserve.speculative.ngram import find_continuation
 
 DRAFT_POOL_CAP = 1 << 30
 LOOKUP_WINDOW = 4096  # tokens of context prompt lookup searches for the draft's guesses
+SINK_TOKENS = 16  # a windowed draft's view starts with the sequence's first tokens
 
 
 @dataclass
@@ -47,7 +56,8 @@ class _State:
 
     cache: SequenceCache = field(default_factory=SequenceCache)  # its tables in the draft's groups
     cache_keys: list[int] = field(default_factory=list)  # the tokens a commit / prefix match hashes
-    num_computed: int = 0  # tokens of the sequence (plus drafts) whose K/V this cache holds
+    num_computed: int = 0  # tokens of the draft's view of the sequence (plus drafts) whose K/V this cache holds
+    skip: int = 0  # sequence tokens after the first SINK_TOKENS that the view leaves out (a window)
     base: int = 0  # sequence length when the last proposal was made
     drafts: list[int] = field(default_factory=list)  # the last proposal
     num_cached: int = 0  # tokens served by the prefix cache when the sequence started
@@ -74,7 +84,7 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int, max_model_len: int,
                  prefix_caching: bool = True, vocab: DraftVocab | None = None, p_min: float = 0.0,
-                 lookup: int = 0, lookup_min: int = 2, lookup_max: int = 5):
+                 lookup: int = 0, lookup_min: int = 2, lookup_max: int = 5, window: int = 0):
         self.draft = draft
         self.p_min = p_min  # stop a sequence's draft at a token the draft gives less probability
         self.model = draft.model
@@ -93,6 +103,7 @@ class DraftModelDrafter(Drafter):
         # their rows: (rows, seconds), a bounded record for catch_up_cost
         self.wide: dict[int, tuple[int, float]] = {}
         self.lookup, self.lookup_min, self.lookup_max = lookup, lookup_min, lookup_max
+        self.window = window  # 0: a draft model behind reads all it missed
         self.forwards_per_token = 1.0  # running means: a sequence's draft forwards per drafted token,
         self.width = 1.0  # and its rows in each (its next token and the guesses)
         self.num_forwards = self.num_drafted = 0  # totals: a sequence's forwards, the tokens they drafted
@@ -109,8 +120,9 @@ class DraftModelDrafter(Drafter):
                          -(-max_model_len // ecfg.block_size) + 2)
         vocab = cut_vocab(draft.model, draft.tokenizer, spec.draft_vocab_size)
         lookup = DEFAULT_DRAFT_LOOKUP if spec.draft_lookup_tokens is None else spec.draft_lookup_tokens
+        window = DEFAULT_DRAFT_WINDOW if spec.draft_window is None else spec.draft_window
         return cls(draft, int(num_blocks), ecfg.block_size, max_model_len, ecfg.enable_prefix_caching, vocab,
-                   spec.draft_p_min, lookup, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                   spec.draft_p_min, lookup, spec.prompt_lookup_min, spec.prompt_lookup_max, window)
 
     @property
     def blocks(self) -> BlockManager:
@@ -131,12 +143,30 @@ class DraftModelDrafter(Drafter):
             st.num_computed = st.num_cached = self.cache.match_prefix(st)
         return st
 
+    def _view(self, st: _State, tokens: list[int]) -> list[int]:
+        """The draft's view of a sequence's tokens: all of them, or the first SINK_TOKENS and what
+        follows the skipped middle."""
+        return tokens if not st.skip else tokens[:SINK_TOKENS] + tokens[SINK_TOKENS + st.skip:]
+
+    def _behind(self, seq: Sequence, st: _State) -> int:  # sequence tokens past the view's computed ones
+        return seq.num_tokens - st.skip - st.num_computed
+
+    def _slide(self, seq: Sequence, st: _State) -> None:
+        """Too far behind: drop the cache and view the first tokens and the last ``window`` (from the
+        prefix cache where an earlier view was the same)."""
+        self.cache.free(st)
+        st.skip = seq.num_tokens - SINK_TOKENS - self.window
+        st.cache_keys = self._view(st, seq.token_ids)
+        st.num_computed = self.cache.match_prefix(st)
+
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
         active = [(s, k) for s, k in zip(seqs, num_tokens) if k > 0]
         drafts: dict[int, list[int]] = {id(s): [] for s, _ in active}
         probs: dict[int, list[torch.Tensor]] = {id(s): [] for s, _ in active}
         for s, _ in active:
             st = self._state(s)
+            if self.window and self._behind(s, st) > SINK_TOKENS + self.window:
+                self._slide(s, st)
             if self.vocab is not None:  # tokens since the last proposal (the prompt, at first)
                 self.vocab.add(s.token_ids[st.base:])
             st.base = s.num_tokens
@@ -144,8 +174,9 @@ class DraftModelDrafter(Drafter):
         while active:
             rows = []
             for s, k in active:
-                context = s.token_ids + drafts[id(s)]
-                rows.append((s, context[self._state(s).num_computed:], self._guesses(context, k - len(drafts[id(s)]))))
+                context, st = s.token_ids + drafts[id(s)], self._state(s)
+                rows.append((s, self._view(st, context)[st.num_computed:],
+                             self._guesses(context, k - len(drafts[id(s)]))))
             logits = self._forward(rows)
             forwards += len(rows)
             guessed += sum(len(g) for _, _, g in rows)
@@ -229,10 +260,10 @@ class DraftModelDrafter(Drafter):
             return
         if st.drafts:  # without drafts (none asked this step, e.g. another drafter of a chain proposed) the
             # cache holds verified tokens only, and a roll-back to the last proposal's base would drop some
-            st.num_computed = min(st.num_computed, st.base + num_accepted)
+            st.num_computed = min(st.num_computed, st.base - st.skip + num_accepted)
             self.cache.rollback(st)
         # every position left is a verified token: the sequence so far plus the accepted drafts
-        st.cache_keys = seq.token_ids + st.drafts[:num_accepted]
+        st.cache_keys = self._view(st, seq.token_ids + st.drafts[:num_accepted])
         self.cache.commit(st)
         st.drafts = []
 
@@ -270,7 +301,8 @@ class DraftModelDrafter(Drafter):
         return max(wide_time([(1, one)] + sorted(self.wide.values()), n) - one, 0.0)
 
     def unread(self, seq: Sequence) -> int:
-        return seq.num_tokens - self._state(seq).num_computed
+        behind = self._behind(seq, self._state(seq))
+        return min(behind, SINK_TOKENS + self.window) if self.window else behind
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:

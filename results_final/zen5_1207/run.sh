@@ -1,0 +1,25 @@
+#!/bin/sh
+# 2026-12-07, AMD EPYC Zen 5 (family 26 model 2), 2 cores: a draft model far behind a sequence reads a
+# window of it (draft_window). Run from the repository root; native llama.cpp is built on first use.
+D=results_final/zen5_1207
+S='{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 8, "quantization": "q4_0", "draft_vocab_size": 32768'
+# against native llama-server after the 1,5xx- and 1,9xx-token prompts of long.jsonl, 128- and 384-token answers:
+# the draft reading whole prompts (read all), a 512-token window, and the default (1024 when these two ran)
+python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --suites results_final/zen5_1206c/long.jsonl --limit 2 \
+  --rounds 2 --tokens 128 --configs "llama.cpp plain,specserve plain,specserve draft q4_0 32K,specserve draft q4_0 32K read all,specserve draft q4_0 32K window 512" \
+  --out $D/native_long_window.json --markdown $D/native_long_window.md
+python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --suites results_final/zen5_1206c/long.jsonl --limit 2 \
+  --rounds 2 --tokens 384 --configs "llama.cpp plain,specserve plain,specserve draft q4_0 32K,specserve draft q4_0 32K read all,specserve draft q4_0 32K window 512" \
+  --out $D/native_long_window_384.json --markdown $D/native_long_window_384.md
+# prompts of 4,993 and 3,662 tokens (long6k.jsonl), 256-token answers, our servers only
+python $D/long6k_suite.py > $D/long6k.jsonl
+python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --suites $D/long6k.jsonl --limit 2 --rounds 2 --tokens 256 \
+  --ctx 8192 --configs "specserve plain,specserve draft q4_0 32K read all,specserve draft q4_0 32K window 512,specserve draft q4_0 32K window 1024" \
+  --out $D/native_long6k_window.json --markdown $D/native_long6k_window.md
+# the catch-up rule's estimate against what drafting saved, default window (payback_estimate.txt)
+python $D/payback_estimate.py 128 > $D/payback_estimate.txt
+# all four long prompts in one process, the engines taking turns per prompt (spec_window.md)
+python benchmarks/spec_decode.py --models qwen2.5-coder-1.5b --suites results_final/zen5_1206c/long.jsonl,$D/long6k.jsonl \
+  --tokens 256 --runs 1 --prompts-per-suite 2 --ctx 8192 --spec "draft read all=$S, \"draft_window\": 0}" \
+  --spec "draft window 512=$S, \"draft_window\": 512}" --spec "draft window 1024=$S, \"draft_window\": 1024}" \
+  --out $D/spec_window.json --markdown $D/spec_window.md

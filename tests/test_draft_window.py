@@ -1,0 +1,142 @@
+"""A draft model far behind a sequence reads a window of it (``draft_window``): the first
+SINK_TOKENS tokens and the last ``window``, numbered on from the first. The output stays the
+target's (greedy and sampled, batched); the drafts are the draft model's own on that view; the
+view's blocks are found again in the prefix cache; the catch-up the policy prices is the window."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specserve.engine.config import EngineConfig
+from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.types import SamplingParams
+from specserve.errors import SpecserveError
+from specserve.speculative.config import SpeculativeConfig, parse_speculative_config
+from specserve.speculative.draft_model import SINK_TOKENS, DraftModelDrafter
+
+WINDOW = 64
+ECFG = dict(max_num_seqs=3, max_model_len=256, block_size=8)
+
+
+class Logged(DraftModelDrafter):
+    """Records each proposal: (context, the state's skip, drafts) and the prefix hits of each slide."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.log: list[tuple[tuple[int, ...], int, list[int]]] = []
+        self.slides: list[int] = []
+
+    def propose(self, seqs, num_tokens):
+        props = super().propose(seqs, num_tokens)
+        self.log += [(tuple(s.token_ids), s.drafter_state[self.name].skip, p.token_ids)
+                     for s, k, p in zip(seqs, num_tokens, props) if k]
+        return props
+
+    def _slide(self, seq, st):
+        super()._slide(seq, st)
+        self.slides.append(st.num_computed)
+
+
+def _prompts() -> list[list[int]]:
+    rnd = random.Random(11)
+    return [[rnd.randrange(256) for _ in range(n)] for n in (170, 40, 120)]
+
+
+def _drafter(tiny, window: int = WINDOW) -> Logged:  # the target drafting for itself: only the view differs
+    return Logged(tiny, 200, ECFG["block_size"], ECFG["max_model_len"], window=window)
+
+
+def _run(tiny, drafter, prompts, params, k: int = 4):
+    from engine_utils import run_all
+
+    spec = None if drafter is None else SpeculativeConfig("draft_model", num_speculative_tokens=k, adaptive=False,
+                                                          model="x")
+    eng = LLMEngine(tiny, EngineConfig(**ECFG), spec, drafter)
+    out = run_all(eng, prompts, params)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+    if drafter is not None:
+        assert drafter.blocks.num_free == drafter.blocks.num_blocks
+    return out
+
+
+def test_windowed_draft_keeps_the_targets_output(tiny_target):
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    plain = _run(tiny_target, None, _prompts(), params)
+    d = _drafter(tiny_target)
+    assert _run(tiny_target, d, _prompts(), params) == plain
+    by_prompt = {}
+    for ctx, skip, _ in d.log:
+        by_prompt.setdefault(ctx[:40], []).append((len(ctx), skip))
+    short = _prompts()[1]
+    assert {skip for _, skip in by_prompt[tuple(short[:40])]} == {0}  # 40 tokens: read whole
+    for p in (_prompts()[0], _prompts()[2]):  # the first proposal after the prompt leaves its middle out
+        n, skip = by_prompt[tuple(p[:40])][0]
+        assert n == len(p) + 1 and skip == n - SINK_TOKENS - WINDOW
+    full = _drafter(tiny_target, window=0)  # reading everything, the target drafting for itself is always right
+    assert _run(tiny_target, full, _prompts(), params) == plain
+    assert all(skip == 0 for _, skip, _ in full.log)
+
+
+def test_sampling_with_a_windowed_draft_keeps_the_target_distribution(tiny_target):
+    """At temperature > 0: the first three tokens after a prompt the draft reads a window of follow
+    the target's exact joint distribution (the drafts' probabilities are those of the view)."""
+    from test_suffix import sampled_joint_pvalue
+
+    d = _drafter(tiny_target)
+    spec = SpeculativeConfig("draft_model", num_speculative_tokens=3, adaptive=False, model="x")
+    eng = LLMEngine(tiny_target, EngineConfig(**dict(ECFG, max_num_seqs=32)), spec, d)
+    prompt = _prompts()[2]
+    assert sampled_joint_pvalue(eng, tiny_target, prompt, 600) > 0.001
+    assert d.slides and all(skip for _, skip, _ in d.log)
+    t = eng.totals
+    assert 0 < t.accepted_tokens < t.draft_tokens, t
+
+
+def test_windowed_drafts_are_the_draft_models_own_on_its_view(tiny_target):
+    """The first drafts after a long prompt are what the draft model, given only the view as its
+    prompt, generates: the view's rows sit at positions 0, 1, ... with nothing else in its cache."""
+    from engine_utils import run_all
+
+    prompt = _prompts()[0]
+    d = _drafter(tiny_target)
+    _run(tiny_target, d, [prompt], SamplingParams(max_tokens=6, ignore_eos=True))
+    ctx, skip, drafts = d.log[0]  # the prompt and the token its prefill picked
+    assert list(ctx[:-1]) == prompt and skip == len(ctx) - SINK_TOKENS - WINDOW and len(drafts) == 4
+    view = list(ctx[:SINK_TOKENS] + ctx[-WINDOW:])
+    alone = LLMEngine(tiny_target, EngineConfig(**ECFG))
+    assert run_all(alone, [view], SamplingParams(max_tokens=4, ignore_eos=True)) == [drafts]
+
+
+def test_a_view_is_found_again_in_the_prefix_cache(tiny_target):
+    d = _drafter(tiny_target)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompt = _prompts()[0]
+    first = _run(tiny_target, d, [prompt], params)
+    assert d.slides == [0]
+    assert _run(tiny_target, d, [prompt], params) == first
+    assert len(d.slides) == 2 and d.slides[1] >= (SINK_TOKENS + WINDOW) // 8 * 8 - 8  # all but the last block
+
+
+def test_the_catch_up_priced_is_the_window(tiny_target):
+    from specserve.engine.sequence import Sequence
+
+    d, whole = _drafter(tiny_target), _drafter(tiny_target, window=0)
+    for n in (30, SINK_TOKENS + WINDOW, 170):
+        seq = Sequence("r", list(range(n)), SamplingParams(max_tokens=4), None)
+        assert d.unread(seq) == min(n, SINK_TOKENS + WINDOW) and whole.unread(seq) == n
+        d.on_finished(seq)
+        whole.on_finished(seq)
+
+
+def test_draft_window_config():
+    spec = parse_speculative_config('{"method": "draft_model", "model": "m", "draft_window": 512}')
+    assert spec.draft_window == 512
+    assert parse_speculative_config('{"method": "draft_model", "model": "m", "draft_window": 0}').draft_window == 0
+    for bad, says in (('{"method": "suffix", "draft_window": 512}', "applies to method \"draft_model\""),
+                      ('{"method": "draft_model", "model": "m", "draft_window": 10}', r"0 \(off\) or in \[64"),
+                      ('{"method": "draft_model", "model": "m", "draft_window": -1}', r"0 \(off\) or in \[64"),
+                      ('{"method": "draft_model", "model": "m", "draft_window": "512"}', "int")):
+        with pytest.raises(SpecserveError, match=says):
+            parse_speculative_config(bad)
