@@ -23,3 +23,7 @@ python benchmarks/spec_decode.py --models qwen2.5-coder-1.5b --suites results_fi
   --tokens 256 --runs 1 --prompts-per-suite 2 --ctx 8192 --spec "draft read all=$S, \"draft_window\": 0}" \
   --spec "draft window 512=$S, \"draft_window\": 512}" --spec "draft window 1024=$S, \"draft_window\": 1024}" \
   --out $D/spec_window.json --markdown $D/spec_window.md
+# the edit suite (one file changed twice; prompts of 217-773 tokens), reading all against the window (spec_window_edit.md)
+python benchmarks/spec_decode.py --models qwen2.5-coder-1.5b --suites edit --tokens 256 --runs 1 --prompts-per-suite 10 \
+  --ctx 4096 --spec "draft read all=$S, \"draft_window\": 0}" --spec "draft window 512=$S, \"draft_window\": 512}" \
+  --out $D/spec_window_edit.json --markdown $D/spec_window_edit.md
