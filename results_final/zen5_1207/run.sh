@@ -27,3 +27,5 @@ python benchmarks/spec_decode.py --models qwen2.5-coder-1.5b --suites results_fi
 python benchmarks/spec_decode.py --models qwen2.5-coder-1.5b --suites edit --tokens 256 --runs 1 --prompts-per-suite 10 \
   --ctx 4096 --spec "draft read all=$S, \"draft_window\": 0}" --spec "draft window 512=$S, \"draft_window\": 512}" \
   --out $D/spec_window_edit.json --markdown $D/spec_window_edit.md
+# not kept: one-row attention with the KV rows prefetched 8-64 keys ahead, or with prefetcht0 (att_pf.txt)
+python $D/att_pf.py "base=;pf16=-DATT_PF=16;pf64=-DATT_PF=64;pf8=-DATT_PF=8;t0=-DATT_PF_HINT=3" > $D/att_pf.txt
