@@ -2,7 +2,7 @@
 (preemption), chunked prefill, aborts, quantized KV caches; without speculation, with prompt
 lookup and suffix decoding (on prompts that repeat themselves, so they draft), with each drafter
 that keeps state per sequence (dflash and MTP with their prefix stores, a draft model with its
-own KV), and with a chain of a model-free drafter and one of those.
+own KV, reading all it missed or a window of it), and with a chain of a model-free drafter and one of those.
 Every request that is not aborted gets plain greedy's tokens (same KV dtype); no block leaks."""
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def _drafter(setup, method: str, rnd: random.Random, store: PrefixStore):
         return DFlashDrafter.load(dirs["dflash"], tiny, store=store)
     if method == "mtp":
         return MTPDrafter.load(str(dirs["mtp"]), tiny, store)
-    if method == "draft_model":
-        return DraftModelDrafter(draft, 60, 8, 96)
+    if method == "draft_model":  # a window of 16 (+ 16 sinks): prompts past 32 tokens are read in part
+        return DraftModelDrafter(draft, 60, 8, 96, window=rnd.choice([0, 16]))
     if method == "suffix":  # a small global cache: evictions happen
         return SuffixDrafter(rnd.choice([4, 24]), rnd.choice([0, 3, 100]), min_token_prob=rnd.choice([0.0, 0.1]))
     return NgramDrafter(1, rnd.choice([2, 4]))
@@ -129,3 +129,6 @@ def test_random_traffic_keeps_outputs_and_blocks(setup, method, trial):
     eng.blocks.check_invariants()
     assert eng.blocks.num_free == eng.blocks.num_blocks
     assert (eng.totals.draft_tokens > 0) == (method != "none")  # the drafters did draft
+    if method == "draft_model":  # the draft's own blocks all given back too
+        eng.drafter.blocks.check_invariants()
+        assert eng.drafter.blocks.num_free == eng.drafter.blocks.num_blocks
