@@ -29,3 +29,6 @@ python benchmarks/spec_decode.py --models qwen2.5-coder-1.5b --suites edit --tok
   --out $D/spec_window_edit.json --markdown $D/spec_window_edit.md
 # not kept: one-row attention with the KV rows prefetched 8-64 keys ahead, or with prefetcht0 (att_pf.txt)
 python $D/att_pf.py "base=;pf16=-DATT_PF=16;pf64=-DATT_PF=64;pf8=-DATT_PF=8;t0=-DATT_PF_HINT=3" > $D/att_pf.txt
+# verification width on every catalog model at 512 cached tokens, today's code and machine (decode_cost.md)
+python benchmarks/decode_cost.py --models smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b --formats auto \
+  --rows 1,2,4,8,16 --context 512 --markdown $D/decode_cost.md --out $D/decode_cost.json
