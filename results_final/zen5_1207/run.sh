@@ -12,7 +12,7 @@ python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --suites results
   --rounds 2 --tokens 384 --configs "llama.cpp plain,specserve plain,specserve draft q4_0 32K,specserve draft q4_0 32K read all,specserve draft q4_0 32K window 512" \
   --out $D/native_long_window_384.json --markdown $D/native_long_window_384.md
 # prompts of 4,993 and 3,662 tokens (long6k.jsonl), 256-token answers, our servers only
-python $D/long6k_suite.py > $D/long6k.jsonl
+python results_final/zen5_1206c/long_suite.py 24000 long6k > $D/long6k.jsonl
 python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --suites $D/long6k.jsonl --limit 2 --rounds 2 --tokens 256 \
   --ctx 8192 --configs "specserve plain,specserve draft q4_0 32K read all,specserve draft q4_0 32K window 512,specserve draft q4_0 32K window 1024" \
   --out $D/native_long6k_window.json --markdown $D/native_long6k_window.md
