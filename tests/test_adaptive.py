@@ -257,11 +257,19 @@ def test_a_long_catch_up_drafts_only_where_the_answer_can_repay_it():
 
 def test_a_draft_models_catch_up_comes_from_its_wide_forwards():
     """Past the cost table's widths a catch-up is read off the wide forwards measured (the latest per
-    power of two of rows, a bounded record): linear between the two around it, along the widest two
-    past them, never below the widest."""
+    power of two of rows, a bounded record): linear between the two around it; past them along the
+    widest two, bending up as the parabola through the widest three does (attention over a prompt read
+    from its start grows as its square), never below the widest."""
     from specserve.speculative.draft_model import wide_time
 
     pts = [(1, 0.005), (512, 0.371), (1519, 1.35)]
     assert abs(wide_time(pts, 1000) - (0.371 + (1.35 - 0.371) * 488 / 1007)) < 1e-12
-    assert abs(wide_time(pts, 1893) - (1.35 + (1.35 - 0.371) * 374 / 1007)) < 1e-12
+    linear = 1.35 + (1.35 - 0.371) * 374 / 1007
+    bend = ((1.35 - 0.371) / 1007 - (0.371 - 0.005) / 511) / 1518
+    assert abs(wide_time(pts, 1893) - (linear + bend * 374 * 1381)) < 1e-12 and bend > 0
+    # an exact parabola is extrapolated exactly; a straight line (or one bending down) stays straight
+    assert abs(wide_time([(r, 1e-3 + 2e-4 * r + 1e-7 * r * r) for r in (1, 512, 1024)], 5000) -
+               (1e-3 + 2e-4 * 5000 + 1e-7 * 5000 ** 2)) < 1e-12
+    assert abs(wide_time([(1, 0.001), (512, 0.5), (1024, 0.9)], 2048) - (0.9 + 0.4 / 512 * 1024)) < 1e-12
+    assert abs(wide_time([(1, 0.001), (512, 0.5)], 2048) - (0.5 + 0.499 / 511 * 1536)) < 1e-12
     assert wide_time([(1, 0.005), (512, 0.5), (600, 0.4)], 5000) == 0.4  # noise: wider measured faster

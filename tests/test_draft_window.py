@@ -140,3 +140,20 @@ def test_draft_window_config():
                       ('{"method": "draft_model", "model": "m", "draft_window": "512"}', "int")):
         with pytest.raises(SpecserveError, match=says):
             parse_speculative_config(bad)
+
+
+def test_warm_up_times_a_second_wide_forward_where_catch_ups_can_be_wide(tiny_target):
+    """Reading whole prompts (or a window past 2 x CATCH_UP_ROWS), start-up times forwards of
+    CATCH_UP_ROWS and twice that, so wide_time can see attention's growth; a 512-token window needs one."""
+    from specserve.engine.sequence import Sequence
+    from specserve.speculative.draft_model import CATCH_UP_ROWS
+
+    def scratch(width=None):
+        return Sequence("warm", [1] * (width or 8), SamplingParams(max_tokens=4), None)
+
+    for window, widths in ((0, [CATCH_UP_ROWS, 2 * CATCH_UP_ROWS]), (2048, [CATCH_UP_ROWS, 2 * CATCH_UP_ROWS]),
+                           (512, [CATCH_UP_ROWS])):
+        d = DraftModelDrafter(tiny_target, 400, 8, 2048, window=window)
+        d.warm_up(scratch)
+        assert sorted(r for r, _ in d.wide.values()) == widths, window
+        assert d.blocks.num_free == d.blocks.num_blocks

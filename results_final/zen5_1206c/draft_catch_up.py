@@ -7,6 +7,10 @@ prompt (one proposal of one token, timed), and each prompt answered (128 tokens)
 draft forwards the answer took.
 
     python results_final/zen5_1206c/draft_catch_up.py > results_final/zen5_1206c/draft_catch_up.txt
+
+(The draft reads whole prompts: draft_window 0, the behaviour when this ran; since 2026-12-07 the
+default reads a window of them.) With JSONL files as arguments, their prompts instead of long.jsonl, and
+a context of 8192 (results_final/zen5_1207/draft_catch_up.txt).
 """
 import argparse
 import json
@@ -22,15 +26,17 @@ from specserve.engine.types import SamplingParams  # noqa: E402
 
 D = os.path.dirname(os.path.abspath(__file__))
 spec = {"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 8, "quantization": "q4_0",
-        "draft_vocab_size": 32768}
+        "draft_vocab_size": 32768, "draft_window": 0}
+FILES = sys.argv[1:] or [os.path.join(D, "long.jsonl")]
 p = argparse.ArgumentParser()
 add_engine_args(p)
-engine = build_engine(p.parse_args(["--model", "qwen2.5-coder-1.5b", "--speculative-config", json.dumps(spec)]))
+engine = build_engine(p.parse_args(["--model", "qwen2.5-coder-1.5b", "--speculative-config", json.dumps(spec)]
+                                   + (["--max-model-len", "8192"] if sys.argv[1:] else [])))
 drafter = engine.drafter
 ms = {k: round(v * 1e3, 1) for k, v in sorted(drafter.cost.table.items())}
 wide = {r: round(t * 1e3, 1) for r, t in sorted(drafter.wide.values())}
 print(f"draft forward ms by rows after start-up: {ms}; wide forwards: {wide}")
-for i, line in enumerate(open(os.path.join(D, "long.jsonl"))):
+for i, line in enumerate(ln for f in FILES for ln in open(f)):
     ids = engine.tokenizer.encode(json.loads(line)["messages"][0]["content"])  # the text alone, no chat template
     n = len(ids)
     est = drafter.catch_up_cost(n)

@@ -32,3 +32,6 @@ python $D/att_pf.py "base=;pf16=-DATT_PF=16;pf64=-DATT_PF=64;pf8=-DATT_PF=8;t0=-
 # verification width on every catalog model at 512 cached tokens, today's code and machine (decode_cost.md)
 python benchmarks/decode_cost.py --models smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b --formats auto \
   --rows 1,2,4,8,16 --context 512 --markdown $D/decode_cost.md --out $D/decode_cost.json
+# a whole prompt's read by the draft (draft_window 0): the catch-up estimated from start-up's forwards of 512 and
+# 1024 rows (wide_time bending with attention's growth) against measured, on all four long prompts (draft_catch_up.txt)
+python results_final/zen5_1206c/draft_catch_up.py results_final/zen5_1206c/long.jsonl $D/long6k.jsonl > $D/draft_catch_up.txt

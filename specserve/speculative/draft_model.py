@@ -68,14 +68,20 @@ CATCH_UP_ROWS = 512  # warm_up's wide forward (the draft reading a prompt): wide
 
 def wide_time(points: list[tuple[int, float]], n: int) -> float:
     """Seconds of an n-row forward from two or more measured (rows, seconds) points sorted by rows, the
-    first at or under n: linear between the two around n, or along the widest two past them (never
-    below the widest one's time)."""
+    first at or under n: linear between the two around n; past them along the widest two (never below
+    the widest one's time), bending up with the parabola through the widest three where it does (a
+    prompt read from its start: each row attends all rows before it, so attention grows as n^2)."""
     above = [pt for pt in points if pt[0] > n]
     if above:
         (r0, t0), (r1, t1) = [pt for pt in points if pt[0] <= n][-1], above[0]
         return t0 + (t1 - t0) * (n - r0) / (r1 - r0)
     (r0, t0), (r1, t1) = points[-2], points[-1]
-    return max(t1 + (t1 - t0) * (n - r1) / (r1 - r0), t1)
+    slope = (t1 - t0) / (r1 - r0)
+    bend = 0.0
+    if len(points) >= 3:  # the second divided difference of the widest three
+        ra, ta = points[-3]
+        bend = max((slope - (t0 - ta) / (r0 - ra)) / (r1 - ra), 0.0)
+    return max(t1 + slope * (n - r1) + bend * (n - r1) * (n - r0), t1)
 
 
 class DraftModelDrafter(Drafter):
@@ -277,10 +283,14 @@ class DraftModelDrafter(Drafter):
             seq = make_seq()
             self.propose([seq], [3])
             self.on_finished(seq)
-        rows = min(CATCH_UP_ROWS, (self.max_blocks - 2) * self.block_size - 8)  # (a short max_model_len)
-        seq = make_seq(rows)  # one wide forward: what reading a prompt costs per row
-        self.propose([seq], [1])
-        self.on_finished(seq)
+        most = (self.max_blocks - 2) * self.block_size - 8  # (a short max_model_len)
+        # one wide forward: what reading a prompt costs per row; a second twice as wide where a catch-up
+        # can be much wider (no window, or a wide one): how that cost grows (wide_time)
+        far = self.window == 0 or self.window + SINK_TOKENS > 2 * CATCH_UP_ROWS
+        for rows in sorted({min(CATCH_UP_ROWS, most), min(2 * CATCH_UP_ROWS if far else CATCH_UP_ROWS, most)}):
+            seq = make_seq(rows)
+            self.propose([seq], [1])
+            self.on_finished(seq)
 
     def draft_cost(self, k: int) -> float:
         # a forward a token, fewer when the guesses of prompt lookup save some (each a little wider);
