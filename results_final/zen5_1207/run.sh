@@ -35,3 +35,6 @@ python benchmarks/decode_cost.py --models smollm2-135m,gemma3-270m,qwen2.5-coder
 # a whole prompt's read by the draft (draft_window 0): the catch-up estimated from start-up's forwards of 512 and
 # 1024 rows (wide_time bending with attention's growth) against measured, on all four long prompts (draft_catch_up.txt)
 python results_final/zen5_1206c/draft_catch_up.py results_final/zen5_1206c/long.jsonl $D/long6k.jsonl > $D/draft_catch_up.txt
+# qwen2.5-coder-1.5b against native llama-server on the four suites with this session's code (native_qwen1.5b.md)
+python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --rounds 2 --limit 2 \
+  --configs "llama.cpp plain,specserve plain,specserve draft q4_0 32K" --out $D/native_qwen1.5b.json --markdown $D/native_qwen1.5b.md
