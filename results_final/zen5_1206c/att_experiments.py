@@ -12,12 +12,11 @@ Then one row at 2048 keys, the 1.5b's shape: all 28 layers (each layer's K / V f
 one layer called 28 times (its 4 MB of K / V in cache), with the base build.
 """
 import statistics as st
-import time
 
 import torch
 
 from specserve.kernels import library
-from specserve.kernels.attention import paged_attention
+from att_tiles import layers_once as run  # (this script's directory; the specserve imported above: the patched copy)
 
 BUILDS = {"base": "", "head-major": "-DKV_HEAD_MAJOR", "V prefetch": "-DATT_VPF=2", "8 rows an item": "-DATT_QT=8",
           "prefetch 64 t0": "-DATT_PF=64 -DATT_PF_HINT=3", "no prefetch": "-DATT_NOPF=1"}
@@ -35,13 +34,6 @@ def case(Hq, Hkv, D, ctx, M, layers, BS=16):
     rest = (bt, torch.randn(M, Hq, D, generator=g), torch.zeros(M, dtype=torch.int32),
             torch.arange(ctx, ctx + M, dtype=torch.int32))
     return (ks, vs, *rest), (*hm, *rest)
-
-
-def run(c, D):
-    ks, vs, bt, q, seq, pos = c
-    t0 = time.perf_counter()
-    outs = [paged_attention(q, k, v, bt, seq, pos, D ** -0.5) for k, v in zip(ks, vs)]
-    return time.perf_counter() - t0, outs
 
 
 print("ms for all layers (median of 25); ratio to base")

@@ -17,12 +17,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+if __name__ == "__main__":  # (imported, the caller's specserve: att_experiments.py runs a patched copy)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from specserve.kernels import library  # noqa: E402
 from specserve.kernels.attention import paged_attention  # noqa: E402
 
-SPEC = sys.argv[1] if len(sys.argv) > 1 else "one tile=-DATT_F32_TILE_BYTES=1073741824;tiles="
-BUILDS = {label: library.build_with_flags(flags) for label, flags in (b.split("=", 1) for b in SPEC.split(";"))}
+SHAPES = {"qwen2.5-coder-1.5b": (12, 2, 128, 28), "smollm2-135m": (9, 3, 64, 30)}  # Hq, Hkv, D, layers
 
 
 def case(Hq, Hkv, D, ctx, M, layers, BS=16):
@@ -42,22 +42,35 @@ def layers_once(c, D):
     return time.perf_counter() - t0, outs
 
 
-print("ms for all layers (median of 25), ratio to the first build")
-for name, (Hq, Hkv, D, layers) in {"qwen2.5-coder-1.5b": (12, 2, 128, 28), "smollm2-135m": (9, 3, 64, 30)}.items():
-    for ctx in (512, 2048, 8192):
-        for M in (1, 4, 8):
-            if ctx == 8192 and name == "smollm2-135m":
-                continue
-            c = case(Hq, Hkv, D, ctx, M, layers)
-            ts = {k: [] for k in BUILDS}
-            for r in range(25):
-                ref = None
-                for label, lib in BUILDS.items():
-                    with library.using(lib):
-                        t, outs = layers_once(c, D)
-                    ts[label].append(t)
-                    assert ref is None or all(torch.equal(a, b) for a, b in zip(ref, outs))
-                    ref = outs
-            base = st.median(ts[next(iter(BUILDS))])
-            print(f"{name} ctx {ctx} M {M}: " + ", ".join(
-                f"{k} {st.median(v) * 1e3:.2f} ({st.median(v) / base:.2f})" for k, v in ts.items()), flush=True)
+def builds(spec: str) -> dict:
+    """"label=cflags;label=cflags;..." -> label -> the library built so"""
+    return {label: library.build_with_flags(flags) for label, flags in (b.split("=", 1) for b in spec.split(";"))}
+
+
+def compare(libs: dict, cases, rounds: int = 25, gbps: bool = False) -> None:
+    """For each (model, ctx, M) of cases: every build's median time over the rounds (builds taking turns,
+    outputs checked equal), its ratio to the first build's and with gbps the K / V bytes read per second."""
+    for name, ctx, M in cases:
+        Hq, Hkv, D, layers = SHAPES[name]
+        c = case(Hq, Hkv, D, ctx, M, layers)
+        ts = {k: [] for k in libs}
+        for r in range(rounds):
+            ref = None
+            for label, lib in libs.items():
+                with library.using(lib):
+                    t, outs = layers_once(c, D)
+                ts[label].append(t)
+                assert ref is None or all(torch.equal(a, b) for a, b in zip(ref, outs))
+                ref = outs
+        base = st.median(ts[next(iter(libs))])
+        gb = 2 * ctx * Hkv * D * 4 * layers / 1e9
+        print(f"{name} ctx {ctx} M {M}: " + ", ".join(
+            f"{k} {st.median(v) * 1e3:.2f} ({st.median(v) / base:.2f}" + (f", {gb / st.median(v):.0f} GB/s" if gbps else "")
+            + ")" for k, v in ts.items()), flush=True)
+
+
+if __name__ == "__main__":
+    print("ms for all layers (median of 25), ratio to the first build")
+    compare(builds(sys.argv[1] if len(sys.argv) > 1 else "one tile=-DATT_F32_TILE_BYTES=1073741824;tiles="),
+            [(name, ctx, M) for name in SHAPES for ctx in (512, 2048, 8192) for M in (1, 4, 8)
+             if not (ctx == 8192 and name == "smollm2-135m")])

@@ -16,7 +16,7 @@ echo "## 2. the 8-row call without the mins term (NOMIN) and without the sub-blo
 for where in "16 1" "8192 2"; do
   set -- $where
   for d in "" "-DNOMIN" "-DNOSCALE" "-DNOMIN -DNOSCALE"; do
-    gcc $CF $d -DKNP=1 -DNPAN=$1 -DNT=$2 -DRR=8 -I"$T/ablate" -I"$D" -o "$T/pc" "$D/panel_calls_np.c" -lm &&
+    gcc $CF $d -DKNP=1 -DNPAN=$1 -DNT=$2 -DRR=8 -I"$T/ablate" -I"$D" -o "$T/pc" "$D/../zen5_1206b/panel_calls.c" -lm &&
       printf "%-22s" "[$d]" && "$T/pc"
   done
 done
@@ -24,13 +24,13 @@ echo "## 3. two panels per broadcast: pq_rows' pair pass (two streams), q4k_pair
 for where in "16 1" "8192 2"; do
   set -- $where
   for r in 1 4 8; do
-    gcc $CF -DKNP=1 -DNPAN=$1 -DNT=$2 -DRR=$r -I"$T/base" -I"$D" -o "$T/pc" "$D/panel_calls_np.c" -lm &&
+    gcc $CF -DKNP=1 -DNPAN=$1 -DNT=$2 -DRR=$r -I"$T/base" -I"$D" -o "$T/pc" "$D/../zen5_1206b/panel_calls.c" -lm &&
       printf "%-22s" "one panel" && "$T/pc"
-    gcc $CF -DKNP=2 -DNPAN=$1 -DNT=$2 -DRR=$r -I"$T/base" -I"$D" -o "$T/pc" "$D/panel_calls_np.c" -lm &&
+    gcc $CF -DKNP=2 -DNPAN=$1 -DNT=$2 -DRR=$r -I"$T/base" -I"$D" -o "$T/pc" "$D/../zen5_1206b/panel_calls.c" -lm &&
       printf "%-22s" "pair pass" && "$T/pc"
-    gcc $CF -DNEW=1 -DRG_=8 -DKNP=2 -DNPAN=$1 -DNT=$2 -DRR=$r -I"$T/base" -I"$D" -o "$T/pc" "$D/panel_calls_np.c" -lm &&
+    gcc $CF -DNEW=1 -DRG_=8 -DKNP=2 -DNPAN=$1 -DNT=$2 -DRR=$r -I"$T/base" -I"$D" -o "$T/pc" "$D/../zen5_1206b/panel_calls.c" -lm &&
       printf "%-22s" "q4k_pair" && "$T/pc"
-    gcc $CF -DNEW=1 -DIL=1 -DRG_=8 -DKNP=2 -DNPAN=$1 -DNT=$2 -DRR=$r -I"$T/base" -I"$D" -o "$T/pc" "$D/panel_calls_np.c" -lm &&
+    gcc $CF -DNEW=1 -DIL=1 -DRG_=8 -DKNP=2 -DNPAN=$1 -DNT=$2 -DRR=$r -I"$T/base" -I"$D" -o "$T/pc" "$D/../zen5_1206b/panel_calls.c" -lm &&
       printf "%-22s" "q4k_pair interleaved" && "$T/pc"
   done
 done

@@ -1,7 +1,7 @@
 /* Experiment (kernel_experiments.sh, not kept): Q4_K over two panels of 16 channels at once, each
    activation broadcast serving both (32 channels), R rows in groups of RG_ with the sub-block sums
    I in registers; the same arithmetic as linear_panel.h's pq_q4k. ps: the second panel's offset,
-   bs: bytes from one super-block to the next (IL in panel_calls_np.c: the two panels' super-blocks
+   bs: bytes from one super-block to the next (IL in zen5_1206b/panel_calls.c: the two panels' super-blocks
    interleaved into one stream). */
 /* one group of RG rows (rows r0 ..) over super-block s of two panels: I[h][r] = sum_j sc_j S_j */
 SS_INLINE void q4k2_group(const int RG, const uint8_t *const *xr, int64_t s, const uint8_t *p0, const uint8_t *p1,

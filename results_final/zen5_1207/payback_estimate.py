@@ -22,7 +22,6 @@ from engine_utils import chat_ids  # noqa: E402
 from specserve.commands.args import add_engine_args  # noqa: E402
 from specserve.engine.builder import build_engine  # noqa: E402
 from specserve.engine.types import SamplingParams  # noqa: E402
-from specserve.speculative import adaptive  # noqa: E402
 
 TOKENS = int(sys.argv[1]) if len(sys.argv) > 1 else 128
 LONG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "zen5_1206c", "long.jsonl")
@@ -53,12 +52,9 @@ rule = policy._pays_back
 
 
 def recording(seq, left, cap):
-    n = policy.unread(seq)
-    if n > adaptive.PROBE_MAX:
-        p, one = seq.accept_ema, policy.cost.time(1)
-        per_token = min((policy.cost.time(k + 1) + policy.draft_cost(k)) / sum(p ** j for j in range(k + 1))
-                        for k in range(1, cap + 1))
-        seen.append(dict(n=n, cost=policy.catch_up_cost(n), left=left, p=p, plain=one, per_token=per_token,
+    terms = policy.catch_up_terms(seq, cap)
+    if terms is not None:
+        seen.append(dict(cost=terms[0], per_token=terms[1], left=left, p=seq.accept_ema, plain=policy.cost.time(1),
                          says=rule(seq, left, cap)))
     return True  # drafting forced on
 

@@ -38,3 +38,5 @@ python results_final/zen5_1206c/draft_catch_up.py results_final/zen5_1206c/long.
 # qwen2.5-coder-1.5b against native llama-server on the four suites with this session's code (native_qwen1.5b.md)
 python benchmarks/native_llamacpp.py --model qwen2.5-coder-1.5b --tokens 128 --rounds 2 --limit 2 \
   --configs "llama.cpp plain,specserve plain,specserve draft q4_0 32K" --out $D/native_qwen1.5b.json --markdown $D/native_qwen1.5b.md
+# the same, rerun in the review after a refactor of the rule (the same arithmetic; payback_estimate_rerun.txt)
+python $D/payback_estimate.py 128 > $D/payback_estimate_rerun.txt

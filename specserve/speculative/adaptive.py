@@ -238,14 +238,19 @@ class DraftPolicy:
         long prompt with a short answer decodes plain (its drafter never reads the prompt); the
         same prompt with a long answer drafts. Only catch-ups longer than PROBE_MAX tokens (a
         prompt's): the shorter ones of a sequence back from k = 0 are the probes' business."""
+        terms = self.catch_up_terms(seq, cap)
+        return terms is None or terms[0] < left * (self.cost.time(1) - terms[1])
+
+    def catch_up_terms(self, seq: Sequence, cap: int) -> tuple[float, float] | None:
+        """(seconds of the drafter's catch-up on ``seq``, the least seconds a token costs drafting at
+        most ``cap`` at its acceptance) where a catch-up counts (_pays_back), else None."""
         n = self.unread(seq)
         cost = self.catch_up_cost(n) if n > PROBE_MAX else 0.0
         if cost <= 0:
-            return True
-        p, plain = seq.accept_ema, self.cost.time(1)
-        per_token = min((self.cost.time(k + 1) + self.draft_cost(k)) / sum(p ** j for j in range(k + 1))
-                        for k in range(1, cap + 1))
-        return cost < left * (plain - per_token)
+            return None
+        p = seq.accept_ema
+        return cost, min((self.cost.time(k + 1) + self.draft_cost(k)) / sum(p ** j for j in range(k + 1))
+                         for k in range(1, cap + 1))
 
     def _probe_every(self, width: int) -> int:
         """Steps between probes: a drafter that costs a whole forward (a block drafter) probes

@@ -90,7 +90,7 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int, max_model_len: int,
                  prefix_caching: bool = True, vocab: DraftVocab | None = None, p_min: float = 0.0,
-                 lookup: int = 0, lookup_min: int = 2, lookup_max: int = 5, window: int = 0):
+                 lookup: int = 0, lookup_min: int = 2, lookup_max: int = 5, window: int = DEFAULT_DRAFT_WINDOW):
         self.draft = draft
         self.p_min = p_min  # stop a sequence's draft at a token the draft gives less probability
         self.model = draft.model
@@ -149,10 +149,12 @@ class DraftModelDrafter(Drafter):
             st.num_computed = st.num_cached = self.cache.match_prefix(st)
         return st
 
-    def _view(self, st: _State, tokens: list[int]) -> list[int]:
-        """The draft's view of a sequence's tokens: all of them, or the first SINK_TOKENS and what
-        follows the skipped middle."""
-        return tokens if not st.skip else tokens[:SINK_TOKENS] + tokens[SINK_TOKENS + st.skip:]
+    def _view(self, st: _State, tokens: list[int], start: int = 0) -> list[int]:
+        """The draft's view of a sequence's tokens (all of them, or the first SINK_TOKENS and what
+        follows the skipped middle) from its position ``start`` on, without building the part before."""
+        if not st.skip or start >= SINK_TOKENS:
+            return tokens[start + st.skip:]
+        return tokens[start:SINK_TOKENS] + tokens[SINK_TOKENS + st.skip:]
 
     def _behind(self, seq: Sequence, st: _State) -> int:  # sequence tokens past the view's computed ones
         return seq.num_tokens - st.skip - st.num_computed
@@ -181,7 +183,7 @@ class DraftModelDrafter(Drafter):
             rows = []
             for s, k in active:
                 context, st = s.token_ids + drafts[id(s)], self._state(s)
-                rows.append((s, self._view(st, context)[st.num_computed:],
+                rows.append((s, self._view(st, context, st.num_computed),
                              self._guesses(context, k - len(drafts[id(s)]))))
             logits = self._forward(rows)
             forwards += len(rows)
