@@ -134,9 +134,12 @@ def fast_draft_engine(model: str = "qwen2.5-coder-1.5b", k: int = 8):
     return make_engines(model, [("d", spec)], argparse.Namespace(quantization="auto", ctx=4096, threads=None))["d"]
 
 
-def bench_model(model: str, a: argparse.Namespace, suites: dict) -> list[dict]:
+def bench_model(model: str, a: argparse.Namespace, suites: dict, adjust=None) -> list[dict]:
+    """adjust: called with the engines by name before the first request (a script's variant of one)."""
     cfgs = configs_for(model, a)
     engines = make_engines(model, cfgs, a)
+    if adjust is not None:
+        adjust(engines)
     tok = next(iter(engines.values())).tokenizer
     prompts = chat_prompts(tok, suites)
     ct = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)

@@ -3,7 +3,8 @@
 from engine_utils import make_engine
 from specserve.engine.sequence import Sequence
 from specserve.engine.types import SamplingParams
-from specserve.speculative.adaptive import PROBE_BUDGET, PROBE_MAX, CostModel, DraftPolicy, calibrate
+from specserve.speculative.adaptive import (COST_PROBE_BUDGET, COST_PROBE_MAX, COST_PROBE_MIN, PRIOR_EVIDENCE,
+                                            PROBE_BUDGET, PROBE_MAX, CostModel, DraftPolicy, calibrate)
 
 
 def _seq(accept: float) -> Sequence:
@@ -65,6 +66,7 @@ def _policy(step: float, draft: float, k_max: int = 8) -> DraftPolicy:
     p = DraftPolicy(k_max, True, c)
     p.draft_cost = lambda k: draft * k
     p._step = 1  # not a probe step
+    p.news = PRIOR_EVIDENCE  # past the first steps' exploring
     return p
 
 
@@ -87,6 +89,64 @@ def test_policy_sees_a_block_drafter_pay_one_forward_for_any_k():
     p.draft_cost = lambda k: 0.040  # e.g. dflash: one forward whatever k
     assert p.lengths([_seq(0.5)], [7]) == [0]  # 1.5 tokens for 0.071 s is worse than 1 for 0.030
     assert p.lengths([_seq(0.95)], [7]) == [7]  # once it pays, the whole block
+
+
+def test_cost_model_counts_passes_since_a_width_was_timed():
+    c = CostModel(max_width=16)
+    assert c.age(1) is None
+    c.add(1, 0.02)
+    c.add(5, 0.03)
+    c.add(200, 1.0)  # not a width the table keeps: not counted
+    c.add(5, 0.03)
+    assert (c.age(1), c.age(5), c.timed) == (2, 0, 3)
+
+
+def _drafting(p: DraftPolicy, seq: Sequence, steps: int, width=lambda k: k + 1) -> list[int]:
+    """ks over ``steps`` steps, each step's pass timed back into the cost model at its old time."""
+    ks = []
+    for _ in range(steps):
+        k = p.lengths([seq], [8])[0]
+        p.cost.add(width(k), p.cost.time(width(k)))
+        ks.append(k)
+    return ks
+
+
+def test_a_drafting_sequence_re_times_the_plain_width_now_and_then():
+    """A drafting engine seldom runs one-row forwards, so the one-row time would stay as start-up
+    measured it; every so often a step decodes plain instead, as rarely as keeps the loss within
+    COST_PROBE_BUDGET of decode time (and at least every COST_PROBE_MAX passes)."""
+    p = _policy(step=0.001, draft=0.002)
+    ks = _drafting(p, _seq(0.9), 400)
+    plain = [i for i, k in enumerate(ks) if k == 0]
+    # 8 drafts: 0.038 + 0.016 s for 1 + .9 + ... + .9^8 tokens; a plain step loses 0.030 s less the
+    # drafting steps' time for one token
+    tokens = sum(0.9 ** j for j in range(9))
+    loss, step = 0.030 - 0.054 / tokens, 0.054
+    every = max(COST_PROBE_MIN, -(-loss // (COST_PROBE_BUDGET * step)))
+    assert plain and all(b - a == every + 1 for a, b in zip(plain, plain[1:]))  # (the probe's own pass)
+    assert set(ks) == {0, 8}
+    # a plain time found stale moves the choice: probes timed it at 0.010 s, not the 0.030 it was
+    p2 = _policy(step=0.001, draft=0.010)
+    seq = _seq(0.6)
+    before = p2.lengths([seq], [8])[0]
+    for _ in range(9):
+        p2.cost.add(1, 0.010)
+    assert 0 < before and p2.lengths([seq], [8]) == [0]
+
+
+def test_cost_probes_stay_within_their_bounds():
+    p = _policy(step=0.001, draft=0.0)
+    p.cost.add(1, 0.500)  # a one-row time far above the drafting steps': the loss caps the interval at the most
+    assert p._cost_probe_due(1, 0.004, 0.040) is False  # measured just now
+    p.cost.timed += COST_PROBE_MAX - 1
+    assert not p._cost_probe_due(1, 0.004, 0.040)
+    p.cost.timed += 1
+    assert p._cost_probe_due(1, 0.004, 0.040)
+    q = _policy(step=0.001, draft=0.0)  # plain as fast as drafting: no loss, the shortest interval
+    q.cost.timed += COST_PROBE_MIN
+    assert q._cost_probe_due(1, 0.040, 0.040) and not q._cost_probe_due(30, 0.040, 0.040)  # (never timed)
+    fixed = DraftPolicy(8, False, q.cost)  # a fixed k never probes
+    assert fixed.lengths([_seq(0.9)], [8]) == [8]
 
 
 def test_engine_calibrates_the_verification_widths_at_start():
@@ -187,6 +247,27 @@ def test_a_new_sequence_starts_from_the_running_acceptance_of_those_before_it():
     assert p.prior < 0.05
     late = Sequence("c", [1, 2, 3], SamplingParams(max_tokens=64), None)
     assert p.lengths([late], [8]) == [0] and late.accept_ema < 0.05
+
+
+def test_a_new_engine_drafts_one_token_until_it_has_seen_its_drafter():
+    """At the 0.5 prior these costs say k = 0 (drafting pays from about 0.7). Without evidence the
+    policy drafts one token a step anyway, with the prior the plain mean of the shares seen: a good
+    drafter's engine goes on to draft for real, a bad one's stops at k = 0 after PRIOR_EVIDENCE steps."""
+    assert _policy(step=0.008, draft=0.008).lengths([_seq(0.5)], [8]) == [0]  # (with evidence)
+    for share, drafts_after in ((0.9, True), (0.1, False)):
+        p = _policy(step=0.008, draft=0.008)
+        p.news = 0
+        s = _seq(0.5)
+        assert p.lengths([_seq(0.5)], [8]) == [1]
+        for i in range(PRIOR_EVIDENCE):
+            p.learn(s, 1, int(i < share * PRIOR_EVIDENCE))
+        assert p.news == PRIOR_EVIDENCE
+        assert abs(p.prior - int(share * PRIOR_EVIDENCE + 1) / PRIOR_EVIDENCE) < 1e-9  # the mean of the shares
+        new = Sequence("n", [1, 2, 3], SamplingParams(max_tokens=64), None)
+        assert (p.lengths([new], [8])[0] > 0) == drafts_after
+    capped = _policy(step=0.008, draft=0.008)
+    capped.news = 0
+    assert capped.lengths([_seq(0.5)], [0]) == [0]  # no room to draft: nothing forced
 
 
 def test_a_sequence_drafting_nothing_drifts_back_to_its_own_slow_estimate():

@@ -12,7 +12,12 @@ drafts are rarely accepted this settles at k = 0, so speculation never makes dec
 A new sequence's estimate starts from the policy's prior: a slow running acceptance over every
 sequence's steps (0.5 before any), so once a drafter has shown it is usually right (a draft
 model on code), a new request drafts from its first step instead of earning it from 0.5 with
-probes that a costly drafter can afford only rarely.
+probes that a costly drafter can afford only rarely. Until PRIOR_EVIDENCE steps have brought
+news the prior is the plain mean of their shares, and a sequence the estimate puts at k = 0
+drafts one token anyway: else whether an engine ever learned that its drafter is good hung on
+its start-up timing (a 0.5 prior chose k = 0 against one calibration and k = 5 against another,
+and the engine that chose k = 0 stayed at plain speed through twelve requests where the other
+ran at 1.7x: a draft model's probes come too seldom to lift the prior).
 
 A few rejected drafts in a row (digits in a math answer) put a sequence at k = 0, where it gets no
 news, and a draft model's probes are rare (each first reads the tokens skipped since): without
@@ -23,6 +28,13 @@ it: a sequence whose drafter is usually right drafts again within a few steps; o
 is usually wrong has a low slow estimate too and stays at k = 0. A drafter that declines to guess at
 all (a draft cut to nothing by draft_p_min) brings the slow estimate down to the fast one at once:
 else, with cheap drafts, the drift kept asking an always-unsure drafter every few steps.
+
+Each width's time is refreshed only by passes of that width, and a drafting engine seldom runs
+its plain width (one row, for one sequence): that time stayed at its start-up measurement, taken
+before the prefetch hint was chosen and under whatever else the machine was doing then (23.8 ms
+against the 16.8 ms one-row forwards took later), so every step over-valued drafting. A
+step that would draft therefore decodes plain once that width was last timed ``every`` passes ago
+(``_cost_probe_due``), with ``every`` set so that these cost probes lose at most COST_PROBE_BUDGET.
 
 A draft model reads a sequence lazily: its first proposal is one forward over the prompt (over at
 most a window of it, draft_model.py). A sequence drafts only where that catch-up can be repaid
@@ -44,7 +56,10 @@ from specserve.engine.sequence import Sequence
 PROBE_EVERY = 8  # a sequence at k = 0 still drafts 1 token every so often, to keep learning
 PROBE_MAX = 256  # ... at least this often
 PROBE_BUDGET = 0.03  # ... and a drafter with a cost of its own probes at most ~3% of decode time
+COST_PROBE_BUDGET = 0.01  # a drafting sequence decodes plain now and then to re-time the plain width, within ~1%
+COST_PROBE_MIN, COST_PROBE_MAX = 16, 256  # ... every this many timed passes at most / at least
 PRIOR_ALPHA = 0.05  # running acceptance over every sequence's steps: where a new sequence starts
+PRIOR_EVIDENCE = 16  # until this many steps brought news, a sequence at k = 0 drafts one token anyway
 SLOW_ALPHA = 0.05  # a sequence's slow estimate (accept_slow)
 IDLE_REVERT = 0.1  # a step without news moves the estimate this share of the way up to the slow one
 
@@ -60,12 +75,20 @@ class CostModel:
     Passes added with ``keys`` (the attention work: key rows attended, summed over the pass's
     rows) also feed ``passes``, a fit over passes of every width and context
     (:class:`PassFit`) that the scheduler's step budget asks (specserve/engine/step_budget.py).
+
+    ``age(width)``: timed passes since that width was last measured. A width the engine stops
+    running keeps the conditions it was measured under (the prefetch hint before the engine chose
+    one, a neighbour's memory traffic: one row of qwen2.5-coder-1.5b took 17-25 ms on one machine
+    within a minute, while eight rows stayed at 29 ms), so the policy re-times the plain width
+    of a drafting engine now and then (``DraftPolicy``'s cost probes).
     """
 
     def __init__(self, max_width: int = 64, alpha: float = 0.25, a: float = 0.01, b: float = 0.001):
         self.max_width, self.alpha = max_width, alpha
         self.a, self.b = a, b
         self.table: dict[int, float] = {}  # width -> running average seconds
+        self.stamp: dict[int, int] = {}  # width -> the count of timed passes when it was last measured
+        self.timed = 0  # passes of a width the table keeps, timed so far
         self.passes = PassFit()
 
     def add(self, width: int, seconds: float, keys: int | None = None) -> None:
@@ -75,6 +98,13 @@ class CostModel:
             return
         old = self.table.get(width)
         self.table[width] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+        self.timed += 1
+        self.stamp[width] = self.timed
+
+    def age(self, width: int) -> int | None:
+        """Timed passes since ``width`` was last measured (0: the latest), None if never."""
+        stamp = self.stamp.get(width)
+        return None if stamp is None else self.timed - stamp
 
     def time(self, width: int) -> float:
         t = self.table.get(width)
@@ -193,6 +223,7 @@ class DraftPolicy:
         self._step = 0
         self._next_probe: int | None = None  # the step of the next probe (set at the first step)
         self.prior = 0.5  # where a new sequence's acceptance estimate starts (see learn)
+        self.news = 0  # steps that brought news (learn): the evidence behind the prior
 
     def lengths(self, seqs: list[Sequence], limits: list[int], extra_width: int = 0) -> list[int]:
         """Draft length per sequence; limits[i] caps k (tokens left, context left)."""
@@ -209,7 +240,7 @@ class DraftPolicy:
         ks = [0] * len(seqs)
         width = len(seqs) + extra_width
         tokens = float(len(seqs))
-        best, best_ks = tokens / self._time(width, ks), list(ks)
+        best, best_ks, best_time = tokens / self._time(width, ks), list(ks), self._time(width, ks)
         # add drafts in order of marginal gain and keep the best point of the whole path: a cost
         # that is not linear in k (a block drafter, a verification width that starts a new tile)
         # can make one draft a loss and five a win
@@ -220,16 +251,33 @@ class DraftPolicy:
             gain, i = max(gains)
             ks[i] += 1
             tokens, width = tokens + gain, width + 1
-            rate = tokens / self._time(width, ks)
-            if rate > best:
-                best, best_ks = rate, list(ks)
+            step_time = self._time(width, ks)
+            if tokens / step_time > best:
+                best, best_ks, best_time = tokens / step_time, list(ks), step_time
         ks = best_ks
+        if any(ks) and self._cost_probe_due(len(seqs) + extra_width, len(seqs) / best, best_time):
+            return [0] * len(seqs)
         if self._next_probe is None:
             self._next_probe = self._probe_every(len(seqs) + extra_width)
         if self._step >= self._next_probe:  # the interval is worked out at probes only, not every step
             self._next_probe = self._step + self._probe_every(len(seqs) + extra_width)
             ks = [max(k, min(1, c)) for k, c in zip(ks, caps)]
+        if self.news < PRIOR_EVIDENCE:  # too little seen to trust k = 0: learn what the drafter is worth
+            ks = [max(k, min(1, c)) for k, c in zip(ks, caps)]
         return ks
+
+    def _cost_probe_due(self, width: int, drafted: float, step_time: float) -> bool:
+        """Whether this step decodes plain to re-time ``width``, the step's width at k = 0, which a
+        drafting engine otherwise seldom runs (CostModel.age): when it was last timed over
+        ``every`` passes ago, with ``every`` such that a probe's loss stays within COST_PROBE_BUDGET
+        of decode time. A probe loses the plain step's time less ``drafted`` (the seconds the
+        chosen drafts spend on as many tokens) once per ``every`` steps of ``step_time``."""
+        age = self.cost.age(width)
+        if age is None:
+            return False
+        loss = max(self.cost.time(width) - drafted, 0.0)
+        every = min(COST_PROBE_MAX, max(COST_PROBE_MIN, math.ceil(loss / (COST_PROBE_BUDGET * step_time))))
+        return age >= every
 
     def _pays_back(self, seq: Sequence, left: int, cap: int) -> bool:
         """Whether drafting can repay what the drafter must first read of ``seq`` (a draft model's
@@ -274,7 +322,8 @@ class DraftPolicy:
         """One step's outcome: into the sequence's estimate (``update``) and into the prior."""
         share = self.update(seq, num_drafted, num_accepted, cut)
         if share is not None:  # (a sequence with drafts went through lengths(): its estimates are set)
-            self.prior += PRIOR_ALPHA * (share - self.prior)
+            self.news += 1
+            self.prior += max(PRIOR_ALPHA, 1.0 / self.news) * (share - self.prior)  # a mean at first
             if seq.accept_slow is not None:
                 seq.accept_slow += SLOW_ALPHA * (share - seq.accept_slow)
                 if cut and num_drafted == 0:  # the drafter declined to guess: not one to drift back to
