@@ -18,6 +18,12 @@ from specserve.speculative.draft_model import SINK_TOKENS, DraftModelDrafter
 
 WINDOW = 64
 ECFG = dict(max_num_seqs=3, max_model_len=256, block_size=8)
+GRID = WINDOW // 4  # a view's skip: a multiple of a quarter window (of whole blocks)
+
+
+def _skip(n: int) -> int:
+    """The skip of a slide at sequence length n with nothing cached: the latest on the grid."""
+    return (n - SINK_TOKENS - WINDOW) // GRID * GRID
 
 
 class Logged(DraftModelDrafter):
@@ -73,7 +79,7 @@ def test_windowed_draft_keeps_the_targets_output(tiny_target):
     assert {skip for _, skip in by_prompt[tuple(short[:40])]} == {0}  # 40 tokens: read whole
     for p in (_prompts()[0], _prompts()[2]):  # the first proposal after the prompt leaves its middle out
         n, skip = by_prompt[tuple(p[:40])][0]
-        assert n == len(p) + 1 and skip == n - SINK_TOKENS - WINDOW
+        assert n == len(p) + 1 and skip == _skip(n)
     full = _drafter(tiny_target, window=0)  # reading everything, the target drafting for itself is always right
     assert _run(tiny_target, full, _prompts(), params) == plain
     assert all(skip == 0 for _, skip, _ in full.log)
@@ -103,8 +109,9 @@ def test_windowed_drafts_are_the_draft_models_own_on_its_view(tiny_target):
     d = _drafter(tiny_target)
     _run(tiny_target, d, [prompt], SamplingParams(max_tokens=6, ignore_eos=True))
     ctx, skip, drafts = d.log[0]  # the prompt and the token its prefill picked
-    assert list(ctx[:-1]) == prompt and skip == len(ctx) - SINK_TOKENS - WINDOW and len(drafts) == 4
-    view = list(ctx[:SINK_TOKENS] + ctx[-WINDOW:])
+    assert list(ctx[:-1]) == prompt and skip == _skip(len(ctx)) and len(drafts) == 4
+    view = list(ctx[:SINK_TOKENS] + ctx[SINK_TOKENS + skip:])
+    assert WINDOW <= len(view) - SINK_TOKENS < WINDOW + GRID
     alone = LLMEngine(tiny_target, EngineConfig(**ECFG))
     assert run_all(alone, [view], SamplingParams(max_tokens=4, ignore_eos=True)) == [drafts]
 
@@ -117,7 +124,38 @@ def test_a_view_is_found_again_in_the_prefix_cache(tiny_target):
     assert d.slides == [0]
     assert _run(tiny_target, d, [prompt], params) == first
     # every full block of the view but the one holding its last token (left for its logits)
-    assert len(d.slides) == 2 and d.slides[1] == (SINK_TOKENS + WINDOW - 1) // 8 * 8
+    n = len(prompt) + 1
+    assert len(d.slides) == 2 and d.slides[1] == (n - _skip(n) - 1) // 8 * 8
+
+
+def test_the_next_turn_reads_only_what_is_new(tiny_target):
+    """A conversation's next turn (the last prompt, its answer, a new message) slides to the skip
+    the last turn's view had, whose blocks (answer included) the prefix cache holds: the draft reads
+    the new message, not a new window; the policy is told so (unread); the output stays the target's.
+    Past twice the window after the sink, the view slides on to a new skip."""
+    from specserve.engine.sequence import Sequence
+
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompt = _prompts()[0]
+    d = _drafter(tiny_target)
+    [answer] = _run(tiny_target, d, [prompt], params)
+    first_skip = d.log[0][1]
+    nxt = prompt + answer[:-1] + [7, 8, 9, 10, 11]  # (the answer's last token: not read by the draft)
+    seq = Sequence("r", list(nxt), SamplingParams(max_tokens=4), None)
+    view_len = len(nxt) - first_skip
+    read = d.unread(seq)
+    assert read < 16 and d._plan(seq, d._state(seq))[0] == first_skip
+    d.on_finished(seq)
+    turns = len(d.log)
+    assert _run(tiny_target, d, [nxt], params) == _run(tiny_target, None, [nxt], params)
+    ctx, skip, _ = d.log[turns]  # the next turn's first proposal (its prompt and one token)
+    assert ctx[:-1] == tuple(nxt) and skip == first_skip
+    assert d.slides[-1] == view_len - read and view_len - SINK_TOKENS <= 2 * WINDOW
+    far = nxt + list(range(2 * WINDOW))  # the view would pass twice the window: a new skip, nothing cached past the sink
+    seq = Sequence("r", list(far), SamplingParams(max_tokens=4), None)
+    skip, cached = d._plan(seq, d._state(seq))
+    assert skip == _skip(len(far)) > first_skip and cached <= SINK_TOKENS
+    d.on_finished(seq)
 
 
 def test_the_catch_up_priced_is_the_window(tiny_target):
@@ -126,7 +164,7 @@ def test_the_catch_up_priced_is_the_window(tiny_target):
     d, whole = _drafter(tiny_target), _drafter(tiny_target, window=0)
     for n in (30, SINK_TOKENS + WINDOW, 170):
         seq = Sequence("r", list(range(n)), SamplingParams(max_tokens=4), None)
-        assert d.unread(seq) == min(n, SINK_TOKENS + WINDOW) and whole.unread(seq) == n
+        assert d.unread(seq) == (n if n <= SINK_TOKENS + WINDOW else n - _skip(n)) and whole.unread(seq) == n
         d.on_finished(seq)
         whole.on_finished(seq)
 

@@ -92,6 +92,22 @@ class BlockManager:
                 blk.hash, blk.token_ids = None, None
                 self.free_ids.append(bid)
 
+    def _cached_blocks(self, token_ids: list[int]):
+        """(block id, hash) of the longest cached prefix of ``token_ids``, leaving its last token out."""
+        bs, prev = self.block_size, 0
+        for i in range((len(token_ids) - 1) // bs):
+            toks = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = self.hash_fn(prev, toks, self.salt)
+            bid = self.cached.get(h)
+            if bid is None or self.blocks[bid].token_ids != toks:
+                return  # a miss, or a hash collision caught by the re-check
+            yield bid, h
+            prev = h
+
+    def cached_prefix(self, token_ids: list[int]) -> int:
+        """The token count match_prefix would attach, attaching nothing."""
+        return sum(1 for _ in self._cached_blocks(token_ids)) * self.block_size if self.prefix_caching else 0
+
     def match_prefix(self, table: BlockTable, token_ids: list[int]) -> int:
         """Attach cached blocks for the longest cached prefix; returns the cached token count.
 
@@ -101,22 +117,14 @@ class BlockManager:
         assert not table.blocks
         if not self.prefix_caching:
             return 0
-        bs, prev = self.block_size, 0
-        max_blocks = (len(token_ids) - 1) // bs
-        for i in range(max_blocks):
-            toks = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = self.hash_fn(prev, toks, self.salt)
-            bid = self.cached.get(h)
-            if bid is None or self.blocks[bid].token_ids != toks:
-                break  # a miss, or a hash collision caught by the re-check
+        for bid, h in self._cached_blocks(token_ids):
             blk = self.blocks[bid]
             if blk.ref_count == 0:
                 self.evictable.pop(bid, None)
             blk.ref_count += 1
             table.blocks.append(bid)
             table.hashes.append(h)
-            prev = h
-        return len(table.blocks) * bs
+        return len(table.blocks) * self.block_size
 
     def ensure_capacity(self, table: BlockTable, num_tokens: int) -> None:
         """Grow the table to hold num_tokens tokens; all-or-nothing."""

@@ -22,6 +22,12 @@ positions numbered on from the first (the sequence's middle is skipped, as Strea
 attention sinks and a recent window). Its cache then holds its own view of the sequence, which is
 what its prefix-cache blocks are hashed by. Only the drafts change: verification keeps the output
 the target's.
+
+A view's skip (the middle left out) sits on a grid of a quarter window, and a slide takes, of the
+grid's skips that leave between ``window`` and twice that many tokens after the sink, the one whose
+view the prefix cache holds most of (the latest, where none holds any). So the next turn of a
+long conversation (the last prompt, its answer and a new message) finds the view the last turn's
+draft read and wrote on, and reads only what is new, until the view would pass twice the window.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class _State:
     drafts: list[int] = field(default_factory=list)  # the last proposal
     num_cached: int = 0  # tokens served by the prefix cache when the sequence started
     generator: torch.Generator | None = None
+    plan: tuple[int, int, int] = (-1, 0, 0)  # the next slide (sequence length, skip, cached tokens of its view)
 
 CATCH_UP_ROWS = 512  # warm_up's wide forward (the draft reading a prompt): wide enough that attention shows
 
@@ -159,11 +166,29 @@ class DraftModelDrafter(Drafter):
     def _behind(self, seq: Sequence, st: _State) -> int:  # sequence tokens past the view's computed ones
         return seq.num_tokens - st.skip - st.num_computed
 
+    def _plan(self, seq: Sequence, st: _State) -> tuple[int, int]:
+        """(skip, tokens of its view the prefix cache holds) for a slide now: of the skips on the
+        grid leaving window .. 2 * window tokens after the sink, the one with the most cached, the
+        latest among equals (module docstring). Kept until the sequence grows."""
+        n = seq.num_tokens
+        if st.plan[0] != n:
+            grid = max(self.window // 4 // self.block_size, 1) * self.block_size
+            last = (n - SINK_TOKENS - self.window) // grid * grid
+            best = (-1, 0, 0)
+            for skip in range(last, max(n - SINK_TOKENS - 2 * self.window, 0) - 1, -grid):
+                view = seq.token_ids[:SINK_TOKENS] + seq.token_ids[SINK_TOKENS + skip:]
+                cached = self.blocks.cached_prefix(view)
+                if cached > best[2]:
+                    best = (n, skip, cached)
+            st.plan = best if best[0] == n else (n, last, 0)
+        return st.plan[1], st.plan[2]
+
     def _slide(self, seq: Sequence, st: _State) -> None:
-        """Too far behind: drop the cache and view the first tokens and the last ``window`` (from the
-        prefix cache where an earlier view was the same)."""
+        """Too far behind: drop the cache and view the first tokens and the last ``window`` or more
+        (``_plan``; from the prefix cache where an earlier view was the same)."""
+        skip, _ = self._plan(seq, st)
         self.cache.free(st)
-        st.skip = seq.num_tokens - SINK_TOKENS - self.window
+        st.skip = skip
         st.cache_keys = self._view(st, seq.token_ids)
         st.num_computed = self.cache.match_prefix(st)
 
@@ -313,8 +338,12 @@ class DraftModelDrafter(Drafter):
         return max(wide_time([(1, one)] + sorted(self.wide.values()), n) - one, 0.0)
 
     def unread(self, seq: Sequence) -> int:
-        behind = self._behind(seq, self._state(seq))
-        return min(behind, SINK_TOKENS + self.window) if self.window else behind
+        st = self._state(seq)
+        behind = self._behind(seq, st)
+        if not self.window or behind <= SINK_TOKENS + self.window:
+            return behind
+        skip, cached = self._plan(seq, st)  # what the slide will read
+        return seq.num_tokens - skip - cached
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:

@@ -1,0 +1,46 @@
+"""Each slide of a windowed draft over one long conversation (2026-12-07, Zen 5).
+
+qwen2.5-coder-1.5b with the 0.5b draft (q4_0, 32K draft vocabulary, k <= 5, adaptive, draft_window
+512), one engine; after a short warm-up request, long-argparse (long.jsonl) as a four-turn
+conversation ("Go on." after each 128-token answer). Per slide: the sequence's length, the skip
+chosen, the view's tokens and how many of them the prefix cache held (what the draft did not
+re-read); per turn, how much of the new prompt is the last prompt and answer, and its drafting.
+
+    python results_final/zen5_1207b/multi_turn_trace.py > results_final/zen5_1207b/multi_turn_trace.txt
+"""
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "benchmarks"))
+import spec_decode as sd  # noqa: E402
+from specserve.models.chat_template import ChatTemplate  # noqa: E402
+
+eng = sd.make_engines("qwen2.5-coder-1.5b", [("d", dict(sd.FAST_DRAFT, adaptive=True))],
+                      argparse.Namespace(quantization="auto", ctx=8192, threads=None))["d"]
+d = eng.drafter
+slide = d._slide
+
+
+def traced(seq, st):
+    slide(seq, st)
+    print(f"  slide at {seq.num_tokens} tokens: skip {st.skip}, view {seq.num_tokens - st.skip} tokens, "
+          f"{st.num_computed} of them cached, {seq.num_tokens - st.skip - st.num_computed} read", flush=True)
+
+
+d._slide = traced
+tok = eng.tokenizer
+ct = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
+sd.run_one(eng, tok.encode(ct.render([{"role": "user", "content": "Say hello."}]), add_special_tokens=False), 8)
+messages = list(json.loads(open(os.path.join(HERE, "..", "zen5_1206c", "long.jsonl")).readline())["messages"])
+prev = []
+for turn in range(4):
+    ids = tok.encode(ct.render(messages), add_special_tokens=False)
+    same = next((i for i, (a, b) in enumerate(zip(prev, ids)) if a != b), min(len(prev), len(ids)))
+    print(f"turn {turn + 1}: prompt {len(ids)} tokens, the first {same} the last turn's prompt and answer")
+    r = sd.run_one(eng, ids, 128)
+    print(f"  {r['decode_tps']:.1f} tok/s, {r['spec']['draft_tokens']} drafted, {r['spec']['accepted_tokens']} accepted")
+    prev = ids + r["tokens"]
+    messages += [{"role": "assistant", "content": tok.decode(r["tokens"])}, {"role": "user", "content": "Go on."}]
