@@ -1,18 +1,22 @@
-"""The policy's cost probes and first-steps exploring, on and off, in one process (2026-12-07, Zen 5).
+"""The adaptive policy's parts of 2026-12-07 on and off, in one process (Zen 5).
 
-qwen2.5-coder-1.5b plain, and with the 0.5b draft (q4_0, 32K draft vocabulary, adaptive) three
-times: as the engine runs it; without cost probes (a drafting sequence no longer decodes plain now
-and then to re-time the plain width, which then stays as start-up measured it); and with neither
-the cost probes nor the first steps' exploring (the policy before 2026-12-07b: whether the engine
-drafts at all starts from a 0.5 prior against its start-up timing). Rounds and order as
-benchmarks/spec_decode.py. Per engine at the end: its table's one-row time, how many passes ago it
-was measured, and the prior; the plain engine's one-row time is the reference (it runs one-row
-forwards all along).
+qwen2.5-coder-1.5b plain, and with the 0.5b draft (q4_0, 32K draft vocabulary, adaptive) in several
+variants (--variants, comma-separated): all = as the engine runs it; no-probes = without cost probes
+(a drafting sequence no longer decodes plain now and then to re-time the plain width, which then
+stays as start-up measured it); no-gaps = without the steps' gaps (a step priced at its forwards'
+time alone); before = none of the day's parts (no cost probes, no first steps' exploring: whether the
+engine drafts at all starts from a 0.5 prior against its start-up timing; no gaps). The default is
+all,no-probes,before. Rounds and order as benchmarks/spec_decode.py. Per engine at the end: its
+table's one-row time, how many passes ago it was measured, and the prior; the plain engine's
+one-row time is the reference (it runs one-row forwards all along).
 
-    python results_final/zen5_1207b/cost_probe_ab.py [spec_decode.py options] > cost_probe_ab.txt
+    python results_final/zen5_1207b/cost_probe_ab.py [--variants all,no-gaps] [spec_decode.py options]
 
-(cost_probe_ab_run1.txt: the first version of this script, before the exploring existed, with
-two drafting engines: as run then, and without cost probes.)
+(cost_probe_ab_run1.txt: the first version of this script, before the exploring existed, with two
+drafting engines: as run then, and without cost probes. cost_probe_ab.txt: the default variants,
+before the gaps existed (its "neither (as before)" is this script's before without no_gaps).
+step_gaps_ab.txt: --variants all,no-gaps, with step_gaps.patch applied; the gaps were not kept, and
+without the patch no-gaps is the same policy as all.)
 """
 import os
 import sys
@@ -22,20 +26,41 @@ import spec_decode as sd  # noqa: E402
 from specserve.speculative import adaptive  # noqa: E402
 
 SPEC = dict(sd.FAST_DRAFT)
-NO_PROBES = "draft q4_0 32K, no cost probes"
-BEFORE = "draft q4_0 32K, neither (as before)"
+
+
+def no_probes(policy):
+    policy._cost_probe_due = lambda *args: False
+
+
+def no_gaps(policy):
+    policy.gap = lambda drafting: 0.0
+
+
+def before(policy):  # the policy before this session: no cost probes, no exploring, no step gaps
+    no_probes(policy)
+    no_gaps(policy)
+    policy.news = round(1 / adaptive.PRIOR_ALPHA)  # no exploring; the prior moves by PRIOR_ALPHA
+
+
+VARIANTS = {"all": ("draft q4_0 32K", lambda policy: None), "no-probes": ("draft q4_0 32K, no cost probes", no_probes),
+            "no-gaps": ("draft q4_0 32K, no step gaps", no_gaps), "before": ("draft q4_0 32K, as before", before)}
+chosen = ["all", "no-probes", "before"]  # --variants a,b,...: which (the default: the first run's three)
+if "--variants" in sys.argv:
+    i = sys.argv.index("--variants")
+    chosen = sys.argv[i + 1].split(",")
+    del sys.argv[i:i + 2]
 engines_seen = {}
 
 
 def adjust(engines):
-    for name in (NO_PROBES, BEFORE):
-        engines[name].policy._cost_probe_due = lambda *args: False
-    engines[BEFORE].policy.news = round(1 / adaptive.PRIOR_ALPHA)  # no exploring; the prior moves by PRIOR_ALPHA
+    for key in chosen:
+        name, change = VARIANTS[key]
+        change(engines[name].policy)
     engines_seen.update(engines)
 
 
 sys.argv[1:1] = ["--models", "qwen2.5-coder-1.5b"] + [
-    a for name in ("draft q4_0 32K", NO_PROBES, BEFORE) for a in ("--spec", name + "=" + sd.json.dumps(SPEC))]
+    a for key in chosen for a in ("--spec", VARIANTS[key][0] + "=" + sd.json.dumps(SPEC))]
 ap_main = sd.main
 orig = sd.bench_model
 sd.bench_model = lambda model, a, suites: orig(model, a, suites, adjust)

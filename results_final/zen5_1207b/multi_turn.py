@@ -11,6 +11,11 @@ tok/s counts the draft's catch-up (it happens at the first proposal, inside deco
 engine: decode tok/s, ratio to plain, the draft tokens and whether the text equals plain's.
 
     python results_final/zen5_1207b/multi_turn.py [TOKENS] > results_final/zen5_1207b/multi_turn.txt
+    python results_final/zen5_1207b/multi_turn.py TOKENS gaps > results_final/zen5_1207b/multi_turn_gaps.txt
+
+With "gaps", the second drafting engine is the first without the steps' gaps (the policy prices a
+step at its forwards' time alone) instead of the one viewing anew at each slide: multi_turn_gaps.txt
+was taken with step_gaps.patch applied (not kept; without it both engines are the same).
 """
 import argparse
 import json
@@ -29,7 +34,9 @@ FILES = [os.path.join(HERE, "..", "zen5_1206c", "long.jsonl"), os.path.join(HERE
 FOLLOW_UPS = ["Now add a short docstring to each class you described, and show only those classes.",
               "Which of these classes would you test first, and how? Write the first test."]
 SPEC = dict(sd.FAST_DRAFT, adaptive=True)
-REUSE, BEFORE = "draft, views reused", "draft, a new view each slide (as before)"
+GAPS = len(sys.argv) > 2 and sys.argv[2] == "gaps"
+REUSE = "draft, views reused"
+BEFORE = "draft, views reused, no step gaps" if GAPS else "draft, a new view each slide (as before)"
 
 
 def as_before(eng):
@@ -39,7 +46,10 @@ def as_before(eng):
 
 engines = sd.make_engines("qwen2.5-coder-1.5b", [("plain", None), (REUSE, SPEC), (BEFORE, SPEC)],
                           argparse.Namespace(quantization="auto", ctx=8192, threads=None))
-as_before(engines[BEFORE])
+if GAPS:
+    engines[BEFORE].policy.gap = lambda drafting: 0.0
+else:
+    as_before(engines[BEFORE])
 tok = next(iter(engines.values())).tokenizer
 ct = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
 warm = tok.encode(ct.render([{"role": "user", "content": "Say hello."}]), add_special_tokens=False)

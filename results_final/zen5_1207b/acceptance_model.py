@@ -1,0 +1,46 @@
+"""Accepted drafts against what the policy's geometric model expected of them (2026-12-07, Zen 5).
+
+qwen2.5-coder-1.5b with the 0.5b draft (q4_0, 32K draft vocabulary, k <= 5, adaptive); after one
+short warm-up answer, three prompts each of code, math and prose, 128 tokens. For each drafting
+step with k drafts at the sequence's estimate p, the model expects p + p^2 + ... + p^k accepted and
+all k accepted with chance p^k; per prompt, those sums against what was accepted.
+
+    python results_final/zen5_1207b/acceptance_model.py > results_final/zen5_1207b/acceptance_model.txt
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+import spec_decode as sd  # noqa: E402
+from specserve.bench.suites import load_suites  # noqa: E402
+eng = sd.make_engines("qwen2.5-coder-1.5b", [("d", dict(sd.FAST_DRAFT, adaptive=True))],
+                      argparse.Namespace(quantization="auto", ctx=4096, threads=None))["d"]
+policy = eng.policy
+steps = []  # (k drafted, the estimate it was chosen at, accepted)
+chosen_at = {}
+lengths, learn = policy.lengths, policy.learn
+
+
+def traced_lengths(seqs, limits, extra_width=0):
+    ks = lengths(seqs, limits, extra_width)
+    chosen_at.update((id(s), s.accept_ema) for s in seqs)
+    return ks
+
+
+def traced_learn(seq, drafted, accepted, cut=False):
+    if drafted:
+        steps.append((drafted, chosen_at[id(seq)], accepted))
+    return learn(seq, drafted, accepted, cut)
+
+
+policy.lengths, policy.learn = traced_lengths, traced_learn
+prompts = sd.chat_prompts(eng.tokenizer, load_suites("code,math,prose", 3))
+sd.run_one(eng, prompts[0][2], 8)
+for suite, pid, ids in prompts:
+    steps.clear()
+    sd.run_one(eng, ids, 128)
+    expected = sum(sum(p ** j for j in range(1, k + 1)) for k, p, _ in steps)
+    every = sum(1 for k, _, a in steps if a == k)
+    print(f"{pid}: {len(steps)} drafting steps, accepted {sum(a for _, _, a in steps)} vs expected {expected:.1f}; "
+          f"all accepted {every} vs expected {sum(p ** k for k, p, _ in steps):.1f}")
