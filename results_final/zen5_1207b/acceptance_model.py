@@ -3,7 +3,9 @@
 qwen2.5-coder-1.5b with the 0.5b draft (q4_0, 32K draft vocabulary, k <= 5, adaptive); after one
 short warm-up answer, three prompts each of code, math and prose, 128 tokens. For each drafting
 step with k drafts at the sequence's estimate p, the model expects p + p^2 + ... + p^k accepted and
-all k accepted with chance p^k; per prompt, those sums against what was accepted.
+all k accepted with chance p^k; per prompt, those sums against what was accepted. Then over all
+prompts, per draft position j: how often a draft at j was accepted once every draft before it was
+(the model's p for each), against the mean estimate of those steps.
 
     python results_final/zen5_1207b/acceptance_model.py > results_final/zen5_1207b/acceptance_model.txt
 """
@@ -37,6 +39,7 @@ def traced_learn(seq, drafted, accepted, cut=False):
 policy.lengths, policy.learn = traced_lengths, traced_learn
 prompts = sd.chat_prompts(eng.tokenizer, load_suites("code,math,prose", 3))
 sd.run_one(eng, prompts[0][2], 8)
+every_step = []
 for suite, pid, ids in prompts:
     steps.clear()
     sd.run_one(eng, ids, 128)
@@ -44,3 +47,9 @@ for suite, pid, ids in prompts:
     every = sum(1 for k, _, a in steps if a == k)
     print(f"{pid}: {len(steps)} drafting steps, accepted {sum(a for _, _, a in steps)} vs expected {expected:.1f}; "
           f"all accepted {every} vs expected {sum(p ** k for k, p, _ in steps):.1f}")
+    every_step += steps
+for j in range(1, max(k for k, _, _ in every_step) + 1):
+    reached = [(p, a) for k, p, a in every_step if k >= j and a >= j - 1]
+    if reached:
+        print(f"position {j}: reached {len(reached)} times, accepted {sum(a >= j for _, a in reached) / len(reached):.2f}"
+              f" of them, mean estimate {sum(p for p, _ in reached) / len(reached):.2f}")
