@@ -158,6 +158,27 @@ def test_the_next_turn_reads_only_what_is_new(tiny_target):
     d.on_finished(seq)
 
 
+def test_a_slide_takes_the_view_that_leaves_least_to_read(tiny_target):
+    """Of the grid's skips (here 208, 192, 176, 160 for 300 tokens), the one whose view leaves the
+    fewest tokens past its cached prefix: not the one with the most cached (160 holds 110 of its 140
+    tokens, 192 holds 100 of 108)."""
+    from specserve.engine.sequence import Sequence
+
+    d = _drafter(tiny_target)
+    held = {160: 110, 176: 16, 192: 100, 208: 16}
+    by_view = {}
+    seq = Sequence("r", list(range(300)), SamplingParams(max_tokens=4), None)
+    for skip, cached in held.items():
+        by_view[len(seq.token_ids) - skip] = cached
+    d.blocks.cached_prefix = lambda view: by_view.get(len(view), SINK_TOKENS)
+    assert d._plan(seq, d._state(seq)) == (192, 100)
+    assert d.unread(seq) == 300 - 192 - 100
+    by_view.clear()  # nothing past the sink held any more: the latest skip, once the sequence grows
+    assert d._plan(seq, d._state(seq)) == (192, 100)  # (a plan is kept until then)
+    longer = Sequence("r2", list(range(301)), SamplingParams(max_tokens=4), None)
+    assert d._plan(longer, d._state(longer)) == (_skip(301), SINK_TOKENS)
+
+
 def test_the_catch_up_priced_is_the_window(tiny_target):
     from specserve.engine.sequence import Sequence
 

@@ -24,10 +24,11 @@ what its prefix-cache blocks are hashed by. Only the drafts change: verification
 the target's.
 
 A view's skip (the middle left out) sits on a grid of a quarter window, and a slide takes, of the
-grid's skips that leave between ``window`` and twice that many tokens after the sink, the one whose
-view the prefix cache holds most of (the latest, where none holds any). So the next turn of a
-long conversation (the last prompt, its answer and a new message) finds the view the last turn's
-draft read and wrote on, and reads only what is new, until the view would pass twice the window.
+grid's skips that leave between ``window`` and twice that many tokens after the sink, the one that
+leaves the least to read past what the prefix cache holds of its view (the latest, where none
+holds more than the sink). So the next turn of a long conversation (the last prompt, its answer
+and a new message) finds the view the last turn's draft read and wrote on, and reads only what is
+new, until the view would pass twice the window.
 """
 
 from __future__ import annotations
@@ -168,19 +169,18 @@ class DraftModelDrafter(Drafter):
 
     def _plan(self, seq: Sequence, st: _State) -> tuple[int, int]:
         """(skip, tokens of its view the prefix cache holds) for a slide now: of the skips on the
-        grid leaving window .. 2 * window tokens after the sink, the one with the most cached, the
-        latest among equals (module docstring). Kept until the sequence grows."""
+        grid leaving window .. 2 * window tokens after the sink, the one leaving the least to read,
+        the latest among equals (module docstring). Kept until the sequence grows."""
         n = seq.num_tokens
         if st.plan[0] != n:
             grid = max(self.window // 4 // self.block_size, 1) * self.block_size
             last = (n - SINK_TOKENS - self.window) // grid * grid
-            best = (-1, 0, 0)
+            best = None  # (tokens to read, skip, cached)
             for skip in range(last, max(n - SINK_TOKENS - 2 * self.window, 0) - 1, -grid):
-                view = seq.token_ids[:SINK_TOKENS] + seq.token_ids[SINK_TOKENS + skip:]
-                cached = self.blocks.cached_prefix(view)
-                if cached > best[2]:
-                    best = (n, skip, cached)
-            st.plan = best if best[0] == n else (n, last, 0)
+                cached = self.blocks.cached_prefix(seq.token_ids[:SINK_TOKENS] + seq.token_ids[SINK_TOKENS + skip:])
+                if best is None or n - skip - cached < best[0]:
+                    best = (n - skip - cached, skip, cached)
+            st.plan = (n, best[1], best[2])
         return st.plan[1], st.plan[2]
 
     def _slide(self, seq: Sequence, st: _State) -> None:
