@@ -151,7 +151,8 @@ def test_the_next_turn_reads_only_what_is_new(tiny_target):
     ctx, skip, _ = d.log[turns]  # the next turn's first proposal (its prompt and one token)
     assert ctx[:-1] == tuple(nxt) and skip == first_skip
     assert d.slides[-1] == view_len - read and view_len - SINK_TOKENS <= 2 * WINDOW
-    far = nxt + list(range(2 * WINDOW))  # the view would pass twice the window: a new skip, nothing cached past the sink
+    # the view would pass twice the window: a new skip, nothing cached past the sink
+    far = nxt + list(range(2 * WINDOW))
     seq = Sequence("r", list(far), SamplingParams(max_tokens=4), None)
     skip, cached = d._plan(seq, d._state(seq))
     assert skip == _skip(len(far)) > first_skip and cached <= SINK_TOKENS

@@ -51,5 +51,6 @@ for suite, pid, ids in prompts:
 for j in range(1, max(k for k, _, _ in every_step) + 1):
     reached = [(p, a) for k, p, a in every_step if k >= j and a >= j - 1]
     if reached:
-        print(f"position {j}: reached {len(reached)} times, accepted {sum(a >= j for _, a in reached) / len(reached):.2f}"
+        kept = sum(a >= j for _, a in reached) / len(reached)
+        print(f"position {j}: reached {len(reached)} times, accepted {kept:.2f}"
               f" of them, mean estimate {sum(p for p, _ in reached) / len(reached):.2f}")

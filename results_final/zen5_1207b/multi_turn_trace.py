@@ -41,6 +41,7 @@ for turn in range(4):
     same = next((i for i, (a, b) in enumerate(zip(prev, ids)) if a != b), min(len(prev), len(ids)))
     print(f"turn {turn + 1}: prompt {len(ids)} tokens, the first {same} the last turn's prompt and answer")
     r = sd.run_one(eng, ids, 128)
-    print(f"  {r['decode_tps']:.1f} tok/s, {r['spec']['draft_tokens']} drafted, {r['spec']['accepted_tokens']} accepted")
+    spec = r["spec"]
+    print(f"  {r['decode_tps']:.1f} tok/s, {spec['draft_tokens']} drafted, {spec['accepted_tokens']} accepted")
     prev = ids + r["tokens"]
     messages += [{"role": "assistant", "content": tok.decode(r["tokens"])}, {"role": "user", "content": "Go on."}]

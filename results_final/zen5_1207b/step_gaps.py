@@ -65,6 +65,7 @@ for name, eng in engs.items():
         for k in sorted({s[0] for s in steps}):
             ss = [s for s in steps if s[0] == k]
             print(f"  k={k}: {len(ss)} steps, wall {statistics.median(s[3] for s in ss) * 1e3:.1f} ms, priced "
-                  f"{statistics.median(s[1] for s in ss) * 1e3:.1f} ms, estimate {statistics.median(s[2] for s in ss):.2f}")
+                  f"{statistics.median(s[1] for s in ss) * 1e3:.1f} ms, "
+                  f"estimate {statistics.median(s[2] for s in ss):.2f}")
     if hasattr(eng.policy, "gap"):  # (step_gaps.patch)
         print(f"{name}: gap drafting {eng.policy.gap(True) * 1e3:.2f} ms, plain {eng.policy.gap(False) * 1e3:.2f} ms")
