@@ -101,6 +101,37 @@ def test_cost_model_counts_passes_since_a_width_was_timed():
     assert (c.age(1), c.age(5), c.timed) == (2, 0, 3)
 
 
+def test_a_width_timed_before_the_latest_one_row_time_follows_it():
+    """Plain decoding after a long prompt re-times one row only: the widths measured before keep
+    their start-up times unless scaled by how one row moved since; a width measured again is its own."""
+    c = CostModel(max_width=16)
+    for w, t in ((1, 0.020), (2, 0.021), (4, 0.024)):
+        c.add(w, t)
+    for _ in range(40):
+        c.add(1, 0.030)  # longer context: one row costs more
+    ratio = c.table[1] / 0.020
+    assert abs(c.time(4) - 0.024 * ratio) < 1e-12 and abs(c.time(3) - 0.0225 * ratio) < 1e-12
+    c.add(4, 0.034)
+    assert c.time(4) == c.table[4] and abs(c.time(2) - 0.021 * ratio) < 1e-12
+
+
+def test_after_a_long_prompt_the_catch_up_rule_does_not_turn_as_one_row_grows():
+    """A plain answer after a long prompt: the one-row time climbs with the context, step by step.
+    With the verification widths following it, a catch-up that cannot be repaid stays unrepaid."""
+    cost = CostModel()
+    for w in range(1, 7):
+        cost.add(w, 0.020 + 0.0005 * (w - 1))  # start-up, at a short context
+    p = DraftPolicy(5, True, cost, draft_cost=lambda k: 0.005 * k, catch_up_cost=lambda n: 0.4,
+                    unread=lambda seq: 600)
+    p.news = PRIOR_EVIDENCE
+    seq = _seq(0.5)
+    said = []
+    for left in range(62, 30, -1):
+        said.append(p.lengths([seq], [left])[0])
+        cost.add(1, 0.020 + 0.0005 * (62 - left))  # each plain step a little dearer
+    assert not any(said)
+
+
 def _drafting(p: DraftPolicy, seq: Sequence, steps: int, width=lambda k: k + 1) -> list[int]:
     """ks over ``steps`` steps, each step's pass timed back into the cost model at its old time."""
     ks = []

@@ -4,7 +4,8 @@ qwen2.5-coder-1.5b plain, and with the 0.5b draft (q4_0, 32K draft vocabulary, a
 variants (--variants, comma-separated): all = as the engine runs it; no-probes = without cost probes
 (a drafting sequence no longer decodes plain now and then to re-time the plain width, which then
 stays as start-up measured it); no-gaps = without the steps' gaps (a step priced at its forwards'
-time alone); before = none of the day's parts (no cost probes, no first steps' exploring: whether the
+time alone); no-follow = a width measured before the latest one-row time keeps its own time instead
+of following the one-row time's move since (CostModel.ref); before = none of the day's parts (no cost probes, no first steps' exploring: whether the
 engine drafts at all starts from a 0.5 prior against its start-up timing; no gaps). The default is
 all,no-probes,before. Rounds and order as benchmarks/spec_decode.py. Per engine at the end: its
 table's one-row time, how many passes ago it was measured, and the prior; the plain engine's
@@ -16,7 +17,8 @@ one-row time is the reference (it runs one-row forwards all along).
 drafting engines: as run then, and without cost probes. cost_probe_ab.txt: the default variants,
 before the gaps existed (its "neither (as before)" is this script's before without no_gaps).
 step_gaps_ab.txt: --variants all,no-gaps, with step_gaps.patch applied; the gaps were not kept, and
-without the patch no-gaps is the same policy as all.)
+without the patch no-gaps is the same policy as all. follow_ab.txt: --variants all,no-follow. The
+before variant predates CostModel.ref and does not turn it off.)
 """
 import os
 import sys
@@ -36,6 +38,10 @@ def no_gaps(policy):
     policy.gap = lambda drafting: 0.0
 
 
+def no_follow(policy):  # the widths keep their own times (no CostModel.ref scaling)
+    policy.cost._now = lambda width, table=policy.cost.table: table[width]
+
+
 def before(policy):  # the policy before this session: no cost probes, no exploring, no step gaps
     no_probes(policy)
     no_gaps(policy)
@@ -43,7 +49,8 @@ def before(policy):  # the policy before this session: no cost probes, no explor
 
 
 VARIANTS = {"all": ("draft q4_0 32K", lambda policy: None), "no-probes": ("draft q4_0 32K, no cost probes", no_probes),
-            "no-gaps": ("draft q4_0 32K, no step gaps", no_gaps), "before": ("draft q4_0 32K, as before", before)}
+            "no-gaps": ("draft q4_0 32K, no step gaps", no_gaps), "before": ("draft q4_0 32K, as before", before),
+            "no-follow": ("draft q4_0 32K, stale widths keep their times", no_follow)}
 chosen = ["all", "no-probes", "before"]  # --variants a,b,...: which (the default: the first run's three)
 if "--variants" in sys.argv:
     i = sys.argv.index("--variants")

@@ -80,7 +80,13 @@ class CostModel:
     running keeps the conditions it was measured under (the prefetch hint before the engine chose
     one, a neighbour's memory traffic: one row of qwen2.5-coder-1.5b took 17-25 ms on one machine
     within a minute, while eight rows stayed at 29 ms), so the policy re-times the plain width
-    of a drafting engine now and then (``DraftPolicy``'s cost probes).
+    of a drafting engine now and then (``DraftPolicy``'s cost probes). The other way round, an
+    engine decoding plain re-times one row only: after a long prompt one row's time grows with the
+    context while the verification widths keep their start-up times, at a short one, and drafting
+    looked cheap (a 64-token answer to a 1,548-token prompt began drafting a few steps in, reading
+    530 tokens of the prompt into the draft first).
+    So a width measured before the latest one-row time is scaled by how that time moved since
+    (``ref``): it follows the plain width until it is measured again.
     """
 
     def __init__(self, max_width: int = 64, alpha: float = 0.25, a: float = 0.01, b: float = 0.001):
@@ -88,6 +94,7 @@ class CostModel:
         self.a, self.b = a, b
         self.table: dict[int, float] = {}  # width -> running average seconds
         self.stamp: dict[int, int] = {}  # width -> the count of timed passes when it was last measured
+        self.ref: dict[int, float] = {}  # width -> the one-row time when it was last measured
         self.timed = 0  # passes of a width the table keeps, timed so far
         self.passes = PassFit()
 
@@ -100,16 +107,24 @@ class CostModel:
         self.table[width] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
         self.timed += 1
         self.stamp[width] = self.timed
+        if 1 in self.table:
+            self.ref[width] = self.table[1]
 
     def age(self, width: int) -> int | None:
         """Timed passes since ``width`` was last measured (0: the latest), None if never."""
         stamp = self.stamp.get(width)
         return None if stamp is None else self.timed - stamp
 
-    def time(self, width: int) -> float:
-        t = self.table.get(width)
-        if t is not None:
+    def _now(self, width: int) -> float:
+        """A measured width's time, scaled by how the one-row time moved since (class docstring)."""
+        t, ref = self.table[width], self.ref.get(width)
+        if width == 1 or not ref or self.stamp.get(1, 0) <= self.stamp[width]:
             return t
+        return t * self.table[1] / ref
+
+    def time(self, width: int) -> float:
+        if width in self.table:
+            return self._now(width)
         known = sorted(self.table)
         if not known:
             return self.a + self.b * width
@@ -117,13 +132,13 @@ class CostModel:
         above = [w for w in known if w > width]
         if below and above:
             w0, w1 = below[-1], above[0]
-            t0, t1 = self.table[w0], self.table[w1]
+            t0, t1 = self._now(w0), self._now(w1)
             return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
         if above:  # narrower than anything measured: the narrowest time
-            return self.table[above[0]]
+            return self._now(above[0])
         w1 = below[-1]
-        slope = self.b if len(below) < 2 else max((self.table[w1] - self.table[below[-2]]) / (w1 - below[-2]), 0.0)
-        return self.table[w1] + slope * (width - w1)
+        slope = self.b if len(below) < 2 else max((self._now(w1) - self._now(below[-2])) / (w1 - below[-2]), 0.0)
+        return self._now(w1) + slope * (width - w1)
 
 
 class PassFit:
