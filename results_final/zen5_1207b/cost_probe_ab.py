@@ -5,8 +5,9 @@ variants (--variants, comma-separated): all = as the engine runs it; no-probes =
 (a drafting sequence no longer decodes plain now and then to re-time the plain width, which then
 stays as start-up measured it); no-gaps = without the steps' gaps (a step priced at its forwards'
 time alone); no-follow = a width measured before the latest one-row time keeps its own time instead
-of following the one-row time's move since (CostModel.ref); before = none of the day's parts (no cost probes, no first steps' exploring: whether the
-engine drafts at all starts from a 0.5 prior against its start-up timing; no gaps). The default is
+of following the one-row time's move since (CostModel.ref); before = the policy before the day's
+parts (no cost probes, no first steps' exploring: whether the engine drafts at all starts from a 0.5
+prior against its start-up timing; no gaps). The default is
 all,no-probes,before. Rounds and order as benchmarks/spec_decode.py. Per engine at the end: its
 table's one-row time, how many passes ago it was measured, and the prior; the plain engine's
 one-row time is the reference (it runs one-row forwards all along).
