@@ -14,6 +14,6 @@ python acceptance_model.py > acceptance_model.txt
 # python cost_probe_ab.py --variants all,no-gaps --tokens 128 --runs 2 --prompts-per-suite 2 --suites code,math,prose --out step_gaps_ab.json > step_gaps_ab.txt
 # python multi_turn.py 128 gaps > multi_turn_gaps.txt
 # cost_probe_ab_run1.txt came from this script's first version (two drafting engines: as run, and no cost probes)
-python first_request.py 3 64 > first_request.txt
-python first_request.py 3 64 stale > first_request_stale.txt
+python first_request.py 9 64 > first_request.txt
+python first_request.py 9 64 stale > first_request_stale.txt
 python cost_probe_ab.py --variants all,no-follow --tokens 128 --runs 2 --prompts-per-suite 2 --suites code,math,prose --out follow_ab.json > follow_ab.txt
