@@ -120,18 +120,27 @@ def configs_for(model: str, a: argparse.Namespace) -> list[tuple[str, dict | Non
     return out
 
 
+def chat_ids(tok, messages: list[dict]) -> list[int]:
+    """Chat messages rendered by the model's chat template, as token ids."""
+    ct = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
+    return tok.encode(ct.render(messages), add_special_tokens=False)
+
+
 def chat_prompts(tok, suites: dict) -> list[tuple[str, str, list[int]]]:
     """(suite, prompt id, the prompt's ids rendered by the model's chat template) for every prompt."""
-    ct = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
-    return [(s, p.id, tok.encode(ct.render(p.as_messages()), add_special_tokens=False))
-            for s, ps in suites.items() for p in ps]
+    return [(s, p.id, chat_ids(tok, p.as_messages())) for s, ps in suites.items() for p in ps]
 
 
-def fast_draft_engine(model: str = "qwen2.5-coder-1.5b", k: int = 8):
+def warm_up(engine) -> None:
+    """One short request on no suite prompt: first-call costs stay out of the numbers."""
+    run_one(engine, chat_ids(engine.tokenizer, [{"role": "user", "content": "Say hello."}]), 8)
+
+
+def fast_draft_engine(model: str = "qwen2.5-coder-1.5b", k: int = 8, ctx: int = 4096):
     """One adaptive engine with the 4-bit 32K-vocabulary draft (k <= ``k``), for the profiles in
     results_final/ that look inside a step."""
     spec = dict(FAST_DRAFT, num_speculative_tokens=k, adaptive=True)
-    return make_engines(model, [("d", spec)], argparse.Namespace(quantization="auto", ctx=4096, threads=None))["d"]
+    return make_engines(model, [("d", spec)], argparse.Namespace(quantization="auto", ctx=ctx, threads=None))["d"]
 
 
 def bench_model(model: str, a: argparse.Namespace, suites: dict, adjust=None) -> list[dict]:
@@ -142,10 +151,8 @@ def bench_model(model: str, a: argparse.Namespace, suites: dict, adjust=None) ->
         adjust(engines)
     tok = next(iter(engines.values())).tokenizer
     prompts = chat_prompts(tok, suites)
-    ct = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
-    warm = tok.encode(ct.render([{"role": "user", "content": "Say hello."}]), add_special_tokens=False)
-    for name, eng in engines.items():  # warm-up (on no suite prompt): first-call costs stay out of the numbers
-        run_one(eng, warm, 8)
+    for eng in engines.values():
+        warm_up(eng)
     rows = []  # one per (config, prompt, run)
     for run in range(a.runs):
         for pi, (suite, pid, ids) in enumerate(prompts):
@@ -216,7 +223,8 @@ def markdown(summary: list[dict], a: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def main(adjust=None) -> int:
+    """adjust: see bench_model (a script running this benchmark with a variant of an engine)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-1.5b")
     ap.add_argument("--drafters", default=None, help="comma list to keep, e.g. ngram or draft")
@@ -238,7 +246,7 @@ def main() -> int:
     suites = load_suites(a.suites, a.prompts_per_suite)
     rows = []
     for model in a.models.split(","):
-        rows += bench_model(model.strip(), a, suites)
+        rows += bench_model(model.strip(), a, suites, adjust)
     summary = summarize(rows, a.by_run)
     md = markdown(summary, a)
     print(md)

@@ -299,6 +299,8 @@ def test_a_new_engine_drafts_one_token_until_it_has_seen_its_drafter():
     capped = _policy(step=0.008, draft=0.008)
     capped.news = 0
     assert capped.lengths([_seq(0.5)], [0]) == [0]  # no room to draft: nothing forced
+    capped.catch_up_cost, capped.unread = (lambda n: 10.0), (lambda seq: 2000)
+    assert capped.lengths([_seq(0.5)], [8]) == [0]  # a catch-up the answer cannot repay: nothing forced either
 
 
 def test_a_sequence_drafting_nothing_drifts_back_to_its_own_slow_estimate():

@@ -1,7 +1,9 @@
 """A draft model far behind a sequence reads a window of it (``draft_window``): the first
-SINK_TOKENS tokens and the last ``window``, numbered on from the first. The output stays the
-target's (greedy and sampled, batched); the drafts are the draft model's own on that view; the
-view's blocks are found again in the prefix cache; the catch-up the policy prices is the window."""
+SINK_TOKENS tokens and the last ``window`` or a little more (its start on a grid), numbered on from
+the first. The output stays the target's (greedy and sampled, batched); the drafts are the draft
+model's own on that view; the view's blocks are found again in the prefix cache, by the same request
+and by a conversation's next turn; a slide takes the start leaving least to read; the catch-up the
+policy prices is what the slide will read."""
 
 from __future__ import annotations
 

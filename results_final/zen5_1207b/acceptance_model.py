@@ -9,15 +9,10 @@ prompts, per draft position j: how often a draft at j was accepted once every dr
 
     python results_final/zen5_1207b/acceptance_model.py > results_final/zen5_1207b/acceptance_model.txt
 """
-import argparse
-import os
-import sys
+from policy_variants import sd
+from specserve.bench.suites import load_suites
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
-import spec_decode as sd  # noqa: E402
-from specserve.bench.suites import load_suites  # noqa: E402
-eng = sd.make_engines("qwen2.5-coder-1.5b", [("d", dict(sd.FAST_DRAFT, adaptive=True))],
-                      argparse.Namespace(quantization="auto", ctx=4096, threads=None))["d"]
+eng = sd.fast_draft_engine(k=sd.FAST_DRAFT["num_speculative_tokens"])
 policy = eng.policy
 steps = []  # (k drafted, the estimate it was chosen at, accepted)
 chosen_at = {}

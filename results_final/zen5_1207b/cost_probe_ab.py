@@ -18,37 +18,14 @@ one-row time is the reference (it runs one-row forwards all along).
 drafting engines: as run then, and without cost probes. cost_probe_ab.txt: the default variants,
 before the gaps existed (its "neither (as before)" is this script's before without no_gaps).
 step_gaps_ab.txt: --variants all,no-gaps, with step_gaps.patch applied; the gaps were not kept, and
-without the patch no-gaps is the same policy as all. follow_ab.txt: --variants all,no-follow. The
-before variant predates CostModel.ref and does not turn it off.)
+without the patch no-gaps is the same policy as all. follow_ab.txt: --variants all,no-follow.
+cost_probe_ab.txt was taken before CostModel.ref existed; before now turns it off too.)
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
-import spec_decode as sd  # noqa: E402
-from specserve.speculative import adaptive  # noqa: E402
+from policy_variants import before, no_follow, no_gaps, no_probes, sd
 
 SPEC = dict(sd.FAST_DRAFT)
-
-
-def no_probes(policy):
-    policy._cost_probe_due = lambda *args: False
-
-
-def no_gaps(policy):
-    policy.gap = lambda drafting: 0.0
-
-
-def no_follow(policy):  # the widths keep their own times (no CostModel.ref scaling)
-    policy.cost._now = lambda width, table=policy.cost.table: table[width]
-
-
-def before(policy):  # the policy before this session: no cost probes, no exploring, no step gaps
-    no_probes(policy)
-    no_gaps(policy)
-    policy.news = round(1 / adaptive.PRIOR_ALPHA)  # no exploring; the prior moves by PRIOR_ALPHA
-
-
 VARIANTS = {"all": ("draft q4_0 32K", lambda policy: None), "no-probes": ("draft q4_0 32K, no cost probes", no_probes),
             "no-gaps": ("draft q4_0 32K, no step gaps", no_gaps), "before": ("draft q4_0 32K, as before", before),
             "no-follow": ("draft q4_0 32K, stale widths keep their times", no_follow)}
@@ -69,10 +46,7 @@ def adjust(engines):
 
 sys.argv[1:1] = ["--models", "qwen2.5-coder-1.5b"] + [
     a for key in chosen for a in ("--spec", VARIANTS[key][0] + "=" + sd.json.dumps(SPEC))]
-ap_main = sd.main
-orig = sd.bench_model
-sd.bench_model = lambda model, a, suites: orig(model, a, suites, adjust)
-ap_main()
+sd.main(adjust)
 for name, eng in engines_seen.items():
     cost = eng.cost
     print(f"{name}: one row {cost.time(1) * 1e3:.1f} ms, measured {cost.age(1)} timed passes ago; "

@@ -3,41 +3,32 @@
 A fresh adaptive engine (qwen2.5-coder-1.5b, the 0.5b draft in q4_0 over a 32K draft vocabulary,
 k <= 5), built N times per arm, alternating: "before" (the policy without the first steps'
 exploring and without cost probes: a new engine starts at a 0.5 prior, and its start-up timing
-decides whether it drafts at all), and "now". Each engine answers the same warm-up request
+decides whether it drafts at all; policy_variants.before, which since first_drafts.txt was taken
+also turns off CostModel.ref), and "now". Each engine answers the same warm-up request
 ("Say hello.", 8 tokens) and then one code prompt (TOKENS tokens). Per engine: the start-up
 one-row time and the (k+1)-row time, the draft tokens and accepted tokens of the code prompt, and
 its decode tok/s; per arm: how many engines drafted fewer than TOKENS / 4 tokens there (stuck at k = 0).
 
     python results_final/zen5_1207b/first_drafts.py [N] [TOKENS] > results_final/zen5_1207b/first_drafts.txt
 """
-import argparse
-import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
-import spec_decode as sd  # noqa: E402
-from specserve.bench.suites import Prompt, load_suites  # noqa: E402
-from specserve.speculative import adaptive  # noqa: E402
+from policy_variants import before, sd
+from specserve.bench.suites import load_suites
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 TOKENS = int(sys.argv[2]) if len(sys.argv) > 2 else 64
-ARGS = argparse.Namespace(quantization="auto", ctx=2048, threads=None)
-PROMPTS = {"warm": [Prompt("warm", "warm", [{"role": "user", "content": "Say hello."}])], **load_suites("code", 1)}
-
-
-def before(eng):
-    eng.policy._cost_probe_due = lambda *args: False
-    eng.policy.news = round(1 / adaptive.PRIOR_ALPHA)
+K = sd.FAST_DRAFT["num_speculative_tokens"]
 
 
 def one(arm):
-    eng = sd.make_engines("qwen2.5-coder-1.5b", [("d", dict(sd.FAST_DRAFT, adaptive=True))], ARGS)["d"]
+    eng = sd.fast_draft_engine(k=K, ctx=2048)
     if arm == "before":
-        before(eng)
-    t1, tk = eng.cost.time(1), eng.cost.time(sd.FAST_DRAFT["num_speculative_tokens"] + 1)
-    [(_, _, warm), (_, _, code)] = sd.chat_prompts(eng.tokenizer, PROMPTS)
-    sd.run_one(eng, warm, 8)
+        before(eng.policy)
+    t1, tk = eng.cost.time(1), eng.cost.time(K + 1)
+    [(_, _, code)] = sd.chat_prompts(eng.tokenizer, load_suites("code", 1))
+    sd.warm_up(eng)
     r = sd.run_one(eng, code, TOKENS)
     spec = r.get("spec") or {"draft_tokens": 0, "accepted_tokens": 0}
     return dict(t1=t1, tk=tk, drafted=spec["draft_tokens"], accepted=spec["accepted_tokens"], tps=r["decode_tps"])

@@ -8,27 +8,18 @@ row time (``CostModel.ref``), the rule turned to "draft" a few steps in as one r
 
     python results_final/zen5_1207b/first_request.py [TRIALS] [TOKENS] > results_final/zen5_1207b/first_request.txt
 """
-import argparse
-import json
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "benchmarks"))
-import spec_decode as sd  # noqa: E402
-from specserve.models.chat_template import ChatTemplate  # noqa: E402
+from policy_variants import long_messages, no_follow, sd
 
 TRIALS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 TOKENS = int(sys.argv[2]) if len(sys.argv) > 2 else 64
 STALE = len(sys.argv) > 3 and sys.argv[3] == "stale"  # the widths keep their own times (as before)
-messages = json.loads(open(os.path.join(HERE, "..", "zen5_1206c", "long.jsonl")).readline())["messages"]
 for trial in range(TRIALS):
-    eng = sd.make_engines("qwen2.5-coder-1.5b", [("d", dict(sd.FAST_DRAFT, adaptive=True))],
-                          argparse.Namespace(quantization="auto", ctx=4096, threads=None))["d"]
+    eng = sd.fast_draft_engine(k=sd.FAST_DRAFT["num_speculative_tokens"])
     if STALE:
-        eng.cost._now = lambda w, table=eng.cost.table: table[w]
-    ct = ChatTemplate(eng.tokenizer.chat_template, eng.tokenizer.bos_token, eng.tokenizer.eos_token)
-    ids = eng.tokenizer.encode(ct.render(messages), add_special_tokens=False)
+        no_follow(eng.policy)
+    ids = sd.chat_ids(eng.tokenizer, long_messages())
     rule, turned = eng.policy._pays_back, []
 
     def recorded(seq, left, cap):

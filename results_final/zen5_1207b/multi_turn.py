@@ -19,18 +19,14 @@ was taken with step_gaps.patch applied (not kept; without it both engines are th
 """
 import argparse
 import json
-import os
 import statistics
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "benchmarks"))
-import spec_decode as sd  # noqa: E402
-from specserve.models.chat_template import ChatTemplate  # noqa: E402
-from specserve.speculative.draft_model import SINK_TOKENS  # noqa: E402
+from policy_variants import LONG, LONG6K, no_gaps, sd
+from specserve.speculative.draft_model import SINK_TOKENS
 
 TOKENS = int(sys.argv[1]) if len(sys.argv) > 1 else 128
-FILES = [os.path.join(HERE, "..", "zen5_1206c", "long.jsonl"), os.path.join(HERE, "..", "zen5_1207", "long6k.jsonl")]
+FILES = [LONG, LONG6K]
 FOLLOW_UPS = ["Now add a short docstring to each class you described, and show only those classes.",
               "Which of these classes would you test first, and how? Write the first test."]
 SPEC = dict(sd.FAST_DRAFT, adaptive=True)
@@ -47,21 +43,19 @@ def as_before(eng):
 engines = sd.make_engines("qwen2.5-coder-1.5b", [("plain", None), (REUSE, SPEC), (BEFORE, SPEC)],
                           argparse.Namespace(quantization="auto", ctx=8192, threads=None))
 if GAPS:
-    engines[BEFORE].policy.gap = lambda drafting: 0.0
+    no_gaps(engines[BEFORE].policy)
 else:
     as_before(engines[BEFORE])
 tok = next(iter(engines.values())).tokenizer
-ct = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
-warm = tok.encode(ct.render([{"role": "user", "content": "Say hello."}]), add_special_tokens=False)
 for eng in engines.values():
-    sd.run_one(eng, warm, 8)
+    sd.warm_up(eng)
 names = list(engines)
 rows = []
 convs = [json.loads(line) for f in FILES for line in open(f)]
 for ci, conv in enumerate(convs):
     messages = list(conv["messages"])
     for turn in range(1 + len(FOLLOW_UPS)):
-        ids = tok.encode(ct.render(messages), add_special_tokens=False)
+        ids = sd.chat_ids(tok, messages)
         k = (ci + turn) % len(names)
         res = {n: sd.run_one(engines[n], ids, TOKENS) for n in names[k:] + names[:k]}
         for n in names:

@@ -8,18 +8,9 @@ re-read); per turn, how much of the new prompt is the last prompt and answer, an
 
     python results_final/zen5_1207b/multi_turn_trace.py > results_final/zen5_1207b/multi_turn_trace.txt
 """
-import argparse
-import json
-import os
-import sys
+from policy_variants import long_messages, sd
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "benchmarks"))
-import spec_decode as sd  # noqa: E402
-from specserve.models.chat_template import ChatTemplate  # noqa: E402
-
-eng = sd.make_engines("qwen2.5-coder-1.5b", [("d", dict(sd.FAST_DRAFT, adaptive=True))],
-                      argparse.Namespace(quantization="auto", ctx=8192, threads=None))["d"]
+eng = sd.fast_draft_engine(k=sd.FAST_DRAFT["num_speculative_tokens"], ctx=8192)
 d = eng.drafter
 slide = d._slide
 
@@ -32,12 +23,11 @@ def traced(seq, st):
 
 d._slide = traced
 tok = eng.tokenizer
-ct = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
-sd.run_one(eng, tok.encode(ct.render([{"role": "user", "content": "Say hello."}]), add_special_tokens=False), 8)
-messages = list(json.loads(open(os.path.join(HERE, "..", "zen5_1206c", "long.jsonl")).readline())["messages"])
+sd.warm_up(eng)
+messages = long_messages()
 prev = []
 for turn in range(4):
-    ids = tok.encode(ct.render(messages), add_special_tokens=False)
+    ids = sd.chat_ids(tok, messages)
     same = next((i for i, (a, b) in enumerate(zip(prev, ids)) if a != b), min(len(prev), len(ids)))
     print(f"turn {turn + 1}: prompt {len(ids)} tokens, the first {same} the last turn's prompt and answer")
     r = sd.run_one(eng, ids, 128)

@@ -13,25 +13,16 @@ step's gap and adds it to the price). The change was not kept (README "A step's 
 forwards"); without it, "priced" is the forwards' time alone and no gaps are printed.
 """
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "benchmarks"))
-import spec_decode as sd  # noqa: E402
-from specserve.models.chat_template import ChatTemplate  # noqa: E402
+from policy_variants import long_messages, sd
 
 TOKENS = int(sys.argv[1]) if len(sys.argv) > 1 else 128
 engs = sd.make_engines("qwen2.5-coder-1.5b", [("plain", None), ("draft", dict(sd.FAST_DRAFT, adaptive=True))],
                        argparse.Namespace(quantization="auto", ctx=8192, threads=None))
-tok = engs["draft"].tokenizer
-ct = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
-warm = tok.encode(ct.render([{"role": "user", "content": "Say hello."}]), add_special_tokens=False)
-ids = tok.encode(ct.render(json.loads(open(os.path.join(HERE, "..", "zen5_1206c", "long.jsonl")).readline())
-                           ["messages"]), add_special_tokens=False)
+ids = sd.chat_ids(engs["draft"].tokenizer, long_messages())
 
 
 def trace(eng):
@@ -57,7 +48,7 @@ def trace(eng):
 
 for name, eng in engs.items():
     steps = trace(eng)
-    sd.run_one(eng, warm, 8)
+    sd.warm_up(eng)
     for rep in range(2):
         steps.clear()
         r = sd.run_one(eng, ids, TOKENS)

@@ -31,8 +31,8 @@ else, with cheap drafts, the drift kept asking an always-unsure drafter every fe
 
 Each width's time is refreshed only by passes of that width, and a drafting engine seldom runs
 its plain width (one row, for one sequence): that time stayed at its start-up measurement, taken
-before the prefetch hint was chosen and under whatever else the machine was doing then (23.8 ms
-against the 16.8 ms one-row forwards took later), so every step over-valued drafting. A
+before the prefetch hint was chosen and under whatever else the machine was doing then (28.4 ms,
+where plain decode then took 20.3 ms a token), so every step over-valued drafting. A
 step that would draft therefore decodes plain once that width was last timed ``every`` passes ago
 (``_cost_probe_due``), with ``every`` set so that these cost probes lose at most COST_PROBE_BUDGET.
 
@@ -78,15 +78,15 @@ class CostModel:
 
     ``age(width)``: timed passes since that width was last measured. A width the engine stops
     running keeps the conditions it was measured under (the prefetch hint before the engine chose
-    one, a neighbour's memory traffic: one row of qwen2.5-coder-1.5b took 17-25 ms on one machine
-    within a minute, while eight rows stayed at 29 ms), so the policy re-times the plain width
-    of a drafting engine now and then (``DraftPolicy``'s cost probes). The other way round, an
-    engine decoding plain re-times one row only: after a long prompt one row's time grows with the
-    context while the verification widths keep their start-up times, at a short one, and drafting
-    looked cheap (a 64-token answer to a 1,548-token prompt began drafting a few steps in, reading
-    530 tokens of the prompt into the draft first).
-    So a width measured before the latest one-row time is scaled by how that time moved since
-    (``ref``): it follows the plain width until it is measured again.
+    one, a neighbour's memory traffic: qwen2.5-coder-1.5b's start-up one-row time was 18-27 ms
+    across 20 fresh engines on one machine, and slower than six rows in two), so the policy
+    re-times the plain width of a drafting engine now and then (``DraftPolicy``'s cost probes).
+    The other way round, an engine decoding plain re-times one row only: after a long prompt one
+    row's time grows with the context while the verification widths keep their start-up times,
+    taken at a short one, and drafting looked cheap (a 64-token answer to a 1,548-token prompt began
+    drafting partway in, reading ~530 tokens of the prompt into the draft first). So a width
+    measured before the latest one-row time is scaled by how that time moved since (``ref``): it
+    follows the plain width until it is measured again.
     """
 
     def __init__(self, max_width: int = 64, alpha: float = 0.25, a: float = 0.01, b: float = 0.001):

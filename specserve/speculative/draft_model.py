@@ -157,15 +157,20 @@ class DraftModelDrafter(Drafter):
             st.num_computed = st.num_cached = self.cache.match_prefix(st)
         return st
 
-    def _view(self, st: _State, tokens: list[int], start: int = 0) -> list[int]:
-        """The draft's view of a sequence's tokens (all of them, or the first SINK_TOKENS and what
-        follows the skipped middle) from its position ``start`` on, without building the part before."""
-        if not st.skip or start >= SINK_TOKENS:
-            return tokens[start + st.skip:]
-        return tokens[start:SINK_TOKENS] + tokens[SINK_TOKENS + st.skip:]
+    @staticmethod
+    def _view(skip: int, tokens: list[int], start: int = 0) -> list[int]:
+        """The draft's view of a sequence's tokens with ``skip`` of them left out after the first
+        SINK_TOKENS (0: all of them) from its position ``start`` on, without building the part before."""
+        if not skip or start >= SINK_TOKENS:
+            return tokens[start + skip:]
+        return tokens[start:SINK_TOKENS] + tokens[SINK_TOKENS + skip:]
 
     def _behind(self, seq: Sequence, st: _State) -> int:  # sequence tokens past the view's computed ones
         return seq.num_tokens - st.skip - st.num_computed
+
+    def _slides(self, seq: Sequence, st: _State) -> bool:
+        """Whether the next proposal slides the view (too far behind to read all it missed)."""
+        return bool(self.window) and self._behind(seq, st) > SINK_TOKENS + self.window
 
     def _plan(self, seq: Sequence, st: _State) -> tuple[int, int]:
         """(skip, tokens of its view the prefix cache holds) for a slide now: of the skips on the
@@ -177,7 +182,7 @@ class DraftModelDrafter(Drafter):
             last = (n - SINK_TOKENS - self.window) // grid * grid
             best = None  # (tokens to read, skip, cached)
             for skip in range(last, max(n - SINK_TOKENS - 2 * self.window, 0) - 1, -grid):
-                cached = self.blocks.cached_prefix(seq.token_ids[:SINK_TOKENS] + seq.token_ids[SINK_TOKENS + skip:])
+                cached = self.blocks.cached_prefix(self._view(skip, seq.token_ids))
                 if best is None or n - skip - cached < best[0]:
                     best = (n - skip - cached, skip, cached)
             st.plan = (n, best[1], best[2])
@@ -189,7 +194,7 @@ class DraftModelDrafter(Drafter):
         skip, _ = self._plan(seq, st)
         self.cache.free(st)
         st.skip = skip
-        st.cache_keys = self._view(st, seq.token_ids)
+        st.cache_keys = self._view(skip, seq.token_ids)
         st.num_computed = self.cache.match_prefix(st)
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
@@ -198,7 +203,7 @@ class DraftModelDrafter(Drafter):
         probs: dict[int, list[torch.Tensor]] = {id(s): [] for s, _ in active}
         for s, _ in active:
             st = self._state(s)
-            if self.window and self._behind(s, st) > SINK_TOKENS + self.window:
+            if self._slides(s, st):
                 self._slide(s, st)
             if self.vocab is not None:  # tokens since the last proposal (the prompt, at first)
                 self.vocab.add(s.token_ids[st.base:])
@@ -208,7 +213,7 @@ class DraftModelDrafter(Drafter):
             rows = []
             for s, k in active:
                 context, st = s.token_ids + drafts[id(s)], self._state(s)
-                rows.append((s, self._view(st, context, st.num_computed),
+                rows.append((s, self._view(st.skip, context, st.num_computed),
                              self._guesses(context, k - len(drafts[id(s)]))))
             logits = self._forward(rows)
             forwards += len(rows)
@@ -296,7 +301,7 @@ class DraftModelDrafter(Drafter):
             st.num_computed = min(st.num_computed, st.base - st.skip + num_accepted)
             self.cache.rollback(st)
         # every position left is a verified token: the sequence so far plus the accepted drafts
-        st.cache_keys = self._view(st, seq.token_ids + st.drafts[:num_accepted])
+        st.cache_keys = self._view(st.skip, seq.token_ids + st.drafts[:num_accepted])
         self.cache.commit(st)
         st.drafts = []
 
@@ -339,9 +344,8 @@ class DraftModelDrafter(Drafter):
 
     def unread(self, seq: Sequence) -> int:
         st = self._state(seq)
-        behind = self._behind(seq, st)
-        if not self.window or behind <= SINK_TOKENS + self.window:
-            return behind
+        if not self._slides(seq, st):
+            return self._behind(seq, st)
         skip, cached = self._plan(seq, st)  # what the slide will read
         return seq.num_tokens - skip - cached
 
