@@ -4,7 +4,8 @@ from engine_utils import make_engine
 from specserve.engine.sequence import Sequence
 from specserve.engine.types import SamplingParams
 from specserve.speculative.adaptive import (COST_PROBE_BUDGET, COST_PROBE_MAX, COST_PROBE_MIN, PRIOR_EVIDENCE,
-                                            PROBE_BUDGET, PROBE_MAX, CostModel, DraftPolicy, calibrate)
+                                            PROBE_BUDGET, PROBE_MAX, AnswerLengths, CostModel, DraftPolicy,
+                                            calibrate)
 
 
 def _seq(accept: float) -> Sequence:
@@ -367,6 +368,48 @@ def test_a_long_catch_up_drafts_only_where_the_answer_can_repay_it():
     fixed = DraftPolicy(4, False, cost, draft_cost=lambda k: 0.004 * k, catch_up_cost=lambda n: 0.001 * n,
                         unread=lambda s: 2000)
     assert fixed.lengths([seq("long")], [128]) == [4]
+
+
+def test_answer_lengths_say_what_may_follow_and_when_a_catch_up_pays():
+    a = AnswerLengths(keep=10)
+    assert a.rest(0, 5000) == [5000]  # nothing finished yet: the budget
+    assert a.draft_now(0, 5000, 0.01, 1.0)  # 50 s of saving against 1 s
+    for n in [0] + [4] * 10 + [400]:  # an empty answer says nothing; the last 10 are kept
+        a.add(n)
+    assert list(a.seen) == [4] * 9 + [400]
+    assert a.rest(0, 100) == [4] * 9 + [100]  # within the budget
+    assert a.rest(10, 5000) == [390]  # only the answers that ran past 10 tokens
+    assert a.rest(500, 5000) == [500] and a.rest(500, 40) == [40]  # longer than all: as many again
+    # the mean (43.6 tokens) x 10 ms > 0.4 s, but waiting 4 tokens spares nine catch-ups for 40 ms
+    assert not a.draft_now(0, 5000, 0.01, 0.4)
+    assert a.draft_now(4, 5000, 0.01, 0.4)  # past the short ones: the long one's 396 tokens repay it
+    assert not a.draft_now(4, 30, 0.01, 0.4)  # unless the budget ends sooner
+    assert not a.draft_now(4, 5000, -0.001, 0.0)  # drafting that saves nothing never pays
+
+
+def test_a_long_catch_up_is_weighed_against_the_answers_seen_not_the_budget():
+    """A chat request without max_tokens has the rest of the context as budget: after short answers
+    have finished, a long prompt's catch-up is weighed against their lengths and the sequence decodes
+    plain; a sequence already longer than the answers seen may draft again."""
+    cost = CostModel()
+    for w, t in ((1, 0.020), (2, 0.021), (3, 0.022), (4, 0.023), (5, 0.030)):
+        cost.add(w, t)
+    policy = DraftPolicy(4, True, cost, draft_cost=lambda k: 0.004 * k, catch_up_cost=lambda n: 0.001 * n,
+                         unread=lambda s: 2000)
+
+    def seq(made: int) -> Sequence:
+        s = Sequence("long", [1, 2, 3], SamplingParams(max_tokens=20000), None)
+        s.output_ids = [7] * made
+        s.accept_ema = s.accept_slow = 0.8
+        return s
+
+    assert policy.lengths([seq(0)], [10000])[0] > 0  # nothing finished yet: the budget repays 2 s
+    for n in (60, 80, 100):
+        policy.finished(seq(n), "stop")
+    policy.finished(seq(5000), "abort")  # an abort says nothing of answers' lengths
+    assert list(policy.answers.seen) == [60, 80, 100]
+    assert policy.lengths([seq(0)], [10000]) == [0]  # ~80 tokens to come cannot repay 2 s
+    assert policy.lengths([seq(400)], [10000])[0] > 0  # 400 made: as many again may come
 
 
 def test_a_draft_models_catch_up_comes_from_its_wide_forwards():

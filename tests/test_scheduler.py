@@ -3,7 +3,10 @@ tiny in-process model."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine_utils import run_all
+from specserve.errors import RequestError
 from specserve.engine.model_runner import logit_rows
 from specserve.engine.scheduler import ScheduledRow, Scheduler
 from specserve.engine.sequence import Sequence
@@ -196,3 +199,58 @@ def test_a_draft_model_reads_a_long_prompt_only_where_the_answer_can_repay_it(ti
         eng.cost.time = lambda width: 0.010 + 0.001 * width  # verification widths nearly free
         assert run_all(eng, [prompt], params) == [plain]
         assert (eng.totals.draft_tokens > 0) is drafts, catch_up
+
+
+def test_after_short_answers_a_long_prompt_without_max_tokens_decodes_plain(tiny_target, tiny_engine):
+    """The engine tells its policy each finished answer's length: after short answers, a long prompt
+    whose budget runs far past them (a chat request without max_tokens) decodes plain where the draft's
+    catch-up costs more than those lengths repay, and drafts once its answer has run as long again as
+    the catch-up needs; a fresh engine, knowing no answers, drafts from its first step. The same tokens
+    either way; costs are set."""
+    from specserve.speculative.draft_model import DraftModelDrafter
+
+    long_prompt = [100 + i % 150 for i in range(300)]
+    long_params = SamplingParams(max_tokens=200, ignore_eos=True)
+    plain = run_all(tiny_engine(max_model_len=512), [long_prompt], long_params)[0]
+    first_draft = {}
+    for warm in (False, True):
+        drafter = DraftModelDrafter(tiny_target, num_blocks=64, block_size=16, max_model_len=512)
+        drafter.draft_cost = lambda k: 0.0
+        drafter.catch_up_cost = lambda n: 0.3 if n > 1 else 0.0  # 40-80 tokens' saving at the costs below
+        eng = tiny_engine(SpeculativeConfig("draft_model", model="tiny", num_speculative_tokens=3), drafter,
+                          max_model_len=512)
+        eng.cost.time = lambda width: 0.010 + 0.001 * width
+        if warm:
+            run_all(eng, [[5, 6, 7, 8] * 4] * 3, SamplingParams(max_tokens=6, ignore_eos=True))
+            assert list(eng.policy.answers.seen) == [6, 6, 6]
+        real = eng.policy.lengths
+
+        def lengths(seqs, limits, extra_width=0, real=real, warm=warm):
+            ks = real(seqs, limits, extra_width)
+            if seqs[0].prompt_ids == long_prompt and ks[0]:
+                first_draft.setdefault(warm, len(seqs[0].output_ids))
+            return ks
+
+        eng.policy.lengths = lengths
+        assert run_all(eng, [long_prompt], long_params) == [plain]
+    assert first_draft[False] <= 1  # the 200-token budget repays the catch-up
+    assert 20 <= first_draft[True] < 150  # 6 tokens expected at first; later as many again as made
+
+
+def test_a_request_may_use_all_of_a_pool_that_holds_one_sequence(tiny_engine):
+    """A pool of one max-length sequence (--max-num-seqs 1) serves a request that fills the context (a
+    chat request without max_tokens is given the rest of it), drafting included: drafts are capped by the
+    tokens left, so nothing is written past prompt + max_tokens. One token more is refused up front."""
+    prompt = [5, 6, 7, 8] * 4
+    room = SamplingParams(max_tokens=256 - len(prompt), ignore_eos=True)
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1)
+    outs = []
+    for s, d in ((None, None), (spec, NgramDrafter(1, 3))):
+        eng = tiny_engine(s, d, max_model_len=256, max_num_seqs=1)
+        assert eng.blocks.num_blocks * 16 == 256
+        outs.append(run_all(eng, [prompt], room)[0])
+        assert len(outs[-1]) == room.max_tokens and eng.cache.idle()
+        assert (eng.totals.draft_tokens > 0) is (s is not None)
+        with pytest.raises(RequestError, match="context length"):
+            eng.add_request("over", prompt, SamplingParams(max_tokens=room.max_tokens + 1))
+    assert outs[0] == outs[1]

@@ -167,8 +167,9 @@ class LLMEngine:
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{len(prompt_ids)} tokens and max_tokens is {params.max_tokens}", param="max_tokens",
                 code="context_length_exceeded")
-        lookahead = self.speculative.num_speculative_tokens + 1 if self.speculative else 1
-        if self.blocks.blocks_needed(len(prompt_ids) + params.max_tokens + lookahead) > self.blocks.num_blocks:
+        # a sequence's cache never holds more than its prompt and max_tokens: the scheduler caps each
+        # step's drafts by the tokens left (a prompt alone, max_tokens 0, reserves one row past it)
+        if self.blocks.blocks_needed(len(prompt_ids) + max(params.max_tokens, 1)) > self.blocks.num_blocks:
             raise RequestError(f"prompt plus max_tokens ({len(prompt_ids) + params.max_tokens} tokens) is more than "
                                f"the KV pool holds ({self.plan.pool_tokens} tokens)", param="max_tokens",
                                code="context_length_exceeded")
@@ -390,6 +391,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
         seq.status, seq.finish_reason, seq.finished_at = Status.FINISHED, reason, time.perf_counter()
+        self.policy.finished(seq, reason)
         if seq in self.running:
             self.running.remove(seq)
         if self.drafter:  # before the KV is freed: the drafter may keep state of the cached blocks

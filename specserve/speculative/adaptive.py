@@ -39,7 +39,11 @@ step that would draft therefore decodes plain once that width was last timed ``e
 A draft model reads a sequence lazily: its first proposal is one forward over the prompt (over at
 most a window of it, draft_model.py). A sequence drafts only where that catch-up can be repaid
 within the tokens it may still make (``_pays_back``): after a 1,700-token prompt read whole, a
-128-token answer lost 23% of its decode speed to it.
+128-token answer lost 23% of its decode speed to it. What it may still make is its budget where
+nothing else is known; a chat request without max_tokens has the rest of the context as budget
+(thousands of tokens), so every long prompt looked worth a catch-up. Once answers have finished,
+their lengths say how many tokens may follow, and whether to pay the catch-up now or decode plain
+until the answer has outrun the short ones (``AnswerLengths``).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ PRIOR_ALPHA = 0.05  # running acceptance over every sequence's steps: where a ne
 PRIOR_EVIDENCE = 16  # until this many steps brought news, a sequence at k = 0 drafts one token anyway
 SLOW_ALPHA = 0.05  # a sequence's slow estimate (accept_slow)
 IDLE_REVERT = 0.1  # a step without news moves the estimate this share of the way up to the slow one
+ANSWERS_KEPT = 64  # finished answers whose lengths say how long a new one may run (AnswerLengths)
 
 
 class CostModel:
@@ -212,6 +217,45 @@ class PassFit:
         return a, b, c
 
 
+class AnswerLengths:
+    """The lengths of the last ``keep`` finished answers, and from them whether a sequence that has
+    made ``made`` tokens (at most ``left`` more) should pay a catch-up now (``draft_now``).
+
+    Each answer seen that ran past ``made`` stands for what this one may still make (capped at
+    ``left``). Paying ``cost`` now earns ``saving`` a token over what is left; paying it only once
+    d more tokens have been made forgoes d tokens' saving on the answers that run on, and spares the
+    cost on those that end first. Drafting starts now when that is worth something and no later
+    start is worth more (a start just after one of the answers seen would have ended is the best of
+    its interval). After one long answer among nine short ones the mean says pay at once; this waits
+    out the short ones' lengths and pays only if the answer runs on. An answer cut by its own
+    max_tokens counts at the length it reached, which errs toward decoding plain. Before any answer
+    has finished, the budget ``left`` stands alone; a sequence already longer than every answer seen
+    may make as many again (capped at ``left``)."""
+
+    def __init__(self, keep: int = ANSWERS_KEPT):
+        self.seen: deque[int] = deque(maxlen=keep)
+
+    def add(self, made: int) -> None:
+        if made > 0:
+            self.seen.append(made)
+
+    def rest(self, made: int, left: int) -> list[int]:
+        """Tokens still to come, one guess per answer seen that ran longer (see the class docstring)."""
+        if not self.seen:
+            return [left]
+        longer = [min(n - made, left) for n in self.seen if n > made]
+        return longer or [min(left, max(made, 1))]
+
+    def draft_now(self, made: int, left: int, saving: float, cost: float) -> bool:
+        rest = self.rest(made, left)
+
+        def value(wait: int) -> float:  # summed over the guesses: a start after ``wait`` more tokens
+            return sum(saving * (r - wait) - cost for r in rest if r > wait)
+
+        now = value(0)
+        return now > 0 and all(now >= value(r) for r in set(rest))
+
+
 def calibrate(cost: CostModel, run, widths: list[int], rounds: int = 3) -> None:
     """Time ``run(width)`` (one forward pass of that width) for each width, interleaved over
     ``rounds`` rounds after one warm-up pass, and fold each width's fastest time into ``cost``
@@ -239,6 +283,7 @@ class DraftPolicy:
         self._next_probe: int | None = None  # the step of the next probe (set at the first step)
         self.prior = 0.5  # where a new sequence's acceptance estimate starts (see learn)
         self.news = 0  # steps that brought news (learn): the evidence behind the prior
+        self.answers = AnswerLengths()  # finished answers' lengths (the catch-up rule's horizon)
 
     def lengths(self, seqs: list[Sequence], limits: list[int], extra_width: int = 0) -> list[int]:
         """Draft length per sequence; limits[i] caps k (tokens left, context left)."""
@@ -300,9 +345,14 @@ class DraftPolicy:
         sequence may still make, at the most its drafts could save a token at its acceptance. A
         long prompt with a short answer decodes plain (its drafter never reads the prompt); the
         same prompt with a long answer drafts. Only catch-ups longer than PROBE_MAX tokens (a
-        prompt's): the shorter ones of a sequence back from k = 0 are the probes' business."""
+        prompt's): the shorter ones of a sequence back from k = 0 are the probes' business. How many
+        tokens may follow, and whether to wait and see, comes from the finished answers' lengths
+        (``answers``, AnswerLengths.draft_now), within ``left``."""
         terms = self.catch_up_terms(seq, cap)
-        return terms is None or terms[0] < left * (self.cost.time(1) - terms[1])
+        if terms is None:
+            return True
+        cost, per_token = terms
+        return self.answers.draft_now(len(seq.output_ids), left, self.cost.time(1) - per_token, cost)
 
     def catch_up_terms(self, seq: Sequence, cap: int) -> tuple[float, float] | None:
         """(seconds of the drafter's catch-up on ``seq``, the least seconds a token costs drafting at
@@ -314,6 +364,11 @@ class DraftPolicy:
         p = seq.accept_ema
         return cost, min((self.cost.time(k + 1) + self.draft_cost(k)) / sum(p ** j for j in range(k + 1))
                          for k in range(1, cap + 1))
+
+    def finished(self, seq: Sequence, reason: str) -> None:
+        """A sequence ended (by a stop or its budget; an abort says nothing of answers' lengths)."""
+        if reason in ("stop", "length"):
+            self.answers.add(len(seq.output_ids))
 
     def _probe_every(self, width: int) -> int:
         """Steps between probes: a drafter that costs a whole forward (a block drafter) probes
