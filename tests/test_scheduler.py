@@ -254,3 +254,34 @@ def test_a_request_may_use_all_of_a_pool_that_holds_one_sequence(tiny_engine):
         with pytest.raises(RequestError, match="context length"):
             eng.add_request("over", prompt, SamplingParams(max_tokens=room.max_tokens + 1))
     assert outs[0] == outs[1]
+
+
+def test_a_drafting_engine_decodes_plain_now_and_then_to_re_time_one_row(tiny_target, tiny_engine):
+    """Cost probes through the engine: a drafting sequence (the draft is the target, so every draft is
+    kept) decodes plain once the one-row width was last timed more than ``every`` passes ago, and the
+    runner's timing of that step re-stamps it. Costs are set (54 passes between probes at these); the
+    tokens equal plain's."""
+    from specserve.speculative.draft_model import DraftModelDrafter
+
+    prompt = [5, 6, 7, 8] * 4
+    params = SamplingParams(max_tokens=300, ignore_eos=True)
+    plain = run_all(tiny_engine(max_model_len=512), [prompt], params)[0]
+    drafter = DraftModelDrafter(tiny_target, num_blocks=64, block_size=16, max_model_len=512)
+    drafter.draft_cost = lambda k: 0.0
+    eng = tiny_engine(SpeculativeConfig("draft_model", model="tiny", num_speculative_tokens=3), drafter,
+                      max_model_len=512)
+    eng.cost.time = lambda width: 0.010 + 0.001 * width
+    eng.policy.news = 16  # past the first steps' exploring
+    seen, real = [], eng.policy.lengths
+
+    def lengths(seqs, limits, extra_width=0):
+        age = eng.cost.age(1)
+        ks = real(seqs, limits, extra_width)
+        seen.append((age, ks[0], limits[0]))
+        return ks
+
+    eng.policy.lengths = lengths
+    assert run_all(eng, [prompt], params) == [plain]
+    probes = [age for age, k, limit in seen if k == 0 and limit >= 3]
+    assert 1 <= len(probes) <= 2 and all(age >= 54 for age in probes), seen
+    assert max(age for age, _, _ in seen) <= 54 + 1  # the probe's own pass re-timed one row
