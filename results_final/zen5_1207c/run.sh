@@ -5,3 +5,5 @@ cd "$(dirname "$0")"
 python short_answers.py > short_answers.txt
 # short_answers_mean.txt was taken with the rule's first version (see its first line); today's equivalent:
 # python short_answers.py mean > short_answers_mean.txt
+# against native llama-server (native_qwen1.5b.md, native_smollm2.md), from the repository root:
+# sh results_final/zen5_1207c/native.sh
