@@ -387,6 +387,28 @@ def test_answer_lengths_say_what_may_follow_and_when_a_catch_up_pays():
     assert not a.draft_now(4, 5000, -0.001, 0.0)  # drafting that saves nothing never pays
 
 
+def test_draft_now_is_the_best_start_over_every_wait():
+    """draft_now's one pass over the sorted guesses equals its definition: pay now when a start now is
+    worth something and no start after w more tokens (w any guess) is worth more."""
+    import random
+
+    def by_definition(a: AnswerLengths, made: int, left: int, saving: float, cost: float) -> bool:
+        rest = a.rest(made, left)
+
+        def value(wait: int) -> float:
+            return sum(saving * (r - wait) - cost for r in rest if r > wait)
+
+        return value(0) > 0 and all(value(0) >= value(r) for r in rest)
+
+    rng = random.Random(0)
+    for _ in range(300):
+        a = AnswerLengths()
+        for _ in range(rng.randint(0, 70)):
+            a.add(rng.choice([rng.randint(1, 10), rng.randint(1, 500)]))
+        args = (rng.randint(0, 300), rng.randint(1, 2000), rng.uniform(-0.002, 0.02), rng.uniform(0.0, 1.0))
+        assert a.draft_now(*args) == by_definition(a, *args), (list(a.seen), args)
+
+
 def test_a_long_catch_up_is_weighed_against_the_answers_seen_not_the_budget():
     """A chat request without max_tokens has the rest of the context as budget: after short answers
     have finished, a long prompt's catch-up is weighed against their lengths and the sequence decodes

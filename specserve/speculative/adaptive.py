@@ -247,13 +247,18 @@ class AnswerLengths:
         return longer or [min(left, max(made, 1))]
 
     def draft_now(self, made: int, left: int, saving: float, cost: float) -> bool:
-        rest = self.rest(made, left)
-
-        def value(wait: int) -> float:  # summed over the guesses: a start after ``wait`` more tokens
-            return sum(saving * (r - wait) - cost for r in rest if r > wait)
-
-        now = value(0)
-        return now > 0 and all(now >= value(r) for r in set(rest))
+        # the value of a start after w more tokens, summed over the guesses r > w:
+        # saving * (sum(r) - w * count) - cost * count; every w a guess is, from the longest down
+        rest = sorted((r for r in self.rest(made, left) if r > 0), reverse=True)
+        total = count = i = 0
+        later = float("-inf")
+        while i < len(rest):
+            w = rest[i]
+            later = max(later, saving * (total - w * count) - cost * count)
+            while i < len(rest) and rest[i] == w:
+                total, count, i = total + w, count + 1, i + 1
+        now = saving * total - cost * count
+        return now > 0 and now >= later
 
 
 def calibrate(cost: CostModel, run, widths: list[int], rounds: int = 3) -> None:
