@@ -85,11 +85,12 @@ def make_engines(model: str, cfgs: list[tuple[str, dict | None]], a: argparse.Na
 _counter = itertools.count()
 
 
-def run_one(engine, ids: list[int], tokens: int) -> dict:
+def run_one(engine, ids: list[int], tokens: int, params: SamplingParams | None = None) -> dict:
+    """One request: ``tokens`` greedy tokens with EOS ignored, or as ``params`` say."""
     out, last = [], None
     drafter = engine.drafter
     before = (getattr(drafter, "num_forwards", 0), getattr(drafter, "num_drafted", 0))
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    params = params or SamplingParams(max_tokens=tokens, ignore_eos=True)
     for o in engine.generate(ids, params, request_id=f"bench-{next(_counter)}"):
         out += o.new_token_ids
         last = o

@@ -153,6 +153,21 @@ def test_completions_default_max_tokens_is_16(srv, engine):
     assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
 
 
+def test_chat_without_max_tokens_may_fill_a_pool_of_one_sequence():
+    """A chat request without max_tokens is given the rest of the context; a KV pool of exactly one
+    max-length sequence (--max-num-seqs 1) serves it to the end, drafts included (they are capped by
+    the tokens left), instead of refusing it for the draft rows it never writes."""
+    eng = FakeEngine(max_model_len=128, kv_blocks=8, block_size=16, responder=lambda prompt, params: "x" * 300)
+    server = make_server(eng)
+    try:
+        assert eng.engine.blocks.num_blocks * 16 == 128
+        r = server.client().chat.completions.create(model="fake-model", messages=MSGS)
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.prompt_tokens + r.usage.completion_tokens == 128
+    finally:
+        server.close()
+
+
 # ---------------------------------------------------------------- streaming
 
 def test_chat_stream_include_usage(srv, engine):

@@ -56,13 +56,9 @@ def requests() -> list[tuple[str, str, list[dict], int | None]]:
 
 def run(engine, ids: list[int], max_tokens: int | None) -> dict:
     room = engine.max_model_len - len(ids)  # what the server gives a chat request without max_tokens
-    before = engine.totals.draft_tokens
-    out, last = [], None
-    for o in engine.generate(ids, SamplingParams(max_tokens=max_tokens or room), request_id=f"r{next(sd._counter)}"):
-        out += o.new_token_ids
-        last = o
-    return {"tokens": out, "prefill": last.prefill_time, "decode": last.decode_time,
-            "drafted": engine.totals.draft_tokens - before}
+    r = sd.run_one(engine, ids, 0, SamplingParams(max_tokens=max_tokens or room))
+    return {"tokens": r["tokens"], "prefill": r["prefill_s"], "decode": r["decode_s"],
+            "drafted": (r.get("spec") or {}).get("draft_tokens", 0)}
 
 
 engines = sd.make_engines("qwen2.5-coder-1.5b", [("plain", None), (NEW, SPEC), (OLD, SPEC)],

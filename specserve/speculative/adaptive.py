@@ -249,7 +249,7 @@ class AnswerLengths:
     def draft_now(self, made: int, left: int, saving: float, cost: float) -> bool:
         # the value of a start after w more tokens, summed over the guesses r > w:
         # saving * (sum(r) - w * count) - cost * count; every w a guess is, from the longest down
-        rest = sorted((r for r in self.rest(made, left) if r > 0), reverse=True)
+        rest = sorted(self.rest(made, left), reverse=True)
         total = count = i = 0
         later = float("-inf")
         while i < len(rest):
@@ -305,7 +305,8 @@ class DraftPolicy:
         ks = [0] * len(seqs)
         width = len(seqs) + extra_width
         tokens = float(len(seqs))
-        best, best_ks, best_time = tokens / self._time(width, ks), list(ks), self._time(width, ks)
+        best_time = self._time(width, ks)
+        best, best_ks = tokens / best_time, list(ks)
         # add drafts in order of marginal gain and keep the best point of the whole path: a cost
         # that is not linear in k (a block drafter, a verification width that starts a new tile)
         # can make one draft a loss and five a win
