@@ -105,6 +105,9 @@ class CharTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join("" if (i < self.OFFSET and skip_special_tokens) else self.id_to_token(i) for i in ids)
 
+    def token_bytes(self, i: int) -> bytes:
+        return self.id_to_token(i).encode()
+
 
 class Scripts:
     """Each prompt's scripted continuation (token ids): what the model and the drafter read."""
@@ -147,6 +150,10 @@ class ScriptedModel(torch.nn.Module):
 
     def weight_bytes(self) -> int:
         return 0
+
+    @property
+    def head_size(self) -> int:  # the logits' width
+        return self.cfg.vocab_size
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> ForwardOutput:
         paging = batch.paging[0]

@@ -76,8 +76,8 @@ def _run(tiny, drafter, params: SamplingParams, k: int = 4) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_tokens=40, ignore_eos=True),
-                                    SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, seed=3)],
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=64, ignore_eos=True),
+                                    SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.8, seed=3)],
                          ids=["greedy", "sampled"])
 def test_guessed_proposals_are_the_draft_models_own(models, params):
     tiny, draft = models

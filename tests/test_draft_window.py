@@ -87,16 +87,18 @@ def test_windowed_draft_keeps_the_targets_output(tiny_target):
     assert all(skip == 0 for _, skip, _ in full.log)
 
 
-def test_sampling_with_a_windowed_draft_keeps_the_target_distribution(tiny_target):
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
+def test_sampling_with_a_windowed_draft_keeps_the_target_distribution(tiny_target, seeded):
     """At temperature > 0: the first three tokens after a prompt the draft reads a window of follow
-    the target's exact joint distribution (the drafts' probabilities are those of the view)."""
+    the target's exact joint distribution, the drafts sampled with the positions' noise (a seed) or
+    verified by rejection sampling with the view's probabilities (none)."""
     from test_suffix import sampled_joint_pvalue
 
     d = _drafter(tiny_target)
     spec = SpeculativeConfig("draft_model", num_speculative_tokens=3, adaptive=False, model="x")
     eng = LLMEngine(tiny_target, EngineConfig(**dict(ECFG, max_num_seqs=32)), spec, d)
     prompt = _prompts()[2]
-    assert sampled_joint_pvalue(eng, tiny_target, prompt, 600) > 0.001
+    assert sampled_joint_pvalue(eng, tiny_target, prompt, 600, seeded=seeded) > 0.001
     assert d.slides and all(skip for _, skip, _ in d.log)
     t = eng.totals
     assert 0 < t.accepted_tokens < t.draft_tokens, t

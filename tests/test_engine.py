@@ -186,6 +186,22 @@ def test_incremental_detokenizer_equals_a_full_decode(name):
                 assert d.text == full, (n, d.text, full)
 
 
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"])
+def test_token_bytes_join_into_the_text(name):
+    """Each token's own bytes (logprobs' "bytes"), joined, are the text's UTF-8, also where a token
+    holds part of a character and decodes alone to U+FFFD (byte-level BPE; SentencePiece's byte
+    fallback); a special token's bytes are its text."""
+    from specserve.models.loader import load_tokenizer
+
+    tok = load_tokenizer(name)
+    text = "Hé 🐉 dragons 数学 𝔘nicode\t ünïcödé"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.decode([i]).endswith("\ufffd") for i in ids)  # split characters: the case in question
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    end = sorted(tok.eos_token_ids)[0]
+    assert tok.token_bytes(end) == tok.id_to_token(end).encode()
+
+
 @pytest.mark.parametrize("name, ends", [("smollm2-135m", {"<|endoftext|>", "<|im_end|>"}),
                                         ("qwen2.5-coder-0.5b", {"<|endoftext|>", "<|im_end|>"}),
                                         ("gemma3-270m", {"<eos>", "<end_of_turn>"})])

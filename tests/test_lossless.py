@@ -1,4 +1,5 @@
-"""Greedy output with speculation is token-for-token the greedy output without it."""
+"""Greedy output with speculation is token-for-token the greedy output without it, and so is a
+seeded request's sampled output."""
 
 import json
 
@@ -40,6 +41,33 @@ def test_speculative_greedy_equals_plain_greedy_smollm2(prompts_and_plain, spec)
     for i, (a, b) in enumerate(zip(plain, got)):
         assert a == b, f"prompt {i}: first difference at token {next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)}"
     assert engine.totals.draft_tokens > 0 and engine.totals.accepted_tokens > 0  # speculation really ran
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+SEEDED = SamplingParams(max_tokens=48, temperature=0.9, top_p=0.95, seed=2026)
+
+
+@pytest.mark.parametrize("spec", [
+    '{"method": "ngram", "num_speculative_tokens": 8}',
+    '{"method": "suffix", "num_speculative_tokens": 8}',
+    '{"method": "draft_model", "model": "smollm2-135m", "quantization": "q4_0", "num_speculative_tokens": 4, '
+    '"adaptive": false}',  # (fixed k: the model drafters draft in every step, alone too)
+    '{"method": "dflash", "model": "smollm2-135m-dflash", "num_speculative_tokens": 7, "adaptive": false}',
+])
+def test_seeded_sampling_with_speculation_equals_plain(prompts_and_plain, spec):
+    """At temperature > 0 a seeded request samples each position with that position's noise: its
+    tokens with speculation equal its tokens without, batched or alone, and again after the
+    drafter has seen the answers (suffix decoding then drafts them, so each position's draft
+    differs from the first run's)."""
+    prompts = prompts_and_plain[0][10:18]  # math, prose, chat
+    plain = run_all(make_engine("--model", "smollm2-135m", "--max-num-seqs", "8"), prompts, SEEDED)
+    assert len({tuple(t) for t in plain}) == len(plain)
+    engine = make_engine("--model", "smollm2-135m", "--max-num-seqs", "8", "--speculative-config", spec)
+    assert run_all(engine, prompts, SEEDED) == plain
+    assert engine.totals.draft_tokens > 0 and engine.totals.accepted_tokens > 0
+    drafted = engine.totals.draft_tokens
+    assert [run_all(engine, [p], SEEDED)[0] for p in prompts[:3]] == plain[:3]  # one at a time, drafted anew
+    assert engine.totals.draft_tokens > drafted
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 

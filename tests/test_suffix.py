@@ -276,9 +276,12 @@ def exact_joint(target, prompt: list[int], params: SamplingParams, n: int) -> di
 DIST = SamplingParams(max_tokens=3, temperature=8.0, top_k=2, ignore_eos=True)  # 8 outcomes, none rare
 
 
-def sampled_joint_pvalue(engine: LLMEngine, target, prompt: list[int], samples: int, seed0: int = 0) -> float:
-    """Sample the first three tokens ``samples`` times (one seed each; DIST) and return the
-    chi-square p-value of the counts against the target's exact joint distribution."""
+def sampled_joint_pvalue(engine: LLMEngine, target, prompt: list[int], samples: int, seed0: int = 0,
+                         seeded: bool = False) -> float:
+    """Sample the first three tokens ``samples`` times (DIST; unseeded requests, verified by
+    rejection sampling, each with a generator of its own; ``seeded``: seeds seed0, seed0 + 1, ...,
+    which sample by their positions' noise whatever is drafted) and return the chi-square p-value of
+    the counts against the target's exact joint distribution."""
     import torch
 
     from test_verify import chi2_pvalue
@@ -289,7 +292,7 @@ def sampled_joint_pvalue(engine: LLMEngine, target, prompt: list[int], samples: 
         done: dict[str, list[int]] = {}
         for s in range(base, min(base + 64, seed0 + samples)):
             done[f"dist-{s}"] = []
-            engine.add_request(f"dist-{s}", prompt, replace(DIST, seed=s))
+            engine.add_request(f"dist-{s}", prompt, replace(DIST, seed=s if seeded else None))
         left = set(done)
         while left:
             for o in engine.step():
@@ -305,22 +308,28 @@ def sampled_joint_pvalue(engine: LLMEngine, target, prompt: list[int], samples: 
     return chi2_pvalue(counts, probs / probs.sum())
 
 
-def test_sampling_keeps_the_target_distribution(tiny, monkeypatch):
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
+def test_sampling_keeps_the_target_distribution(tiny, monkeypatch, seeded):
     """At temperature > 0 the joint distribution of the first three sampled tokens, with suffix
     drafts from the request's own repetitive prompt and from the cached earlier outputs of the
-    same prompt, is the target's exact one; the same test fails a verifier that accepts every
-    point-mass draft."""
+    same prompt, is the target's exact one, verified by the positions' noise (a seed) or by
+    rejection sampling (none); the same test fails a verifier that accepts every point-mass draft."""
     import specserve.engine.llm_engine as llm_engine
 
     prompt = [11, 12, 13, 14] * 5
     eng = suffix_engine(tiny, k=3, max_num_seqs=32, min_token_prob=0.0, max_cached_requests=64)
-    assert sampled_joint_pvalue(eng, tiny, prompt, 1000) > 0.001
+    assert sampled_joint_pvalue(eng, tiny, prompt, 1000, seeded=seeded) > 0.001
     t = eng.totals
     assert 0 < t.accepted_tokens < t.draft_tokens, t  # drafts were accepted and rejected
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
     def accept_all(probs, drafts, draft_probs, generator):
         return len(drafts), list(drafts) + [llm_engine.sampler.sample_from(probs[len(drafts)], generator)]
+
+    def accept_all_keyed(probs, drafts, noise, first):
+        k = len(drafts)
+        return k, list(drafts) + [llm_engine.sampler.sample_at(probs[k], noise.at(first + k, probs.shape[-1]))]
     monkeypatch.setattr(llm_engine, "verify_sampling", accept_all)
+    monkeypatch.setattr(llm_engine, "verify_keyed", accept_all_keyed)
     broken = suffix_engine(tiny, k=3, max_num_seqs=32, min_token_prob=0.0, max_cached_requests=64)
-    assert sampled_joint_pvalue(broken, tiny, prompt, 300) < 0.001
+    assert sampled_joint_pvalue(broken, tiny, prompt, 300, seeded=seeded) < 0.001

@@ -38,7 +38,7 @@ from specserve.models.kv_cache import KVCache
 from specserve.speculative.adaptive import CostModel, DraftPolicy, calibrate
 from specserve.speculative.config import SpeculativeConfig
 from specserve.speculative.drafter import Drafter, Proposal
-from specserve.speculative.verify import verify_greedy, verify_sampling
+from specserve.speculative.verify import verify_greedy, verify_keyed, verify_sampling
 
 log = logging.getLogger("specserve.engine")
 
@@ -191,6 +191,8 @@ class LLMEngine:
             seq.constraint = Constraint(params.structured)
         if not params.greedy:
             seq.generator = sampler.make_generator(params.seed, hash((self.ecfg.seed, request_id)) & 0xFFFFFFFF)
+            if params.seed is not None:  # each position sampled by its own noise: the same text whatever is drafted
+                seq.noise = sampler.PositionNoise(params.seed, self.model.head_size)
         self.waiting.append(seq)
         self.by_id[request_id] = seq
 
@@ -343,6 +345,9 @@ class LLMEngine:
         if p.greedy:
             return verify_greedy(lg, drafts)
         probs = sampler.probs_from_logits(lg, p)
+        if seq.noise is not None:
+            seq.noise.forget_before(len(seq.output_ids))
+            return verify_keyed(probs, drafts, seq.noise, len(seq.output_ids))
         return verify_sampling(probs, drafts, draft_probs, seq.generator)
 
     def _append(self, seq: Sequence, new: list[int], logits: torch.Tensor) -> RequestOutput | None:

@@ -3,6 +3,12 @@
 All functions work on the rows of one sequence. Row j of a verification block is the
 distribution after the sequence's tokens plus the first j draft tokens, so penalties
 count those draft tokens too: target and draft distributions are warped identically.
+
+A request with a seed samples each output position with noise of that position alone
+(``PositionNoise``): the token at position t is a function of the seed, t and the target's
+distribution there, so it does not depend on how many tokens were drafted before it, by which
+drafter, or whether speculation is on. Without a seed, one uniform a draw from the request's
+generator (``sample_from``), and rejection sampling under speculation (speculative/verify.py).
 """
 
 from __future__ import annotations
@@ -87,6 +93,49 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     while probs[idx] == 0 and idx > 0:  # land on a token that has mass
         idx -= 1
     return idx
+
+
+class PositionNoise:
+    """Exponential noise per output position of a seeded request: position t's [width] vector comes
+    from a generator seeded by (seed, t) alone. ``sample_at`` takes argmax p_i / E_i, an exact sample
+    of p (the exponential race, the Gumbel-max trick's form without a second log); a drafter that
+    picks its draft for position t with the same noise (``sample_at`` on its own distribution) is
+    right where the two distributions' races have the same winner, often where they are close.
+    Vectors of positions before ``forget_before`` are dropped."""
+
+    def __init__(self, seed: int, width: int):
+        self.seed, self.width = generator_seed(seed), width
+        self._at: dict[int, torch.Tensor] = {}
+
+    def at(self, pos: int, width: int | None = None) -> torch.Tensor:
+        """[width] float32 exponential noise of output position ``pos`` (a narrower head: the first
+        ``width``; a wider one: the rest +inf, never picked)."""
+        e = self._at.get(pos)
+        if e is None:
+            g = torch.Generator()
+            g.manual_seed(_mix(self.seed, pos))
+            e = self._at[pos] = -torch.log(torch.rand(self.width, generator=g))  # in (0, inf]
+        width = self.width if width is None else width
+        if width <= self.width:
+            return e[:width]
+        return torch.cat([e, torch.full((width - self.width,), float("inf"))])
+
+    def forget_before(self, pos: int) -> None:
+        for t in [t for t in self._at if t < pos]:
+            del self._at[t]
+
+
+def _mix(seed: int, pos: int) -> int:
+    """32 bits (what torch's CPU generator keeps) from a 32-bit seed and a position (splitmix64)."""
+    z = (seed * 0x9E37_79B9_7F4A_7C15 + (pos + 1) * 0xBF58_476D_1CE4_E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+    z = ((z ^ (z >> 30)) * 0xBF58_476D_1CE4_E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+    z = ((z ^ (z >> 27)) * 0x94D0_49BB_1331_11EB) & 0xFFFF_FFFF_FFFF_FFFF
+    return (z ^ (z >> 31)) >> 32
+
+
+def sample_at(probs: torch.Tensor, noise: torch.Tensor) -> int:
+    """One token from a [V] distribution with a position's exponential noise [V] (PositionNoise)."""
+    return int((probs.float() / noise).argmax())
 
 
 def top_logprobs(logits: torch.Tensor, token_ids: list[int], n: int, *, rank: bool = False) -> list[TokenLogprob]:

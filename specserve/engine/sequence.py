@@ -15,6 +15,7 @@ from specserve.engine.types import SamplingParams, AcceptanceStats, TokenLogprob
 
 if TYPE_CHECKING:
     from specserve.engine.constraint import Constraint
+    from specserve.engine.sampler import PositionNoise
     from specserve.engine.multimodal import MultiModalPrompt
 
 
@@ -38,6 +39,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (RequestOutput)
     generator: torch.Generator | None = None
+    noise: "PositionNoise | None" = None  # a seeded sampling request's noise per output position (sampler.py)
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
     drafter_state: dict = field(default_factory=dict)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)

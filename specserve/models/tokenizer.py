@@ -7,6 +7,7 @@ is cached as tokenizer.json, so later starts need only `tokenizers`.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,9 @@ class Tokenizer:
     eos_token: str | None = None
     add_bos: bool = False
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    _bytes: dict[int, bytes] = field(default_factory=dict, repr=False)  # token_bytes, per token asked
+    _decoder: str | None = field(default="", repr=False)  # the decoder's kind ("": not read yet)
+    _byte_of: dict[str, int] | None = field(default=None, repr=False)  # byte-level BPE: char -> byte
 
     @property
     def vocab_size(self) -> int:
@@ -50,6 +54,43 @@ class Tokenizer:
 
     def id_to_token(self, i: int) -> str:
         return self.backend.id_to_token(int(i)) or ""
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token ``i`` adds to the text (OpenAI's logprobs ``bytes``): decoding one token
+        alone gives U+FFFD where it holds part of a multi-byte character (an emoji's first bytes), and
+        these put the character back together when joined. A byte-level BPE token's bytes; under a
+        SentencePiece decoder a byte-fallback token's byte (``<0xF0>``), else its text with the word
+        marker as a space; an added token's text; any other decoder's text of the token alone."""
+        i = int(i)
+        if i not in self._bytes:
+            self._bytes[i] = self._token_bytes(i)
+        return self._bytes[i]
+
+    def _token_bytes(self, i: int) -> bytes:
+        piece = self.id_to_token(i)
+        added = self.backend.get_added_tokens_decoder().get(i)
+        kind = self._decoder_kind()
+        if added is not None or kind is None:
+            return (added.content if added is not None else self.decode([i], skip_special_tokens=False)).encode()
+        if kind == "byte_level":
+            from gguf.vocab import bytes_to_unicode
+
+            if self._byte_of is None:
+                self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
+            if all(c in self._byte_of for c in piece):
+                return bytes(self._byte_of[c] for c in piece)
+            return piece.encode()
+        m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode()
+
+    def _decoder_kind(self) -> str | None:
+        """"byte_level", "sentencepiece" (a word marker and byte fallback) or None (read once)."""
+        if self._decoder == "":
+            dec = json.loads(self.backend.to_str()).get("decoder") or {}
+            types = {d.get("type") for d in dec.get("decoders", [dec])}
+            self._decoder = ("byte_level" if "ByteLevel" in types else
+                             "sentencepiece" if "ByteFallback" in types else None)
+        return self._decoder
 
     def vocab_fingerprint(self) -> list[str]:
         """Tokens in id order: two models can share drafts only if these agree."""

@@ -63,6 +63,10 @@ class ServingContext:
     def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (a piece of a multi-byte character is not U+FFFD here, as in its text)."""
+        return self.engine.tokenizer.token_bytes(token_id)
+
     def bos_id(self) -> int | None:
         tok = self.engine.tokenizer
         bos_id = getattr(tok, "bos_token_id", None)
@@ -342,13 +346,13 @@ def clean_logprob(value: float) -> float:
 
 
 def format_logprobs(ctx: ServingContext, lps: list[TokenLogprob], k: int, ids: bool = False) -> list[dict]:
-    """Per token its text, logprob and UTF-8 bytes, and the top k alternatives' ("top_logprobs"):
-    chat's logprobs.content, and with ``ids`` (each entry's token id as "id") llama-server's
-    completion_probabilities."""
+    """Per token its text, logprob and bytes (its own: joined, they are the text's UTF-8), and the
+    top k alternatives' ("top_logprobs"): chat's logprobs.content, and with ``ids`` (each entry's
+    token id as "id") llama-server's completion_probabilities."""
     def entry(token_id: int, logprob: float) -> dict:
         text = ctx.token_text(token_id)
         out = {"id": token_id} if ids else {}
-        return out | {"token": text, "logprob": clean_logprob(logprob), "bytes": list(text.encode("utf-8"))}
+        return out | {"token": text, "logprob": clean_logprob(logprob), "bytes": list(ctx.token_bytes(token_id))}
 
     return [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top[:k]]} for lp in lps]
 

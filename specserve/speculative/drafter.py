@@ -48,14 +48,17 @@ class Drafter(ABC):
     def seq_state(self, seq: Sequence, factory):
         """This drafter's per-sequence state, made by ``factory()`` on first use.
 
-        The state gets a ``generator`` of its own when the sequence samples (temperature > 0), so
-        drafts are reproducible for a seeded request whatever else shares the batch.
+        The state gets a ``generator`` of its own when the sequence samples (temperature > 0) without
+        a seed (a seeded one drafts with its positions' noise, pick_tokens), seeded apart from every
+        other request's: rejection sampling is exact only where the draft is a fresh sample of q, and
+        one seed for every unseeded request drew the same drafts for the same prompt each time,
+        which biased the output toward them.
         """
         st = seq.drafter_state.get(self.name)
         if st is None:
             st = factory()
             if not seq.params.greedy:
-                st.generator = sampler.make_generator((seq.params.seed or 0) + 7919, hash(seq.request_id) & 0xFFFF)
+                st.generator = sampler.make_generator(None, hash((seq.request_id, self.name, "draft")) & 0xFFFFFFFF)
             seq.drafter_state[self.name] = st
         return st
 
@@ -102,7 +105,8 @@ def pick_tokens(seq: Sequence, logits: torch.Tensor, generator: torch.Generator 
     stop at the first row whose top probability, in the distribution the draft is picked from
     (softmax of the processed logits when greedy), is under it: a rule on the draft alone, so
     verification stays exact. Under structured outputs each row is masked by the sequence's
-    grammar after the earlier drafts, as the target's verification row is (engine/constraint.py)."""
+    grammar after the earlier drafts, as the target's verification row is (engine/constraint.py).
+    A seeded request's drafts are picked with the noise of their positions (sampler.PositionNoise)."""
     p = seq.params
     if p.greedy and not p.modifies_logits and seq.constraint is None:  # every row at once: the argmax per row
         drafts = logits.argmax(dim=-1).tolist()
@@ -127,7 +131,10 @@ def pick_tokens(seq: Sequence, logits: torch.Tensor, generator: torch.Generator 
         q = sampler.probs_from_logits(row, p)[0]
         if p_min and float(q.max()) < p_min:
             break
-        drafts.append(sampler.sample_from(q, generator))
+        if seq.noise is not None:  # a seeded request: the noise the target samples this position with
+            drafts.append(sampler.sample_at(q, seq.noise.at(len(output) + len(drafts), q.shape[-1])))
+        else:
+            drafts.append(sampler.sample_from(q, generator))
         probs.append(q)
     return Proposal(drafts, torch.stack(probs) if probs else None, cut=len(drafts) < logits.shape[0])
 

@@ -12,13 +12,18 @@ So every step yields accepted + 1 tokens. At temperature 0 the result is exactly
 target's greedy continuation; at temperature > 0 rejection sampling (Leviathan et al.
 2023, Chen et al. 2023) keeps the target's distribution exactly. A drafter that gives no
 probabilities (n-gram) is a point mass: q(d_j) = 1.
+
+A seeded request is verified by its positions' noise instead (``verify_keyed``): the target's
+token at each position is the sample its noise picks (engine/sampler.py, PositionNoise), and a
+draft is accepted where it is that token. Every token is then an exact sample of the target's
+distribution, and the same one with or without speculation, whatever was drafted.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specserve.engine.sampler import sample_from
+from specserve.engine.sampler import PositionNoise, sample_at, sample_from
 
 
 def verify_greedy(target_logits: torch.Tensor, drafts: list[int]) -> tuple[int, list[int]]:
@@ -45,6 +50,19 @@ def verify_sampling(target_probs: torch.Tensor, drafts: list[int], draft_probs: 
         return j, list(drafts[:j]) + [_recover(target_probs[j], draft_probs, j, d, generator)]
     k = len(drafts)
     return k, list(drafts) + [sample_from(target_probs[k], generator)]
+
+
+def verify_keyed(target_probs: torch.Tensor, drafts: list[int], noise: PositionNoise,
+                 first: int) -> tuple[int, list[int]]:
+    """target_probs: [k + 1, V]; row j samples output position ``first + j`` with that position's
+    noise. Returns (num accepted, accepted tokens + the first sample that differs, or the bonus)."""
+    width = target_probs.shape[-1]
+    for j, d in enumerate(drafts):
+        tok = sample_at(target_probs[j], noise.at(first + j, width))
+        if tok != d:
+            return j, list(drafts[:j]) + [tok]
+    k = len(drafts)
+    return k, list(drafts) + [sample_at(target_probs[k], noise.at(first + k, width))]
 
 
 def _recover(p: torch.Tensor, draft_probs: torch.Tensor | None, j: int, d: int,
