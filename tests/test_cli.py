@@ -97,6 +97,17 @@ def test_prompt_longer_than_context():
     assert_clean_error(proc, "maximum context length is 32")
 
 
+def test_generate_default_length_fits_a_short_context_and_reads_stdin():
+    """Without --max-tokens, a short --max-model-len caps the default 256 to what the prompt leaves
+    (it was an error naming max_tokens); "-" reads the prompt from standard input."""
+    proc = subprocess.run([sys.executable, "-m", "specserve", "generate", "--json", "--max-model-len", "64",
+                           "--ignore-eos", "-"], input="Count from 1 to 100.", capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    usage = json.loads(proc.stdout)["usage"]
+    assert usage["prompt_tokens"] > 5 and usage["prompt_tokens"] + usage["completion_tokens"] == 64
+
+
 def test_bad_speculative_config_names_the_key():
     assert_clean_error(run_cli("generate", "--speculative-config", '{"method": "ngram", "bogus": 1}', "hi"),
                        "bogus")
@@ -169,3 +180,22 @@ def test_speculative_config_null_means_default():
     for bad, word in [('{"method": null}', "method"), ('{"method": "ngram", "model": "x"}', "ngram")]:
         with pytest.raises(SpecserveError, match=word):
             parse_speculative_config(bad)
+
+
+def test_speculative_config_without_method_reads_it_from_model_as_vllm_does():
+    from specserve.errors import SpecserveError
+    from specserve.speculative.config import parse_speculative_config
+
+    spec = parse_speculative_config('{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 5}')
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft_model", "qwen2.5-coder-0.5b", 5)
+    spec = parse_speculative_config('{"model": "[ngram]", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    assert (spec.method, spec.model, spec.prompt_lookup_max) == ("ngram", None, 3)
+    chain = parse_speculative_config({"method": "chain", "drafters": [{"method": "suffix"}, {"model": "x"}]})
+    assert [d.method for d in chain.drafters] == ["suffix", "draft_model"]
+    with pytest.raises(SpecserveError, match="missing key 'method'"):
+        parse_speculative_config('{"num_speculative_tokens": 4}')
+
+
+def test_a_drafter_given_as_the_model_is_named_as_one():
+    """It said "unsupported architecture '' in config.json"."""
+    assert_clean_error(run_cli("generate", "--model", "smollm2-135m-dflash", "hi"), "dflash drafter for smollm2-135m")

@@ -211,3 +211,16 @@ def test_requests_the_http_parser_refuses_get_json_errors(make, request_bytes, s
     assert err["type"] == "invalid_request_error" and err["code"] == "invalid_http_request"
     assert err["message"].startswith("invalid HTTP request") and reason in err["message"]
     assert httpx.get(s.url + "/health", timeout=WAIT).json() == {"status": "ok"}  # still serving
+
+
+def test_a_header_block_over_16_kb_that_arrives_whole_is_431(make):
+    """h11 limits a header block only while it is incomplete: one sent whole (here 20 KB, in one
+    write) got a 200. The middleware counts the parsed block."""
+    s = make(timeout_s=1)
+    got, headers, body = _raw(s.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Big: "
+                              + b"a" * 20000 + b"\r\n\r\n")
+    assert got == 431 and headers["content-type"] == "application/json"
+    assert json.loads(body)["error"]["code"] == "request_header_fields_too_large"
+    ok, _, _ = _raw(s.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Big: "
+                    + b"a" * 8000 + b"\r\n\r\n")
+    assert ok == 200

@@ -183,6 +183,29 @@ def test_changed_flag(capsys, env):
     assert drift_lines(out) == {"serve.max_num_seqs": "4 -> 6"}
 
 
+def test_equivalent_json_flags_are_no_drift(capsys, env):
+    """A JSON flag spelled another way (spacing, key order, a default written out) is the same
+    setting; a different config is drift, named in its one spelling."""
+    lock(capsys, env, *env.args, "--speculative-config", '{"method": "ngram"}',
+         "--default-chat-template-kwargs", '{"b": 1, "a": 2}')
+    same = ['{"num_speculative_tokens":5,"method":"ngram"}', '{"a":2,"b":1}']
+    rc, out, _ = run(capsys, "verify", env.lock, "--", *env.args, "--speculative-config", same[0],
+                     "--default-chat-template-kwargs", same[1])
+    assert rc == 0, out
+    rc, out, _ = run(capsys, "verify", env.lock, "--", *env.args, "--speculative-config", '{"method": "suffix"}',
+                     "--default-chat-template-kwargs", same[1])
+    assert rc == 3 and list(drift_lines(out)) == ["serve.speculative_config"], out
+
+
+@pytest.mark.parametrize("flags, word", [(["--max-num-seqs", "0"], "--max-num-seqs"),
+                                         (["--max-model-len", "-3"], "--max-model-len"),
+                                         (["--speculative-config", '{"method": "ngram", "bogus": 1}'], "bogus")])
+def test_lock_refuses_what_serve_refuses(capsys, env, flags, word):
+    rc, _, err = run(capsys, "lock", "--out", env.lock, "--", *env.args, *flags)
+    assert rc != 0 and word in err and "Traceback" not in err
+    assert not Path(env.lock).exists()
+
+
 def test_changed_drafter_file(capsys, env):
     spec = json.dumps({"method": "draft_model", "model": str(env.draft), "num_speculative_tokens": 4})
     lock(capsys, env, *env.args, "--speculative-config", spec)

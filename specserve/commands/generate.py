@@ -10,12 +10,16 @@ import time
 from specserve.commands.args import add_engine_args
 
 
+DEFAULT_MAX_TOKENS = 256
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt")
     add_engine_args(p)
     p.set_defaults(max_num_seqs=1)
-    p.add_argument("prompt", help="the user message (or raw text with --raw)")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("prompt", help="the user message (or raw text with --raw); - reads it from standard input")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}, or what the context has left)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -88,9 +92,14 @@ def run(args: argparse.Namespace) -> int:
 def _generate(engine, args: argparse.Namespace) -> int:
     from specserve.engine.types import SamplingParams
 
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
     images = _images(engine, args)
     ids = _prompt_ids(engine, args, images)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+    max_tokens = args.max_tokens
+    if max_tokens is None:  # the default, within what the context leaves after the prompt
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, engine.max_model_len - len(ids)))
+    params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                             seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     t0 = time.perf_counter()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,8 +25,6 @@ logger = logging.getLogger("specserve.engine")
 
 def set_threads(n: int | None) -> int:
     """Use the physical cores (or n): more threads than cores only adds contention."""
-    import os
-
     n = n or max(1, len(os.sched_getaffinity(0)))
     torch.set_num_threads(n)
     ops.set_num_threads(n)
@@ -53,6 +52,11 @@ def build_parts(args: argparse.Namespace) -> EngineParts:
         target = load_model(args.model, replace(options, mmproj=getattr(args, "mmproj", None)))
         return _parts(target, ecfg, spec, options)
     addr = pcfg.dist_init_addr or f"127.0.0.1:{free_port()}"
+    cores = len(os.sched_getaffinity(0))
+    on_cpu = options.device == "cpu" or (options.device == "auto" and not torch.cuda.is_available())
+    if on_cpu and cores < len(pcfg.local_ranks):
+        logger.warning("%d ranks on %d cores: they share the cores unpinned and wait on each other in every "
+                    "collective, slower than fewer ranks", len(pcfg.local_ranks), cores)
     procs = start_workers(args, pcfg, addr)  # they load their shards while this process loads its own
     pin(pcfg.core_sets().get(0))
     try:

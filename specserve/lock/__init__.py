@@ -40,7 +40,7 @@ from typing import Any
 
 from specserve.errors import SpecserveError
 from specserve.lock.compare import Drift, DriftList, apply_allow, diff, flatten, format_drifts, is_allowed
-from specserve.lock.fingerprint import REDACTED, Collector, collect, parse_serve_args, redact_argv
+from specserve.lock.fingerprint import REDACTED, Collector, canonical_flags, collect, parse_serve_args, redact_argv
 from specserve.lock.hashcache import HashCache
 
 __all__ = ["DRIFT_EXIT", "Drift", "DriftList", "build_lock", "check_lock", "format_drifts", "read_lock",
@@ -139,6 +139,8 @@ def _keep_redacted_key(locked: dict[str, Any], current: dict[str, Any]) -> None:
 
 def _compare(lock: dict[str, Any], ns: argparse.Namespace, allow: list[str], full: bool) -> DriftList:
     current = _fingerprint(ns, strict=False, full=full)
+    if isinstance(lock["fingerprint"].get("serve"), dict):  # a lock written before the flags were canonical
+        lock["fingerprint"]["serve"] = canonical_flags(lock["fingerprint"]["serve"])
     _keep_redacted_key(lock["fingerprint"], current)
     check_rules(allow, lock["fingerprint"], current)
     return apply_allow(diff(lock["fingerprint"], current), list(allow))

@@ -81,7 +81,43 @@ def parse_serve_args(argv: list[str]) -> argparse.Namespace:
         raise SpecserveError(f"invalid serve arguments: {exc}") from exc
     if extra:
         raise SpecserveError(f"invalid serve arguments: unrecognized {' '.join(extra)}")
+    _check_values(ns)
     return ns
+
+
+def _check_values(ns: argparse.Namespace) -> None:
+    """What ``serve`` refuses before loading anything (engine limits, the speculative config), so a
+    lock never approves a command that cannot start."""
+    from specserve.engine.config import EngineConfig
+    from specserve.speculative.config import parse_speculative_config
+
+    try:
+        EngineConfig.from_args(ns)
+        parse_speculative_config(ns.speculative_config)
+    except (SpecserveError, ValueError) as exc:
+        raise SpecserveError(f"invalid serve arguments: {exc}") from exc
+
+
+def canonical_flags(section: dict[str, Any]) -> dict[str, Any]:
+    """The serve section with each JSON-valued flag in one spelling: ``--speculative-config`` as the
+    config it parses to (key order, spacing and defaults written out or not: the same config), every
+    other JSON object or array as sorted, compact JSON; a value that does not parse stays as it is."""
+    from dataclasses import asdict
+
+    from specserve.speculative.config import parse_speculative_config
+
+    out = dict(section)
+    for key, value in section.items():
+        if not isinstance(value, str) or value.lstrip()[:1] not in ("{", "["):
+            continue
+        try:
+            parsed = json.loads(value)
+            if key == "speculative_config":
+                parsed = asdict(parse_speculative_config(parsed))
+        except (ValueError, SpecserveError):
+            continue
+        out[key] = json.dumps(parsed, sort_keys=True, separators=(",", ":"))
+    return out
 
 
 def serve_section(ns: argparse.Namespace) -> dict[str, Any]:
@@ -93,7 +129,7 @@ def serve_section(ns: argparse.Namespace) -> dict[str, Any]:
     key = out.get("api_key")
     if key is not None and key != REDACTED:
         out["api_key"] = "sha256:" + hashlib.sha256(key.encode()).hexdigest()
-    return out
+    return canonical_flags(out)
 
 
 def redact_argv(argv: list[str]) -> list[str]:

@@ -140,6 +140,10 @@ def from_hf_config(cfg: dict) -> ModelConfig:
     if "text_config" in cfg:
         top = {k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}  # kept at the top by multimodal configs
         cfg = {**top, **cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    if "model_type" not in cfg and isinstance(cfg.get("drafter"), str):  # one of our drafters (train-drafter's)
+        target = (cfg.get("target") or {}).get("name", "its target")
+        raise ModelLoadError(f"this is a {cfg['drafter']} drafter for {target}, not a model: serve {target} with "
+                             f"--speculative-config '{{\"method\": \"{cfg['drafter']}\", \"model\": ...}}'")
     fam = family_for_model_type(cfg.get("model_type", ""))
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     rope = cfg.get("rope_parameters") or {}

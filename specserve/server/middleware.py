@@ -1,4 +1,5 @@
-"""ASGI middleware in front of the API: bearer-key check, request-size limit, no compressed bodies.
+"""ASGI middleware in front of the API: bearer-key check, header and request-size limits, no
+compressed bodies.
 
 The body is read here in full (up to the limit) and replayed to the app, so a
 body over the limit is refused with 413 whether or not the client sent a
@@ -15,6 +16,9 @@ from specserve.server.protocol import error_body
 
 # paths served without an API key (as vLLM: probes and scrapers need no key)
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+# the request's header block, names and values: h11 refuses more only while the block is still
+# incomplete (its buffer limit), so a block that arrived whole in one read got through at any size
+MAX_HEADER_BYTES = 16 * 1024
 
 
 async def send_error(send, status: int, message: str, code: str | None, headers: list | None = None) -> None:
@@ -33,7 +37,11 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
+        raw = scope.get("headers") or []
+        if sum(len(k) + len(v) + 4 for k, v in raw) > MAX_HEADER_BYTES:
+            return await send_error(send, 431, f"request headers over {MAX_HEADER_BYTES} bytes",
+                                    "request_header_fields_too_large")
+        headers = dict(raw)
         if self.api_key and scope.get("path") not in OPEN_PATHS and not self._authorized(headers):
             return await send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                     "invalid_api_key", [(b"www-authenticate", b"Bearer")])

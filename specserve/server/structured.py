@@ -3,9 +3,11 @@
 Fields, as OpenAI and vLLM take them (at most one per request):
 
 * ``response_format``: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
-  {"name": ..., "schema": {...}, "strict": ...}}`` (the schema is always enforced);
+  {"name": ..., "schema": {...}, "strict": ...}}`` (the schema is always enforced; ``strict``
+  closes its objects, ``closed_objects``);
 * vLLM's ``structured_outputs``: one of ``json`` (a schema), ``regex``, ``choice`` (a list of
-  strings), ``grammar`` (Lark or GBNF), ``json_object: true``; and ``whitespace_pattern``;
+  strings), ``grammar`` (Lark or GBNF), ``json_object: true``; and ``whitespace_pattern``
+  (a regex's ``\\d`` and ``\\w`` are ASCII, as in xgrammar: regex_ascii.py);
 * vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``
   (and ``guided_whitespace_pattern``);
 * llama-server's ``grammar`` (GBNF) and ``json_schema`` (a schema), on chat, completions and its own endpoints;
@@ -36,6 +38,7 @@ from typing import Any
 
 from specserve.engine.constraint import ConstraintSpec, Grammar
 from specserve.errors import RequestError
+from specserve.server.regex_ascii import ascii_classes, lark_ascii
 from specserve.server.tools import CLOSE, OPEN, ToolPlan
 
 CACHE_SIZE = 256  # compiled grammars kept
@@ -123,7 +126,7 @@ def text_format_source(fmt: Any) -> Source | None:
         raise RequestError("text.format json_schema needs schema (a JSON Schema object)", param="text.format.schema")
     if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):
         raise RequestError("text.format.strict must be a boolean", param="text.format.strict")
-    return _json(fmt["schema"], "text.format.schema", None)
+    return _json(fmt["schema"], "text.format.schema", None, strict=bool(fmt.get("strict")))
 
 
 def _from_response_format(fmt: Any) -> Source:
@@ -137,7 +140,7 @@ def _from_response_format(fmt: Any) -> Source:
     if strict is not None and not isinstance(strict, bool):
         raise RequestError("response_format.json_schema.strict must be a boolean",
                            param="response_format.json_schema.strict")
-    return _json(spec["schema"], "response_format.json_schema.schema", None)
+    return _json(spec["schema"], "response_format.json_schema.schema", None, strict=bool(strict))
 
 
 def _from_structured_outputs(value: Any) -> Source:
@@ -170,7 +173,7 @@ def grammar_source(kind: str, value: Any, param: str | None = None, ws: str | No
     if kind == "regex":
         if not isinstance(value, str) or not value:
             raise RequestError(f"{param} must be a non-empty string (a regular expression)", param=param)
-        return Source(llguidance.LLMatcher.grammar_from_regex(value), param, "regex")
+        return Source(llguidance.LLMatcher.grammar_from_regex(ascii_classes(value)), param, "regex")
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise RequestError(f"{param} must be a non-empty list of non-empty strings", param=param)
@@ -178,7 +181,7 @@ def grammar_source(kind: str, value: Any, param: str | None = None, ws: str | No
     if not isinstance(value, str) or not value.strip():
         raise RequestError(f"{param} must be a non-empty string (a Lark or GBNF grammar)", param=param)
     try:
-        return Source(llguidance.grammar_from("grammar", value), param, "grammar")
+        return Source(llguidance.grammar_from("grammar", lark_ascii(value)), param, "grammar")
     except ValueError as exc:
         raise RequestError(f"{param}: {_short(str(exc))}", param=param) from None
 
@@ -194,16 +197,48 @@ def _schema(value: Any, param: str) -> dict | bool:
     return value
 
 
-def _json(value: Any, param: str, ws: str | None) -> Source:
+def _json(value: Any, param: str, ws: str | None, strict: bool = False) -> Source:
     import llguidance
 
     options = COMPACT if ws is None else {"whitespace_flexible": True, "whitespace_pattern": ws}
     try:
         schema = _schema(value, param)
+        if strict:
+            schema = closed_objects(schema)
         text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     except (ValueError, RecursionError) as exc:
         raise RequestError(f"{param}: {_short(str(exc))}", param=param) from None
     return Source(text, param, "JSON schema", schema)
+
+
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+              "unevaluatedItems")
+SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+
+
+def closed_objects(schema: Any) -> Any:
+    """OpenAI's ``strict: true``: every object schema that does not say otherwise takes no properties
+    beyond those it lists (``additionalProperties: false``, which strict mode at OpenAI requires be
+    written and xgrammar, vLLM's default, assumes), through the nested schemas; a copy."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in SCHEMA_ONE:
+        if key in out:
+            out[key] = closed_objects(out[key]) if not isinstance(out[key], list) else \
+                [closed_objects(sub) for sub in out[key]]
+    for key in SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    kind = out.get("type")
+    if (kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out) and \
+            not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(out):
+        out["additionalProperties"] = False
+    return out
 
 
 def _whitespace(value: Any, param: str) -> str | None:

@@ -152,6 +152,7 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
         data = dict(text) if isinstance(text, dict) else text
     if not isinstance(data, dict):
         raise SpecserveError("--speculative-config must be a JSON object")
+    data = _infer_method(data)
     _check_types(data)
     if data.get("method") == "chain":
         return _parse_chain(data)
@@ -168,7 +169,17 @@ def _check_types(data: dict, where: str = "") -> None:
             kind = "a number" if isinstance(want, tuple) else want.__name__
             raise SpecserveError(f"speculative config: {where}{key!r} must be {kind}, got {value!r}")
     if data.get("method") is None:
-        raise SpecserveError(f"speculative config: {where}missing key 'method'")
+        raise SpecserveError(f"speculative config: {where}missing key 'method' (and no \"model\" to infer it from)")
+
+
+def _infer_method(data: dict) -> dict:
+    """vLLM's reading of a config without "method": "model": "[ngram]" (or "ngram") is prompt lookup,
+    any other "model" a draft model."""
+    if data.get("method") is not None or not isinstance(data.get("model"), str):
+        return data
+    if data["model"] in ("[ngram]", "ngram"):
+        return {k: v for k, v in data.items() if k != "model"} | {"method": "ngram"}
+    return data | {"method": "draft_model"}
 
 
 def _config(data: dict) -> SpeculativeConfig:
@@ -192,6 +203,7 @@ def _parse_chain(data: dict) -> SpeculativeConfig:
         where = f"drafters[{i}]: "
         if not isinstance(sub, dict):
             raise SpecserveError(f"speculative config: {where}must be a JSON object, got {sub!r}")
+        sub = _infer_method(sub)
         _check_types(sub, where)
         if sub.get("method") == "chain":
             raise SpecserveError(f"speculative config: {where}a chain inside a chain; chains do not nest")
