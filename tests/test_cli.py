@@ -99,13 +99,17 @@ def test_prompt_longer_than_context():
 
 def test_generate_default_length_fits_a_short_context_and_reads_stdin():
     """Without --max-tokens, a short --max-model-len caps the default 256 to what the prompt leaves
-    (it was an error naming max_tokens); "-" reads the prompt from standard input."""
+    (it was an error naming max_tokens); "-" reads the prompt from standard input; -1 runs to the
+    end of the context."""
     proc = subprocess.run([sys.executable, "-m", "specserve", "generate", "--json", "--max-model-len", "64",
                            "--ignore-eos", "-"], input="Count from 1 to 100.", capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     usage = json.loads(proc.stdout)["usage"]
     assert usage["prompt_tokens"] > 5 and usage["prompt_tokens"] + usage["completion_tokens"] == 64
+    proc = run_cli("generate", "--json", "--max-model-len", "300", "--max-tokens", "-1", "--ignore-eos", "Hi")
+    usage = json.loads(proc.stdout)["usage"]  # llama-cli's -n -1: to the end of the context
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 300
 
 
 def test_bad_speculative_config_names_the_key():

@@ -19,7 +19,8 @@ def add_parser(sub) -> None:
     p.set_defaults(max_num_seqs=1)
     p.add_argument("prompt", help="the user message (or raw text with --raw); - reads it from standard input")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}, or what the context has left)")
+                   help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}, or what the context has left; "
+                        "-1: up to the end of the context)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -96,9 +97,12 @@ def _generate(engine, args: argparse.Namespace) -> int:
         args.prompt = sys.stdin.read()
     images = _images(engine, args)
     ids = _prompt_ids(engine, args, images)
+    left = max(1, engine.max_model_len - len(ids))  # what the context leaves after the prompt
     max_tokens = args.max_tokens
-    if max_tokens is None:  # the default, within what the context leaves after the prompt
-        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, engine.max_model_len - len(ids)))
+    if max_tokens is None:  # the default, within that
+        max_tokens = min(DEFAULT_MAX_TOKENS, left)
+    elif max_tokens < 0:  # llama-cli's -n -1: until the end of the text or the context
+        max_tokens = left
     params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                             seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)

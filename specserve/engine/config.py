@@ -223,6 +223,8 @@ def plan_memory(ecfg: EngineConfig, per_token: int, max_model_len: int, weight_b
     if num_blocks < blocks_one_seq:
         have = f"the KV pool holds {num_blocks * bs} tokens ({max(pool, 0) / 2**20:.0f} MiB at {per_token} bytes/token)"
         fix_len = f"lower --max-model-len to {num_blocks * bs}" if num_blocks else "lower --max-model-len"
+        if bs > max_model_len:  # one block is already more than the context: the block is the fault
+            fix_len = f"lower --block-size {bs} (at most --max-model-len {max_model_len}; 16 is usual)"
         if source == "--kv-cache-memory":
             fix = f"raise --kv-cache-memory to at least {need + fixed} or {fix_len}"
         elif source == "--memory":
