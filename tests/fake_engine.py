@@ -99,6 +99,9 @@ class CharTokenizer:
                 i += 1
         return ([1] + ids) if add_special_tokens and self.add_bos else ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        return [(ord(ch) if ord(ch) < CHARS else ord("?")) + self.OFFSET for ch in text]
+
     def id_to_token(self, i: int) -> str:
         return self.SPECIALS[i] if i < self.OFFSET else chr(i - self.OFFSET)
 

@@ -198,8 +198,28 @@ def test_token_bytes_join_into_the_text(name):
     ids = tok.encode(text, add_special_tokens=False)
     assert any(tok.decode([i]).endswith("\ufffd") for i in ids)  # split characters: the case in question
     assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    # /tokenize's with_pieces, as llama-server: a piece that is not whole characters comes as its bytes
+    from specserve.server.app import _piece
+
+    pieces = [_piece(tok.token_bytes(i)) for i in ids]
+    assert any(isinstance(p, list) for p in pieces)
+    assert b"".join(p.encode() if isinstance(p, str) else bytes(p) for p in pieces) == text.encode()
     end = sorted(tok.eos_token_ids)[0]
     assert tok.token_bytes(end) == tok.id_to_token(end).encode()
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_encode_plain_reads_special_tokens_as_text(name):
+    """llama-server's parse_special false: a special token's spelling is plain text, tokenized as the
+    characters it is; the shared encoder still reads it as the token afterwards."""
+    from specserve.models.loader import load_tokenizer
+
+    tok = load_tokenizer(name)
+    end = tok.id_to_token(min(tok.eos_token_ids))
+    text = f"a{end}b"
+    plain = tok.encode_plain(text)
+    assert min(tok.eos_token_ids) not in plain and tok.decode(plain, skip_special_tokens=False) == text
+    assert min(tok.eos_token_ids) in tok.encode(text, add_special_tokens=False)
 
 
 @pytest.mark.parametrize("name, ends", [("smollm2-135m", {"<|endoftext|>", "<|im_end|>"}),

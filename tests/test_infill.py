@@ -120,7 +120,7 @@ def test_llama_server_completion_endpoint(srv, engine):
         events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line]
     streamed = [p for e in events for p in e.get("completion_probabilities", [])]
     assert [p["id"] for p in streamed] == [p["id"] for p in probs] and "completion_probabilities" not in events[-1]
-    assert all(e["tokens"] == [] for e in events)  # without return_tokens
+    assert [t for e in events for t in e["tokens"]] == [p["id"] for p in probs]  # as llama-server: each event's ids
     assert "completion_probabilities" not in srv.http.post("/completion", json={"prompt": "Hi", "n_predict": 2}).json()
     for bad, param in (({"n_probs": 21}, "n_probs"), ({"n_probs": -1}, "n_probs"),
                        ({"n_probs": 2, "post_sampling_probs": True}, "post_sampling_probs")):
@@ -147,7 +147,15 @@ def test_llama_server_completion_endpoint(srv, engine):
     for bad in ([[7]], [[True, 1.0]], [["", 1.0]], [[7, "x"]]):
         r = srv.http.post("/completion", json={"prompt": "Hi", "logit_bias": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (bad, r.text)
-    for bad, param in (({"prompt": "Hi", "n_predict": 0}, "n_predict"), ({"prompt": []}, "prompt"),
+    # n_predict 0: the prompt alone, evaluated into the prefix cache (llama.vim's ring-buffer requests)
+    r = srv.http.post("/completion", json={"prompt": "Hi", "n_predict": 0}).json()
+    assert r["content"] == "" and r["tokens_predicted"] == 0 and r["stop_type"] == "limit" and r["tokens_evaluated"] == 3
+    with srv.http.stream("POST", "/completion", json={"prompt": "Hi", "n_predict": 0, "stream": True}) as s:
+        events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line]
+    assert [e["content"] for e in events] == [""] and events[-1]["stop"] and events[-1]["tokens_predicted"] == 0
+    r = srv.http.post("/completion", json={"prompt": ["Hi", "there"]})  # one prompt here, named as such
+    assert r.status_code == 400 and "one prompt here" in r.json()["error"]["message"], r.text
+    for bad, param in (({"prompt": "Hi", "n_predict": -2}, "n_predict"), ({"prompt": []}, "prompt"),
                        ({"prompt": "Hi", "n_predict": 10**6}, "n_predict"), ({"prompt": [10**9]}, "prompt")):
         r = srv.http.post("/completion", json=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)

@@ -29,6 +29,7 @@ def test_models_health_version(srv):
     models = srv.client().models.list()
     assert [m.id for m in models.data] == ["fake-model"]
     assert srv.http.get("/health").status_code == 200
+    assert srv.http.get("/v1/health").json() == srv.http.get("/health").json()  # llama-server's alias
     assert srv.http.get("/version").json()["version"]
 
 
@@ -198,6 +199,7 @@ def test_continuous_usage_stats(srv, engine, kind):
     chunks = list(make(stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counts = [ch.usage.completion_tokens for ch in chunks]
     assert all(ch.usage is not None for ch in chunks) and counts == sorted(counts)
+    assert kind == "completions" or counts[0] == 0  # the role chunk: before any output, as vLLM
     assert chunks[-1].choices == [] and counts[-2] == counts[-1] == (SCRIPT_TOKENS if kind == "chat" else 20)
     assert all(ch.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for ch in chunks)
     plain = list(make(stream_options={"include_usage": False, "continuous_usage_stats": True}))
@@ -460,7 +462,7 @@ def test_llama_server_props(srv, engine):
     assert r["default_generation_settings"]["n_ctx"] == engine.max_model_len
     assert r["default_generation_settings"]["params"]["temperature"] == 0.8 and r["total_slots"] >= 1
     assert r["model_alias"] == "fake-model" and r["chat_template"] == engine.tokenizer.chat_template
-    assert r["modalities"] == {"vision": False, "video": False, "audio": False} and r["endpoint_props"]
+    assert r["modalities"] == {"vision": False, "video": False, "audio": False} and not r["endpoint_props"]  # (POST /props: no)
 
 
 def test_tokenize_detokenize(srv):
@@ -473,6 +475,10 @@ def test_tokenize_detokenize(srv):
     assert srv.http.post("/tokenize", json={"content": "ab"}).json()["tokens"] == [ord("a") + 3, ord("b") + 3]
     r = srv.http.post("/tokenize", json={"content": "ab", "add_special": True, "with_pieces": True}).json()
     assert [p["id"] for p in r["tokens"]] == [1, ord("a") + 3, ord("b") + 3] and r["tokens"][1]["piece"] == "a"
+    r = srv.http.post("/tokenize", json={"content": "<s>a"}).json()
+    assert r["tokens"] == [1, ord("a") + 3]  # parse_special (default true): <s> is the token
+    r = srv.http.post("/tokenize", json={"content": "<s>a", "parse_special": False}).json()
+    assert r["tokens"] == [ord(ch) + 3 for ch in "<s>a"]  # its characters
     r = srv.http.post("/tokenize", json={"content": "ab", "prompt": "ab"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     # llama-server's /apply-template: the rendered chat prompt, the text /tokenize counts
@@ -518,8 +524,11 @@ def test_serve_command_wiring(monkeypatch):
 
     monkeypatch.setattr(serve_cmd, "run_server", fake_run_server)
     monkeypatch.setattr(serve_cmd, "_setup_logging", lambda level: None)  # keep the process's logging as is
-    assert main(["serve", "--port", "8123", "--served-model-name", "x", "--reasoning-parser", "qwen3"]) == 0
-    assert started["port"] == started["bound"] == 8123 and started["app"].state.ctx.served_model_name == "x"
+    with socket.socket() as probe:  # a port free now (a fixed one may be taken on the machine)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert main(["serve", "--port", str(port), "--served-model-name", "x", "--reasoning-parser", "qwen3"]) == 0
+    assert started["port"] == started["bound"] == port and started["app"].state.ctx.served_model_name == "x"
     with socket.socket() as busy:  # a port in use fails before the model loads
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -132,3 +132,38 @@ def test_forced_tool_calls_use_the_tokenizers_own_tag_tokens():
         legal[name] = Constraint(ConstraintSpec(grammar)).legal_prefix(written)
     assert legal["tokens"] == len(written)
     assert legal["text"] < len(written)  # what the tags as text did: the call could not be written
+
+
+def test_forced_tool_call_arguments_take_only_the_functions_keys():
+    """A forced call's arguments are closed objects: a key from another tool's parameters (or any
+    key the function does not list) is never legal, so the call cannot break the function it names."""
+    from types import SimpleNamespace
+
+    from specserve.engine.constraint import Constraint
+    from specserve.models.loader import load_tokenizer
+    from specserve.server.structured import requested_source, tag_terms
+    from specserve.server.tools import plan_tools
+
+    tok = load_tokenizer("qwen2.5-coder-0.5b")
+    lltok, _ = build_tokenizer(tok)
+    city = {"city": {"type": "string"}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": city, "required": ["city"]}}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {
+                 "type": "object", "properties": {**city, "tz": {"type": "integer"}}, "required": ["city"]}}},
+             {"type": "function", "function": {"name": "now"}}]
+    req = SimpleNamespace(model_extra={}, response_format=None)
+    grammar = compile_grammar(lltok, requested_source(req, plan_tools(tools, "required", None, "hermes"),
+                                                      tag_terms(tok.backend, lltok)).grammar)
+    open_id, close_id = (tok.backend.token_to_id(t) for t in ("<tool_call>", "</tool_call>"))
+
+    def legal(call: str) -> bool:
+        written = [open_id, *tok.backend.encode(f"\n{call}\n", add_special_tokens=False).ids, close_id]
+        return Constraint(ConstraintSpec(grammar)).legal_prefix(written) == len(written)
+
+    assert legal('{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    assert legal('{"name": "get_time", "arguments": {"city": "Paris", "tz": 1}}')
+    assert legal('{"name": "now", "arguments": {}}')
+    assert not legal('{"name": "get_weather", "arguments": {"city": "Paris", "tz": 1}}')
+    assert not legal('{"name": "get_weather", "arguments": {"city": "Paris", "city2": "London"}}')
+    assert not legal('{"name": "now", "arguments": {"x": 1}}')

@@ -33,6 +33,7 @@ class Tokenizer:
     _bytes: dict[int, bytes] = field(default_factory=dict, repr=False)  # token_bytes, per token asked
     _decoder: str | None = field(default="", repr=False)  # the decoder's kind ("": not read yet)
     _byte_of: dict[str, int] | None = field(default=None, repr=False)  # byte-level BPE: char -> byte
+    _plain: HFTokenizer | None = field(default=None, repr=False)  # a copy that reads special tokens as text
 
     @property
     def vocab_size(self) -> int:
@@ -48,6 +49,16 @@ class Tokenizer:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id] + ids
         return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """``text`` with its special tokens' spellings read as plain text ("<|im_start|>" as the
+        characters, not the token): llama-server's /tokenize with parse_special false. A copy of the
+        backend does it, so the shared one never changes under another caller."""
+        if self._plain is None:
+            plain = HFTokenizer.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

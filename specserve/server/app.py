@@ -122,6 +122,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, responses: ResponsesAPI) -> N
         ("GET", "/v1/models", list_models),
         ("GET", "/v1/models/{model:path}", retrieve_model),
         ("GET", "/health", health),
+        ("GET", "/v1/health", health),  # llama-server's alias
         ("GET", "/version", version),
         ("GET", "/props", props),
         ("GET", "/metrics", metrics_page),
@@ -201,7 +202,7 @@ async def props(ctx: ServingContext, _request: Request) -> dict:
             "modalities": {"vision": ctx.media is not None, "video": False, "audio": False},
             "chat_template": tmpl.source if tmpl is not None else "",
             "bos_token": tok.bos_token or "", "eos_token": tok.eos_token or "",
-            "endpoint_slots": False, "endpoint_props": True, "endpoint_metrics": True,
+            "endpoint_slots": False, "endpoint_props": False, "endpoint_metrics": True,
             "build_info": f"specserve {__version__}", "is_sleeping": False}
 
 
@@ -220,14 +221,23 @@ async def tokenize(ctx: ServingContext, request: Request) -> dict:
         _, ids, images = await ctx.chat_prompt(req.messages, req.chat_template_kwargs, req.add_generation_prompt,
                                                tools, req.continue_final_message)
     elif req.content is not None:  # llama-server's form: BOS only with add_special
-        ids = ctx.encode_prompt(req.content, add_bos=req.add_special)
+        ids = ctx.encode_prompt(req.content, add_bos=req.add_special, parse_special=req.parse_special)
     else:
-        ids = ctx.encode_prompt(req.prompt, add_bos=req.add_special_tokens)
-    pieces = [{"id": t, "piece": ctx.token_text(t)} for t in ids] if req.with_pieces else ids
+        ids = ctx.encode_prompt(req.prompt, add_bos=req.add_special_tokens, parse_special=req.parse_special)
+    pieces = [{"id": t, "piece": _piece(ctx.token_bytes(t))} for t in ids] if req.with_pieces else ids
     out = {"tokens": pieces, "count": len(ids), "max_model_len": ctx.engine.max_model_len}
     if images:  # the placeholder tokens each image takes (they are in count)
         out["image_tokens"] = [img.num_tokens for img in images]
     return out
+
+
+def _piece(raw: bytes) -> str | list[int]:
+    """A token's piece as llama-server gives it: its text, or its bytes where they are not whole
+    UTF-8 characters (a piece of an emoji), so the pieces join back into the text."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
 
 
 async def apply_template(ctx: ServingContext, request: Request) -> dict:

@@ -188,7 +188,7 @@ class DrainMiddleware:
             return await self.app(scope, receive, send)
         path = scope.get("path")
         if self.drain.draining and path not in PASS_PATHS:
-            if path == "/health":
+            if path in ("/health", "/v1/health"):
                 return await _send_json(send, 503, {"status": "draining"})
             return await _send_json(send, 503, unavailable_body(f"{SHUTTING_DOWN}: not accepting new requests"),
                                     [(b"retry-after", str(RETRY_AFTER_S).encode()), (b"connection", b"close")])

@@ -15,7 +15,7 @@ import json
 from specserve.server.protocol import error_body
 
 # paths served without an API key (as vLLM: probes and scrapers need no key)
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/v1/health", "/metrics", "/version"})
 # the request's header block, names and values: h11 refuses more only while the block is still
 # incomplete (its buffer limit), so a block that arrived whole in one read got through at any size
 MAX_HEADER_BYTES = 16 * 1024

@@ -38,7 +38,7 @@ SUMMARIES = {
     "/v1/responses/{response_id}": "A stored response",
     "/v1/models": "The served model",
     "/v1/models/{model}": "One model by id",
-    "/health": "Liveness", "/version": "Server version", "/metrics": "Prometheus metrics (vLLM's names)",
+    "/health": "Liveness", "/v1/health": "Liveness (llama-server's alias)", "/version": "Server version", "/metrics": "Prometheus metrics (vLLM's names)",
     "/props": "Server properties (llama-server's): context size, chat template, default sampling",
     "/tokenize": "Prompt or messages (or llama-server's content) to token ids", "/detokenize": "Token ids to text",
     "/apply-template": "Messages to the chat prompt they render to (llama-server's)",

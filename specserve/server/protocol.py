@@ -15,7 +15,7 @@ import re
 from types import UnionType
 from typing import Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 from starlette.responses import JSONResponse
 
 from specserve.errors import RequestError
@@ -95,6 +95,8 @@ def validation_error(errors: list[dict]) -> RequestError:
         return RequestError(f"invalid JSON body: {err.get('msg', '')}", code="invalid_json")
     param = loc_to_param(tuple(err.get("loc", ())))
     msg = err.get("msg", "invalid value")
+    if err.get("type") == "value_error":  # a validator's own message, without pydantic's "Value error, "
+        msg = msg.removeprefix("Value error, ")
     if err.get("type") == "missing":
         return RequestError(f"missing required field '{param}'", param=param)
     return RequestError(f"invalid value for '{param}': {msg}" if param else msg, param=param)
@@ -294,12 +296,21 @@ class InfillRequest(NativeFields):
 class NativeCompletionRequest(NativeFields):
     prompt: str | list[int]
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and any(isinstance(t, bool) or not isinstance(t, int) for t in value):
+            raise ValueError("one prompt here: a string or a list of token ids (for several prompts, "
+                             "send a request each, or a list to /v1/completions)")
+        return value
+
 
 class TokenizeRequest(_Lenient):
     model: str | None = None
     prompt: str | None = None
     content: str | None = None  # llama-server's name for prompt (with add_special, default false, and with_pieces)
     add_special: bool = False
+    parse_special: bool = True  # llama-server's: false reads special tokens' spellings as plain text
     with_pieces: bool = False
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True

@@ -89,9 +89,11 @@ class ServingContext:
         images = await self.media.load(urls)
         return prompt, expand_images(self.engine.tokenizer, prompt, images, self.vision_cfg), images
 
-    def encode_prompt(self, text: str, add_bos: bool) -> list[int]:
-        """Raw prompt text -> ids, with BOS in front when the tokenizer wants one."""
-        ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+    def encode_prompt(self, text: str, add_bos: bool, parse_special: bool = True) -> list[int]:
+        """Raw prompt text -> ids, with BOS in front when the tokenizer wants one (``parse_special``
+        false: special tokens' spellings are plain text)."""
+        tok = self.engine.tokenizer
+        ids = tok.encode(text, add_special_tokens=False) if parse_special else tok.encode_plain(text)
         if add_bos and getattr(self.engine.tokenizer, "add_bos", False):
             bos = self.bos_id()
             if bos is not None and ids[:1] != [bos]:

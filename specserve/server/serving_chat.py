@@ -172,10 +172,14 @@ async def chat_events(ctx: ServingContext, request_id: str, fan: Fanout, split: 
         base["usage"] = None
     parsers = {c.index: split.streams() for c in fan.choices}
     unfinished = len(fan.choices)
+    if continuous:  # the role chunks come before any output (the engine may be a token ahead by now)
+        before = usage(fan.choices)
+        before.update(completion_tokens=0, total_tokens=before["prompt_tokens"])
+        before.pop("speculative", None)
     for c in fan.choices:
         first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}
-        yield sse({**base, "choices": [first]} | ({"usage": usage(fan.choices)} if continuous else {}))
+        yield sse({**base, "choices": [first]} | ({"usage": before} if continuous else {}))
     async for choice, out in fan:
         delta = chat_delta(parsers[choice.index], out)
         lps = _logprobs_field(ctx, choice, out.new_logprobs) if out.new_logprobs else None

@@ -100,7 +100,7 @@ async def create_infill(ctx: ServingContext, request: Request) -> Response:
                            f"{limit}-token context", param="n_predict", code="context_length_exceeded")
     reserve = n_predict if n_predict > 0 else min(512, limit // 4)
     prompt = build_prompt(ctx.engine.tokenizer, req, ctx.fim, limit - reserve)
-    max_tokens = n_predict if n_predict > 0 else limit - len(prompt.ids)
+    max_tokens = n_predict if n_predict >= 0 else limit - len(prompt.ids)
     return await respond(ctx, request, req, prompt, max_tokens, ctx.fim.end_ids)
 
 
@@ -118,7 +118,7 @@ async def create_native_completion(ctx: ServingContext, request: Request) -> Res
     if not ids:
         raise RequestError("prompt must not be empty", param="prompt")
     max_tokens = resolve_max_tokens(ctx, None if n_predict == -1 else n_predict, None, len(ids), "prompt",
-                                    param="n_predict")
+                                    param="n_predict", minimum=0)
     return await respond(ctx, request, req, InfillPrompt(ids, False), max_tokens, ())
 
 
@@ -133,9 +133,9 @@ def check_native(req: NativeFields) -> int:
         raise RequestError("post_sampling_probs is not supported: n_probs gives the model's own logprobs "
                            "(llama-server's default)", param="post_sampling_probs")
     n_predict = req.max_tokens if req.n_predict == -1 and req.max_tokens else req.n_predict
-    if n_predict == 0 or n_predict < -1:  # as llama-server, -1 is "no limit"
-        raise RequestError(f"n_predict must be -1 (until the context is full) or >= 1, got {n_predict}",
-                           param="n_predict")
+    if n_predict < -1:  # as llama-server, -1 is "no limit" and 0 the prompt alone, into the prefix cache
+        raise RequestError(f"n_predict must be -1 (until the context is full), 0 (the prompt alone, "
+                           f"cached) or >= 1, got {n_predict}", param="n_predict")
     return n_predict
 
 
@@ -275,20 +275,20 @@ def pick_fields(body: dict, paths: list[str]) -> dict:
 
 async def infill_events(ctx: ServingContext, fan: Fanout, prompt: InfillPrompt, limits: Limits,
                         req: NativeFields) -> AsyncIterator[str]:
-    """llama-server's stream: one event per delta with ``content`` and ``stop``; the last one (empty
-    content, ``stop`` true) carries the finished completion's fields. No [DONE] line, as llama-server.
+    """llama-server's stream: one event per delta with ``content``, its token ids and ``stop``; the
+    last one (empty content, no tokens, ``stop`` true) carries the finished completion's fields. No [DONE] line, as llama-server.
     A line is held back until it is complete when n_indent may cut it."""
-    sent = 0
+    sent, tokens = 0, []  # tokens: ids not yet sent (their text may be held back)
     async for choice, out in fan:
         done = limits.reached(choice) or out.finished
         end = len(choice.text) if done or not limits.n_indent else choice.text.rfind("\n") + 1
         n_probs = choice.params.logprobs
         probs = format_logprobs(ctx, out.new_logprobs or [], n_probs, ids=True) if n_probs else None
+        tokens += out.new_token_ids
         if end > sent or probs:
-            event = {"content": choice.text[sent:end], "tokens": list(out.new_token_ids) if req.return_tokens else [],
-                     "stop": False, "id_slot": 0, "index": 0}
+            event = {"content": choice.text[sent:end], "tokens": tokens, "stop": False, "id_slot": 0, "index": 0}
             yield sse(event | ({"completion_probabilities": probs} if probs else {}))
-            sent = end
+            sent, tokens = end, []
         if done:
             yield sse(pick_fields({"content": "", "tokens": [], "index": 0, **final_fields(ctx, choice, prompt)},
                                   req.response_fields))

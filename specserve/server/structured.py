@@ -13,7 +13,8 @@ Fields, as OpenAI and vLLM take them (at most one per request):
 * llama-server's ``grammar`` (GBNF) and ``json_schema`` (a schema), on chat, completions and its own endpoints;
 * ``tool_choice: "required"`` or a named function: the output is the tool-call text the hermes
   parser reads, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, with the
-  arguments constrained by the tool's parameter schema.
+  arguments constrained by the tool's parameter schema, its objects closed (``closed_objects``:
+  a key the function does not take is never written, as OpenAI's strict tools and xgrammar do).
 
 Grammars are compiled by llguidance (no dependencies, a 3 MB wheel; its Earley parser computes
 masks lazily, so a schema's compile is cheap and bounded by its parser limits) in a worker
@@ -267,10 +268,9 @@ def _from_tools(plan: ToolPlan, tags: tuple[str, str]) -> Source:
     for tool in plan.template_tools or []:
         fn = tool["function"]
         if fn["name"] in plan.forced:
-            params = fn.get("parameters")
-            calls.append({"type": "object", "properties": {"name": {"const": fn["name"]},
-                                                           "arguments": {"type": "object"} if params is None
-                                                           else params},
+            params = fn.get("parameters")  # closed: a key the function does not take would break its call
+            args = closed_objects({"type": "object", "properties": {}} if params is None else params)
+            calls.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": args},
                           "required": ["name", "arguments"], "additionalProperties": False})
     schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
     body = json.dumps({**schema, "x-guidance": COMPACT})
