@@ -485,3 +485,16 @@ def test_linear_argument_checks():
     # a row-strided 2-D view (e.g. a slice of a fused projection) is accepted
     big = torch.randn(4, 64)
     assert torch.equal(ops.linear(big[:, :32], w), ops.linear(big[:, :32].contiguous(), w))
+
+
+@pytest.mark.parametrize("key", [0, 5, 5 + 2**32, 2**64 - 1])
+def test_uniform_noise_c_equals_torch(key):
+    """A seeded request's noise: the C kernel and the torch fallback give the same bits (its text
+    cannot depend on which ran); the values are uniform in (0, 1) and differ between keys."""
+    from specserve.kernels.noise import uniform_noise
+
+    got = uniform_noise(key, 50_000, impl="c")
+    assert torch.equal(got, uniform_noise(key, 50_000, impl="torch"))
+    assert 0 < float(got.min()) and float(got.max()) < 1 and abs(float(got.mean()) - 0.5) < 0.01
+    assert torch.equal(uniform_noise(key, 100), got[:100])  # element i depends on (key, i) alone
+    assert not torch.equal(uniform_noise(key ^ 1, 100), got[:100])

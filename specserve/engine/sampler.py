@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from specserve.engine.types import SamplingParams, TokenLogprob
+from specserve.kernels.noise import uniform_noise
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
@@ -96,25 +97,23 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 class PositionNoise:
-    """Exponential noise per output position of a seeded request: position t's [width] vector comes
-    from a generator seeded by (seed, t) alone. ``sample_at`` takes argmax p_i / E_i, an exact sample
+    """Exponential noise per output position of a seeded request: position t's [width] vector is
+    -log of counter-based uniforms keyed by (seed, t) alone (kernels/noise.py). ``sample_at`` takes argmax p_i / E_i, an exact sample
     of p (the exponential race, the Gumbel-max trick's form without a second log); a drafter that
     picks its draft for position t with the same noise (``sample_at`` on its own distribution) is
     right where the two distributions' races have the same winner, often where they are close.
     Vectors of positions before ``forget_before`` are dropped."""
 
     def __init__(self, seed: int, width: int):
-        self.seed, self.width = generator_seed(seed), width
+        self.seed, self.width = seed & 0xFFFF_FFFF_FFFF_FFFF, width
         self._at: dict[int, torch.Tensor] = {}
 
     def at(self, pos: int, width: int | None = None) -> torch.Tensor:
         """[width] float32 exponential noise of output position ``pos`` (a narrower head: the first
         ``width``; a wider one: the rest +inf, never picked)."""
         e = self._at.get(pos)
-        if e is None:
-            g = torch.Generator()
-            g.manual_seed(_mix(self.seed, pos))
-            e = self._at[pos] = -torch.log(torch.rand(self.width, generator=g))  # in (0, inf]
+        if e is None:  # uniforms in (0, 1), a function of (seed, pos, token) alone: E in (0, 16.6]
+            e = self._at[pos] = -torch.log(uniform_noise(_mix(self.seed, pos), self.width))
         width = self.width if width is None else width
         if width <= self.width:
             return e[:width]
@@ -126,11 +125,11 @@ class PositionNoise:
 
 
 def _mix(seed: int, pos: int) -> int:
-    """32 bits (what torch's CPU generator keeps) from a 32-bit seed and a position (splitmix64)."""
+    """A position's 64-bit noise key from a 64-bit seed and the position (splitmix64)."""
     z = (seed * 0x9E37_79B9_7F4A_7C15 + (pos + 1) * 0xBF58_476D_1CE4_E5B9) & 0xFFFF_FFFF_FFFF_FFFF
     z = ((z ^ (z >> 30)) * 0xBF58_476D_1CE4_E5B9) & 0xFFFF_FFFF_FFFF_FFFF
     z = ((z ^ (z >> 27)) * 0x94D0_49BB_1331_11EB) & 0xFFFF_FFFF_FFFF_FFFF
-    return (z ^ (z >> 31)) >> 32
+    return z ^ (z >> 31)
 
 
 def sample_at(probs: torch.Tensor, noise: torch.Tensor) -> int:

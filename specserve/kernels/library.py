@@ -101,6 +101,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ss_kv_quantize.restype = _i32
     lib.ss_fp8_e4m3_to_float.argtypes = [_i32]
     lib.ss_fp8_e4m3_to_float.restype = _f32
+    lib.ss_uniform_noise.argtypes = [ctypes.c_uint64, _i64, _vp]
+    lib.ss_uniform_noise.restype = _i32
     lib.ss_rms_norm.argtypes = [_vp, _i64, _i64, _i64, _vp, _f32, _i32, _vp, _i64, _i32]
     lib.ss_rms_norm.restype = _i32
     lib.ss_add_rms_norm.argtypes = [_vp, _vp, _i64, _i64, _vp, _f32, _i32, _vp, _vp, _i32]

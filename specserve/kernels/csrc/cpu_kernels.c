@@ -255,6 +255,22 @@ SS_INLINE void rms_row(const float *x, const float *w, float *o, int64_t K, floa
     }
 }
 
+/* Uniforms in (0, 1) for a seeded request's position noise (specserve/kernels/noise.py):
+ * out[i] = (top 23 bits of splitmix64(key + (i + 1) * golden) + 0.5) / 2^23. A counter-based
+ * generator: each element is a function of (key, i) alone, in exact integer arithmetic, so the
+ * torch fallback computes the same bits. */
+SS_EXPORT int ss_uniform_noise(uint64_t key, int64_t n, float *out) {
+    if (n < 0) return SS_EINVAL;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t z = key + (uint64_t)(i + 1) * 0x9E3779B97F4A7C15ull;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        out[i] = ((float)(int32_t)(z >> 41) + 0.5f) * (1.0f / 8388608.0f);
+    }
+    return 0;
+}
+
 /* out = rmsnorm(x) * (w or 1 + w); rows of length K, strides ldx / ldo */
 SS_EXPORT int ss_rms_norm(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, float eps,
                           int unit_offset, float *out, int64_t ldo, int nthreads) {
