@@ -462,7 +462,8 @@ def test_llama_server_props(srv, engine):
     assert r["default_generation_settings"]["n_ctx"] == engine.max_model_len
     assert r["default_generation_settings"]["params"]["temperature"] == 0.8 and r["total_slots"] >= 1
     assert r["model_alias"] == "fake-model" and r["chat_template"] == engine.tokenizer.chat_template
-    assert r["modalities"] == {"vision": False, "video": False, "audio": False} and not r["endpoint_props"]  # (POST /props: no)
+    assert r["modalities"] == {"vision": False, "video": False, "audio": False}
+    assert not r["endpoint_props"]  # (no POST /props)
 
 
 def test_tokenize_detokenize(srv):

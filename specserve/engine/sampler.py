@@ -98,10 +98,11 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 class PositionNoise:
     """Exponential noise per output position of a seeded request: position t's [width] vector is
-    -log of counter-based uniforms keyed by (seed, t) alone (kernels/noise.py). ``sample_at`` takes argmax p_i / E_i, an exact sample
-    of p (the exponential race, the Gumbel-max trick's form without a second log); a drafter that
-    picks its draft for position t with the same noise (``sample_at`` on its own distribution) is
-    right where the two distributions' races have the same winner, often where they are close.
+    -log of counter-based uniforms keyed by (seed, t) alone (kernels/noise.py). ``sample_at`` takes
+    argmax p_i / E_i, an exact sample of p (the exponential race, the Gumbel-max trick's form without
+    a second log); a drafter that picks its draft for position t with the same noise (``sample_at``
+    on its own distribution) is right where the two distributions' races have the same winner,
+    often where they are close.
     Vectors of positions before ``forget_before`` are dropped."""
 
     def __init__(self, seed: int, width: int):

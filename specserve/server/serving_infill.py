@@ -276,7 +276,8 @@ def pick_fields(body: dict, paths: list[str]) -> dict:
 async def infill_events(ctx: ServingContext, fan: Fanout, prompt: InfillPrompt, limits: Limits,
                         req: NativeFields) -> AsyncIterator[str]:
     """llama-server's stream: one event per delta with ``content``, its token ids and ``stop``; the
-    last one (empty content, no tokens, ``stop`` true) carries the finished completion's fields. No [DONE] line, as llama-server.
+    last one (empty content, no tokens, ``stop`` true) carries the finished completion's fields. No
+    [DONE] line, as llama-server.
     A line is held back until it is complete when n_indent may cut it."""
     sent, tokens = 0, []  # tokens: ids not yet sent (their text may be held back)
     async for choice, out in fan:
