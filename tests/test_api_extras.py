@@ -161,6 +161,32 @@ def test_405_carries_allow():
         s.close()
 
 
+def test_served_model_names_as_vllm_takes_them():
+    """--served-model-name takes several names (vLLM's): answers report the first, requests may give
+    any; without it, the --model value as given (a path) is a name too, beside the model's own."""
+    from specserve.commands.args import build_serve_parser
+    from specserve.server.config import ServerConfig
+
+    def cfg(*argv):
+        return ServerConfig.from_args(build_serve_parser().parse_args(list(argv)))
+
+    two = cfg("--served-model-name", "org/a", "b")
+    assert two.served_model_name == "org/a" and two.model_aliases == ("b",)
+    path = cfg("--model", "/models/x/model.gguf")
+    assert path.served_model_name is None and path.model_aliases == ("/models/x/model.gguf",)
+    s = make_server(served_model_name="org/a", model_aliases=("b",))
+    try:
+        c = s.client()
+        for name in ("org/a", "b", "fake-model"):
+            assert c.models.retrieve(name).id == "org/a"
+            assert c.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=2).model == "org/a"
+        with pytest.raises(openai.NotFoundError):
+            c.models.retrieve("c")
+    finally:
+        s.close()
+
+
 def test_models_retrieve():
     s = make_server(served_model_name="org/my-model")
     try:

@@ -187,8 +187,14 @@ def test_hf_dir_missing_shard_is_an_error(tmp_path: Path) -> None:
 
 
 def test_dir_without_config_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="an empty model name"):
+        resolve_model("")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_model(str(tmp_path / "empty"))
+    for name in ("a.gguf", "b.gguf"):  # two GGUFs: which one to load is the question, and said so
+        (tmp_path / "empty" / name).write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match=r"holds 2 GGUF files \(a.gguf, b.gguf\)"):
         resolve_model(str(tmp_path / "empty"))
 
 

@@ -203,3 +203,38 @@ def test_speculative_config_without_method_reads_it_from_model_as_vllm_does():
 def test_a_drafter_given_as_the_model_is_named_as_one():
     """It said "unsupported architecture '' in config.json"."""
     assert_clean_error(run_cli("generate", "--model", "smollm2-135m-dflash", "hi"), "dflash drafter for smollm2-135m")
+
+
+def test_kv_cache_dtype_takes_vllms_spellings():
+    """vLLM's --kv-cache-dtype fp8 (e4m3) and the long dtype names mean our short ones."""
+    from specserve.commands.args import build_serve_parser
+
+    parse = build_serve_parser().parse_args
+    got = [parse(["--kv-cache-dtype", v]).kv_cache_dtype for v in ("fp8", "bfloat16", "float16", "int8")]
+    assert got == ["fp8_e4m3", "bf16", "fp16", "int8"]
+
+
+def test_chat_template_from_a_file_or_inline(tmp_path):
+    """--chat-template takes a file, or the template itself inline (vLLM's single-line form); an empty
+    value and a missing file that is no template are errors naming the flag."""
+    from specserve.errors import SpecserveError
+    from specserve.server.config import read_chat_template
+
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert read_chat_template(inline) == inline
+    (tmp_path / "t.jinja").write_text(inline)
+    assert read_chat_template(str(tmp_path / "t.jinja")) == inline
+    for bad, message in (("", "an empty value"), (str(tmp_path / "none.jinja"), "cannot read --chat-template")):
+        with pytest.raises(SpecserveError, match=message):
+            read_chat_template(bad)
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    """--api-key defaults to $SPECSERVE_API_KEY (kept out of ps, as vLLM's $VLLM_API_KEY); the flag wins."""
+    from specserve.commands.args import build_serve_parser
+
+    monkeypatch.setenv("SPECSERVE_API_KEY", "from-env")
+    assert build_serve_parser().parse_args([]).api_key == "from-env"
+    assert build_serve_parser().parse_args(["--api-key", "flag"]).api_key == "flag"
+    monkeypatch.delenv("SPECSERVE_API_KEY")
+    assert build_serve_parser().parse_args([]).api_key is None

@@ -68,6 +68,37 @@ def test_seeded_sampling_reproduces_and_differs_across_seeds(engine, prompts):
     assert d != a
 
 
+def test_engine_seed_repeats_a_run_of_unseeded_requests(prompts):
+    """--seed N (vLLM's): the same unseeded sampled requests in the same order give the same texts in
+    a new engine (a restarted server); each request still samples apart from the others, and
+    another engine seed gives other texts. (Request ids are random per run and do not count.)"""
+    params = SamplingParams(max_tokens=16, temperature=1.0)
+
+    def run(seed: int) -> list[list[int]]:
+        eng = make_engine("--model", "smollm2-135m", "--max-model-len", "512", "--seed", str(seed))
+        return [run_one(eng, prompts[1], params)[0] for _ in range(3)]
+
+    first = run(42)
+    assert run(42) == first and len({tuple(t) for t in first}) == 3
+    assert run(43) != first
+
+
+def test_prefill_time_leaves_out_the_queue(prompts):
+    """llama-server's prompt_ms (the prefill time here) runs from admission: a request queued behind
+    another (--max-num-seqs 1) waits through the first one's whole decode, which its time to first
+    token counts and its prefill time does not."""
+    eng = make_engine("--model", "smollm2-135m", "--max-model-len", "512", "--max-num-seqs", "1")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for rid in ("first", "queued"):
+        eng.add_request(rid, prompts[0], params)
+    last = {}
+    while len(last) < 2:
+        last.update({out.request_id: out for out in eng.step() if out.finished})
+    queued, first = last["queued"], last["first"]
+    assert queued.first_token_latency > first.first_token_latency + first.decode_time
+    assert queued.prefill_time < queued.first_token_latency - first.decode_time
+
+
 def test_stop_strings_max_tokens_and_logprobs(engine, prompts):
     toks, last = run_one(engine, prompts[0], SamplingParams(max_tokens=5, logprobs=3))
     assert len(toks) == 5 and last.finish_reason == "length"

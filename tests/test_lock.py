@@ -327,3 +327,13 @@ def test_allow_rules_and_redaction():
     assert not is_allowed("packagesx.numpy", ["packages"])
     assert redact_argv(["--api-key", "k", "--api-key=k2", "--port", "1"]) == \
         ["--api-key", "<redacted>", "--api-key=<redacted>", "--port", "1"]
+
+
+@pytest.mark.parametrize("flags, message", [(["--lock", ""], "--lock: an empty path"),
+                                            (["--lock", " "], "--lock: an empty path"),
+                                            (["--lock-allow", "kernels"], "--lock-allow applies to --lock")])
+def test_serve_refuses_a_lock_flag_that_checks_nothing(capsys, flags, message):
+    """serve --lock "$UNSET" would start without its drift check: an empty path is an error, and so is
+    --lock-allow without --lock (both before anything loads)."""
+    rc, _, err = run(capsys, "serve", *flags)
+    assert rc == 1 and message in err and "Traceback" not in err

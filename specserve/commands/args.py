@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 
 from specserve.engine.step_budget import DEFAULT_MAX_STEP_MS
@@ -18,6 +19,8 @@ MAX_THREADS = 1024
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 MAX_BYTES = 2**50  # 1 PiB: more is a typo
+# vLLM's spellings of --kv-cache-dtype (its fp8 is e4m3 by default)
+KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "half": "fp16"}
 
 
 def int_in(lo: int, hi: int | None = None):
@@ -95,7 +98,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(models with a vision tower; counted in the memory plan)")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of free memory for weights + KV when --kv-cache-memory is unset")
-    p.add_argument("--kv-cache-dtype", default="auto",
+    p.add_argument("--kv-cache-dtype", default="auto", type=lambda v: KV_DTYPE_ALIASES.get(v, v),
                    choices=["auto", "fp32", "bf16", "fp16", "fp8_e4m3", "int8", "int4"],
                    help="KV cache storage (auto: fp32 on CPU, the activation dtype on CUDA); fp8_e4m3 / int8: "
                         "per-token scales, int4: groups of 32 (CPU only); see specserve/models/kv_cache.py")
@@ -113,7 +116,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int_in(0, 65535), default=8000)
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names requests may give as model; answers report the first (default: the "
+                        "model's name, and the --model value as given)")
     p.add_argument("--chat-template", default=None, help="jinja file replacing the model's template")
     p.add_argument("--default-chat-template-kwargs", default=None,
                    help="JSON object of template variables; a request's chat_template_kwargs override them")
@@ -121,7 +126,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "none"],
                    help="read tool calls out of chat output (auto: hermes when the chat template writes "
                         "<tool_call> tags; none: calls stay text)")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY") or None,
+                   help="the key requests must send as 'Authorization: Bearer KEY' (default: $SPECSERVE_API_KEY, "
+                        "which keeps it out of the process list, as vLLM's $VLLM_API_KEY)")
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--max-n", type=int, default=8, help="largest n a request may ask for")
     p.add_argument("--max-stored-responses", type=int, default=1000,

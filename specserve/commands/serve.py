@@ -70,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
     if pcfg.node_rank > 0:  # another machine's share of the ranks: workers only, no HTTP
         _setup_logging("debug" if level == "trace" else level)
         return run_node(args, pcfg)
+    if args.lock is not None and not args.lock.strip():  # "--lock $UNSET" must not skip the check
+        raise SpecserveError("--lock: an empty path (is the variable that names the lock file unset?)")
+    if args.lock_allow and args.lock is None:
+        raise SpecserveError("--lock-allow applies to --lock, which is not given")
     if args.lock:
         status = check_lock(args)
         if status:

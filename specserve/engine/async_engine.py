@@ -46,7 +46,9 @@ class AsyncEngine:
         from specserve.engine.builder import build_engine
 
         engine = build_engine(args)
-        return cls(engine, getattr(args, "served_model_name", None) or engine.target.name, own_thread)
+        names = getattr(args, "served_model_name", None)
+        name = names if isinstance(names, str) else (names or [None])[0]
+        return cls(engine, name or engine.target.name, own_thread)
 
     def run_forever(self, keep_going=lambda: True) -> None:
         """Run the step loop in the calling thread until shutdown() or keep_going() is false."""

@@ -10,6 +10,7 @@ what else shares the batch, on chunking, or on speculation.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import replace
@@ -87,6 +88,7 @@ class LLMEngine:
                                    on_preempt=drafter.on_finished if drafter else lambda seq: None,
                                    computable=encoder.computable if encoder is not None else None)
         self.by_id: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()  # unseeded sampling requests, numbered for their keys
         if self.policy.adaptive and drafter is not None:
             self._calibrate(k_max)
 
@@ -190,7 +192,11 @@ class LLMEngine:
         if params.structured is not None:  # structured outputs: the sequence's grammar state
             seq.constraint = Constraint(params.structured)
         if not params.greedy:
-            seq.generator = sampler.make_generator(params.seed, hash((self.ecfg.seed, request_id)) & 0xFFFFFFFF)
+            # without a seed: the engine seed's key for this request's arrival number, so --seed N makes a
+            # run's sampled answers repeat after a restart (vLLM's --seed), and no two requests share one
+            seq.sample_key = params.seed if params.seed is not None else \
+                sampler.mix_key(self.ecfg.seed & 0xFFFF_FFFF_FFFF_FFFF, next(self._arrivals))
+            seq.generator = sampler.make_generator(params.seed, seq.sample_key)
             if params.seed is not None:  # each position sampled by its own noise: the same text whatever is drafted
                 seq.noise = sampler.PositionNoise(params.seed, self.model.head_size)
         self.waiting.append(seq)

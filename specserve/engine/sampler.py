@@ -114,7 +114,7 @@ class PositionNoise:
         ``width``; a wider one: the rest +inf, never picked)."""
         e = self._at.get(pos)
         if e is None:  # uniforms in (0, 1), a function of (seed, pos, token) alone: E in (0, 16.6]
-            e = self._at[pos] = -torch.log(uniform_noise(_mix(self.seed, pos), self.width))
+            e = self._at[pos] = -torch.log(uniform_noise(mix_key(self.seed, pos), self.width))
         width = self.width if width is None else width
         if width <= self.width:
             return e[:width]
@@ -125,8 +125,9 @@ class PositionNoise:
             del self._at[t]
 
 
-def _mix(seed: int, pos: int) -> int:
-    """A position's 64-bit noise key from a 64-bit seed and the position (splitmix64)."""
+def mix_key(seed: int, pos: int) -> int:
+    """A 64-bit key from a 64-bit seed and a counter (splitmix64): a seeded request's noise key of
+    position ``pos``; an unseeded request's key from the engine seed and its arrival number."""
     z = (seed * 0x9E37_79B9_7F4A_7C15 + (pos + 1) * 0xBF58_476D_1CE4_E5B9) & 0xFFFF_FFFF_FFFF_FFFF
     z = ((z ^ (z >> 30)) * 0xBF58_476D_1CE4_E5B9) & 0xFFFF_FFFF_FFFF_FFFF
     z = ((z ^ (z >> 27)) * 0x94D0_49BB_1331_11EB) & 0xFFFF_FFFF_FFFF_FFFF

@@ -11,6 +11,7 @@ sequences are preempted (freed and requeued at the front)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,6 +79,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            if seq.started_at is None:  # its prefill starts now: the time queued is not prefill time
+                seq.started_at = time.perf_counter()
             self.running.append(seq)
         self.waiting.extendleft(reversed(deferred))
 

@@ -39,6 +39,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (RequestOutput)
     generator: torch.Generator | None = None
+    sample_key: int = 0  # what its randomness comes from: its seed, or the engine seed's key for its arrival
     noise: "PositionNoise | None" = None  # a seeded sampling request's noise per output position (sampler.py)
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
     drafter_state: dict = field(default_factory=dict)
@@ -46,6 +47,7 @@ class Sequence:
     pending_ids: list[int] = field(default_factory=list)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    started_at: float | None = None  # first admitted to run (before it: queued)
     finished_at: float | None = None
     accept_ema: float | None = None  # running estimate of the per-token draft acceptance (None: the
     # policy's prior, set at the sequence's first draft-length choice)
@@ -102,7 +104,9 @@ class Sequence:
         return self.status is Status.FINISHED
 
     def prefill_time(self) -> float:
-        return (self.first_token_at or time.perf_counter()) - self.arrival
+        """From admission to the first token (llama-server's prompt_ms: the queue not counted; the
+        time to first token, from arrival, is first_token_latency)."""
+        return (self.first_token_at or time.perf_counter()) - (self.started_at or self.arrival)
 
     def decode_time(self) -> float:
         if self.first_token_at is None:

@@ -107,6 +107,8 @@ def canonical_flags(section: dict[str, Any]) -> dict[str, Any]:
     from specserve.speculative.config import parse_speculative_config
 
     out = dict(section)
+    if isinstance(section.get("served_model_name"), str):  # one name, before it took several
+        out["served_model_name"] = [section["served_model_name"]]
     for key, value in section.items():
         if not isinstance(value, str) or value.lstrip()[:1] not in ("{", "["):
             continue

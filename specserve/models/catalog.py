@@ -224,7 +224,10 @@ def _resolve_dir(path: Path, name: str, source: str, *, tokenizer: bool = True) 
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return _resolve_gguf(ggufs[0], name, source)
-        raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json)")
+        if ggufs:  # (an mmproj beside its model counts too: the model file is the one to name)
+            listed = ", ".join(g.name for g in ggufs[:4]) + (", ..." if len(ggufs) > 4 else "")
+            raise ModelLoadError(f"{path} holds {len(ggufs)} GGUF files ({listed}): give --model the one to load")
+        raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json) and holds no GGUF file")
     shards = _shards(path)
     if not shards:
         raise ModelLoadError(f"{path} has no *.safetensors weights")
@@ -274,6 +277,8 @@ def resolve_model(spec: str, *, fetch: bool = True, cache_dir: Path | None = Non
     Raises :class:`ModelLoadError` for anything that cannot be loaded.
     """
     entries = CATALOG if catalog is None else catalog
+    if not spec.strip():  # not the current directory, which an empty path would name
+        raise ModelLoadError("an empty model name or path")
     if spec in entries:
         return _resolve_entry(entries[spec], fetch=fetch, cache_dir=cache_dir,
                               pip_args=pip_args, progress=progress)

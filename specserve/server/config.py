@@ -19,6 +19,7 @@ REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")
 @dataclass(frozen=True)
 class ServerConfig:
     served_model_name: str | None = None  # None: the engine's model name
+    model_aliases: tuple[str, ...] = ()  # other names a request's model may give (vLLM's served names)
     chat_template: str | None = None  # template source replacing the model's
     default_chat_template_kwargs: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
     reasoning_parser: str = "none"
@@ -59,8 +60,12 @@ class ServerConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
+        raw = args.served_model_name  # a list from the command line (a str from callers that build args)
+        names = [raw] if isinstance(raw, str) else list(raw or [])
+        model = getattr(args, "model", None)
         return cls(
-            served_model_name=args.served_model_name,
+            served_model_name=names[0] if names else None,
+            model_aliases=tuple(names[1:]) if names else ((model,) if isinstance(model, str) else ()),
             chat_template=read_chat_template(args.chat_template),
             default_chat_template_kwargs=parse_template_kwargs(args.default_chat_template_kwargs),
             reasoning_parser=args.reasoning_parser,
@@ -91,9 +96,15 @@ def media_config(args: argparse.Namespace) -> MediaConfig:
 
 
 def read_chat_template(path: str | None) -> str | None:
+    """--chat-template: a file's template, or (as vLLM takes it) the template itself, inline, where
+    the value is no file and holds Jinja's {{ or {%."""
     if path is None:
         return None
+    if not path.strip():
+        raise SpecserveError("--chat-template: an empty value (a template file, or the template inline)")
     p = Path(path)
+    if not p.exists() and ("{{" in path or "{%" in path):
+        return path
     try:
         text = p.read_text(encoding="utf-8")
         if not text.strip():

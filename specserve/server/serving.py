@@ -53,7 +53,7 @@ class ServingContext:
 
     @property
     def model_names(self) -> set[str]:
-        return {self.served_model_name, self.engine.model_name}
+        return {self.served_model_name, self.engine.model_name, *self.cfg.model_aliases}
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:

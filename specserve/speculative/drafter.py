@@ -9,6 +9,7 @@ token to ``observe``.
 
 from __future__ import annotations
 
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -58,7 +59,8 @@ class Drafter(ABC):
         if st is None:
             st = factory()
             if not seq.params.greedy:
-                st.generator = sampler.make_generator(None, hash((seq.request_id, self.name, "draft")) & 0xFFFFFFFF)
+                key = sampler.mix_key(seq.sample_key & 0xFFFF_FFFF_FFFF_FFFF, zlib.crc32(self.name.encode()))
+                st.generator = sampler.make_generator(None, key)
             seq.drafter_state[self.name] = st
         return st
 
