@@ -28,7 +28,8 @@ COMMANDS: dict[str, str] = {
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="specserve", description="An LLM inference server built around "
+                                     "lossless speculative decoding, and its tools.")
     from specserve import __version__
 
     parser.add_argument("--version", action="version", version=f"specserve {__version__}")
@@ -51,10 +52,20 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # also while the command's modules import (torch takes a moment)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(only=command if command in COMMANDS else None)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the command's own parser (its usage, not the top-level one)
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        (commands.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -63,5 +74,3 @@ def main(argv: list[str] | None = None) -> int:
     except SpecserveError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130

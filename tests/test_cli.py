@@ -238,3 +238,32 @@ def test_api_key_from_the_environment(monkeypatch):
     assert build_serve_parser().parse_args(["--api-key", "flag"]).api_key == "flag"
     monkeypatch.delenv("SPECSERVE_API_KEY")
     assert build_serve_parser().parse_args([]).api_key is None
+
+
+def test_an_unknown_flag_is_named_by_its_command(capsys):
+    """argparse names an unknown flag at the top level (its usage: COMMAND ...); the command's own
+    usage says which flags it takes."""
+    from specserve.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--bogus"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "specserve plan: error: unrecognized arguments: --bogus" in err
+    assert err.startswith("usage: specserve plan")
+
+
+def test_the_served_url_as_a_client_writes_it():
+    from specserve.commands.serve import url_of
+
+    assert url_of("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert url_of("::1", 8000) == "http://[::1]:8000"
+    assert url_of("", 8000).startswith("http://0.0.0.0:8000")
+
+
+def test_a_missing_mmproj_is_named_first(capsys, tmp_path):
+    """--mmproj FILE that is not there says so, before any question about the model's vocabulary."""
+    from specserve.cli import main
+
+    missing = str(tmp_path / "mmproj.gguf")
+    assert main(["generate", "--mmproj", missing, "--max-tokens", "1", "hi"]) == 1
+    assert f"--mmproj {missing}: no such file" in capsys.readouterr().err

@@ -75,6 +75,16 @@ def test_plan_memory_budget(capsys):
     assert got["concurrency_at_max_model_len"] == got["num_blocks"] // (1024 // 16)
 
 
+def test_plan_memory_holds_weights_and_a_given_pool(capsys):
+    """--memory is weights + KV: a --kv-cache-memory pool that fits only without the weights is refused,
+    naming both numbers; one that fits with them is planned."""
+    assert cli.main(["plan", "--memory", "400MiB", "--kv-cache-memory", "390MiB", "--max-model-len", "1024"]) == 1
+    err = capsys.readouterr().err
+    assert "do not fit in --memory 400 MiB" in err and "of weights" in err
+    got = plan_json(capsys, "--memory", "400MiB", "--kv-cache-memory", "100MiB", "--max-model-len", "1024")
+    assert got["pool_source"] == "--kv-cache-memory" and got["total_bytes"] <= 400 * 2**20
+
+
 def test_json_shape(capsys):
     got = plan_json(capsys, "--kv-cache-memory", "50000000", "--max-model-len", "1024")
     expected = {"model": str, "device": str, "weight_format": str, "model_max_len": int, "weight_bytes": int,

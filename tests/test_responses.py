@@ -141,6 +141,18 @@ def test_retrieve_delete_and_store_false(srv, engine):
     assert info.value.body["code"] == "previous_response_not_found"
 
 
+def test_a_server_that_stores_nothing_says_so():
+    """--max-stored-responses 0: an answer says store false (it cannot be retrieved or chained)."""
+    server = make_server(chat_template=TOOL_TEMPLATE, max_stored_responses=0)
+    try:
+        r = server.client().responses.create(model="fake-model", input="Hi")
+        assert r.store is False
+        with pytest.raises(openai.NotFoundError):
+            server.client().responses.retrieve(r.id)
+    finally:
+        server.close()
+
+
 def test_store_is_bounded_lru(srv, engine):
     c = srv.client()  # the store keeps 3
     a, b, d = (c.responses.create(model="fake-model", input=x) for x in "abd")

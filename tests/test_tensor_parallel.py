@@ -248,6 +248,7 @@ def test_two_nodes_on_loopback_give_the_same_tokens(tiny_dir, tp2):
 @pytest.mark.parametrize("argv, message", [
     (("-tp", "0"), "must be >= 1"),
     (("-tp", "2", "--nnodes", "3"), "must divide"),
+    (("-tp", "2", "--nnodes", "0"), "--nnodes must be >= 1"),
     (("-tp", "2", "--nnodes", "2"), "needs --dist-init-addr"),
     (("-tp", "2", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:1"), "--node-rank must be in"),
     (("-tp", "2", "--dist-init-addr", "nohost"), "host:port"),

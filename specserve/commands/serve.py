@@ -50,6 +50,13 @@ def check_lock(args: argparse.Namespace) -> int:
     return LOCK_DRIFT_EXIT
 
 
+def url_of(host: str, port: int) -> str:
+    """The address a client uses: an IPv6 host in brackets; an empty host listens on every interface."""
+    if not host:
+        return f"http://0.0.0.0:{port} (every interface)"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _setup_logging(level: str) -> None:
     logger = logging.getLogger("specserve")
     logger.setLevel(level.upper())
@@ -99,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
     drain = Drain(args.shutdown_timeout, engine.fail_all, lambda force: stop_http(server, force))
     app = create_app(engine, cfg, drain)
     logging.getLogger("specserve.server").info(
-        "serving %s on http://%s:%d (speculation %s)", cfg.served_model_name or engine.model_name,
-        args.host, sock.getsockname()[1], "on" if engine.spec_enabled else "off")
+        "serving %s on %s (speculation %s)", cfg.served_model_name or engine.model_name,
+        url_of(args.host, sock.getsockname()[1]), "on" if engine.spec_enabled else "off")
     server = uvicorn.Server(uvicorn_config(app, args.host, args.port, level, HTTP_GRACE_S))
     return run_server(server, engine, sock, drain)
 

@@ -237,7 +237,11 @@ def plan_memory(ecfg: EngineConfig, per_token: int, max_model_len: int, weight_b
         raise SpecserveError(f"{have} but one sequence at --max-model-len {max_model_len} needs "
                              f"{need / 2**20:.0f} MiB: {fix}")
     kv_total = num_blocks * bs * per_token + fixed
-    if device_type == "cpu" and source != "--memory" and later + kv_total > available:
+    if total_memory is not None and source == "--kv-cache-memory" and weights + kv_total > total_memory:
+        raise SpecserveError(f"--kv-cache-memory's pool ({kv_total / 2**20:.0f} MiB) and {weights / 2**20:.0f} MiB "
+                             f"of weights do not fit in --memory {total_memory / 2**20:.0f} MiB: lower "
+                             f"--kv-cache-memory or raise --memory")
+    if device_type == "cpu" and total_memory is None and later + kv_total > available:
         extra = f" plus {later / 2**20:.0f} MiB of drafter KV and vision buffers" if later else ""
         raise SpecserveError(f"the KV pool ({kv_total / 2**20:.0f} MiB){extra} does not fit in the "
                              f"{available / 2**20:.0f} MiB of memory left after loading "

@@ -140,6 +140,8 @@ def _load_vision(resolved: ResolvedModel, cfg: mconfig.ModelConfig, options: Loa
     if options.mmproj:
         if resolved.kind != "gguf":
             raise ModelLoadError("--mmproj takes the vision tower of a GGUF model; this checkpoint carries its own")
+        if not Path(options.mmproj).is_file():  # named before the model's vocabulary is asked about
+            raise ModelLoadError(f"--mmproj {options.mmproj}: no such file")
         vision = load_mmproj(options.mmproj, device, **vision_token_ids(tok))
         processor = ImageProcessor.from_mmproj(options.mmproj)
     elif resolved.kind != "gguf":

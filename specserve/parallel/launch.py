@@ -45,7 +45,9 @@ class ParallelConfig:
         n = self.tensor_parallel_size
         if n < 1:
             raise SpecserveError(f"--tensor-parallel-size must be >= 1, got {n}")
-        if self.nnodes < 1 or n % self.nnodes:
+        if self.nnodes < 1:
+            raise SpecserveError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if n % self.nnodes:
             raise SpecserveError(f"--nnodes {self.nnodes} must divide --tensor-parallel-size {n}")
         if not 0 <= self.node_rank < self.nnodes:
             raise SpecserveError(f"--node-rank must be in [0, {self.nnodes - 1}], got {self.node_rank}")

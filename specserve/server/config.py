@@ -129,6 +129,9 @@ def parse_template_kwargs(text: str | None) -> dict[str, object]:
     return value
 
 
+LIST_EXAMPLES = {"--allowed-methods": '["GET", "POST"]', "--allowed-headers": '["content-type"]'}
+
+
 def string_list(value: object, flag: str) -> tuple[str, ...]:
     """A list of strings (a JSON list on the command line, as vLLM's CORS flags), or SpecserveError."""
     if isinstance(value, str):
@@ -137,5 +140,6 @@ def string_list(value: object, flag: str) -> tuple[str, ...]:
         except ValueError as exc:
             raise SpecserveError(f"{flag} is not valid JSON: {exc}") from exc
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise SpecserveError(f'{flag} must be a JSON list of strings, e.g. \'["http://localhost:3000"]\'')
+        example = LIST_EXAMPLES.get(flag, '["http://localhost:3000"]')
+        raise SpecserveError(f"{flag} must be a JSON list of strings, e.g. '{example}'")
     return tuple(value)

@@ -265,7 +265,7 @@ def response_object(ctx: ServingContext, turn: Turn, status: str, output: list[d
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
         "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
-        "store": req.store,
+        "store": req.store and ctx.cfg.max_stored_responses > 0,  # (--max-stored-responses 0 keeps none)
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
