@@ -44,6 +44,8 @@ def test_preflight_from_another_origin_needs_no_key(keyed):
     ok = keyed.http.get("/v1/models", headers={"Origin": ORIGIN, "Authorization": "Bearer sekret"})
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
     denied = keyed.http.get("/v1/models", headers={"Origin": ORIGIN})  # the page can read why
+    for probe in ("/health", "/v1/health"):  # probes need no key
+        assert keyed.http.get(probe).status_code == 200
     assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "*"
 
 

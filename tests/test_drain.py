@@ -118,8 +118,9 @@ def test_drain_lets_running_requests_finish_and_refuses_new_ones(make):
     _in_flight(s, 4, clients)
     s.drain.request()
     _until(lambda: s.drain.draining, "drain did not begin")
-    health = httpx.get(s.url + "/health", timeout=WAIT)
-    assert health.status_code == 503 and health.json() == {"status": "draining"}
+    for probe in ("/health", "/v1/health"):
+        health = httpx.get(s.url + probe, timeout=WAIT)
+        assert health.status_code == 503 and health.json() == {"status": "draining"}
     refused = httpx.post(s.url + "/v1/chat/completions", json={"messages": MSGS}, timeout=WAIT)
     assert refused.status_code == 503 and refused.headers["retry-after"] == str(RETRY_AFTER_S)
     assert refused.json()["error"]["code"] == "server_shutting_down"

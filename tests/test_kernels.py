@@ -487,6 +487,7 @@ def test_linear_argument_checks():
     assert torch.equal(ops.linear(big[:, :32], w), ops.linear(big[:, :32].contiguous(), w))
 
 
+@needs_c
 @pytest.mark.parametrize("key", [0, 5, 5 + 2**32, 2**64 - 1])
 def test_uniform_noise_c_equals_torch(key):
     """A seeded request's noise: the C kernel and the torch fallback give the same bits (its text

@@ -46,9 +46,7 @@ class AsyncEngine:
         from specserve.engine.builder import build_engine
 
         engine = build_engine(args)
-        names = getattr(args, "served_model_name", None)
-        name = names if isinstance(names, str) else (names or [None])[0]
-        return cls(engine, name or engine.target.name, own_thread)
+        return cls(engine, engine.target.name, own_thread)  # (the names it is served under: ServerConfig)
 
     def run_forever(self, keep_going=lambda: True) -> None:
         """Run the step loop in the calling thread until shutdown() or keep_going() is false."""

@@ -195,7 +195,7 @@ class LLMEngine:
             # without a seed: the engine seed's key for this request's arrival number, so --seed N makes a
             # run's sampled answers repeat after a restart (vLLM's --seed), and no two requests share one
             seq.sample_key = params.seed if params.seed is not None else \
-                sampler.mix_key(self.ecfg.seed & 0xFFFF_FFFF_FFFF_FFFF, next(self._arrivals))
+                sampler.mix_key(self.ecfg.seed, next(self._arrivals))
             seq.generator = sampler.make_generator(params.seed, seq.sample_key)
             if params.seed is not None:  # each position sampled by its own noise: the same text whatever is drafted
                 seq.noise = sampler.PositionNoise(params.seed, self.model.head_size)

@@ -106,7 +106,7 @@ class PositionNoise:
     Vectors of positions before ``forget_before`` are dropped."""
 
     def __init__(self, seed: int, width: int):
-        self.seed, self.width = seed & 0xFFFF_FFFF_FFFF_FFFF, width
+        self.seed, self.width = seed, width
         self._at: dict[int, torch.Tensor] = {}
 
     def at(self, pos: int, width: int | None = None) -> torch.Tensor:
@@ -126,8 +126,9 @@ class PositionNoise:
 
 
 def mix_key(seed: int, pos: int) -> int:
-    """A 64-bit key from a 64-bit seed and a counter (splitmix64): a seeded request's noise key of
-    position ``pos``; an unseeded request's key from the engine seed and its arrival number."""
+    """A 64-bit key from a seed (any int: negative or wider seeds are taken mod 2^64) and a counter
+    (splitmix64): a seeded request's noise key of position ``pos``; an unseeded request's key from
+    the engine seed and its arrival number."""
     z = (seed * 0x9E37_79B9_7F4A_7C15 + (pos + 1) * 0xBF58_476D_1CE4_E5B9) & 0xFFFF_FFFF_FFFF_FFFF
     z = ((z ^ (z >> 30)) * 0xBF58_476D_1CE4_E5B9) & 0xFFFF_FFFF_FFFF_FFFF
     z = ((z ^ (z >> 27)) * 0x94D0_49BB_1331_11EB) & 0xFFFF_FFFF_FFFF_FFFF

@@ -20,12 +20,12 @@ MASK64 = (1 << 64) - 1
 def uniform_noise(key: int, n: int, *, impl: str | None = None) -> torch.Tensor:
     """[n] float32 uniforms in (0, 1) for a 64-bit ``key``."""
     key &= MASK64
-    out = torch.empty(n, dtype=torch.float32)
     lib = _select(impl)
-    if lib is not None:
-        _check(lib.ss_uniform_noise(key, n, out.data_ptr()), "uniform_noise")
-        return out
-    return _uniform_torch(key, n)
+    if lib is None:
+        return _uniform_torch(key, n)
+    out = torch.empty(n, dtype=torch.float32)
+    _check(lib.ss_uniform_noise(key, n, out.data_ptr()), "uniform_noise")
+    return out
 
 
 def _signed(v: int) -> int:

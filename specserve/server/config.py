@@ -60,8 +60,7 @@ class ServerConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
-        raw = args.served_model_name  # a list from the command line (a str from callers that build args)
-        names = [raw] if isinstance(raw, str) else list(raw or [])
+        names = args.served_model_name or []
         model = getattr(args, "model", None)
         return cls(
             served_model_name=names[0] if names else None,

@@ -59,7 +59,7 @@ class Drafter(ABC):
         if st is None:
             st = factory()
             if not seq.params.greedy:
-                key = sampler.mix_key(seq.sample_key & 0xFFFF_FFFF_FFFF_FFFF, zlib.crc32(self.name.encode()))
+                key = sampler.mix_key(seq.sample_key, zlib.crc32(self.name.encode()))
                 st.generator = sampler.make_generator(None, key)
             seq.drafter_state[self.name] = st
         return st
