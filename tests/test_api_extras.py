@@ -27,7 +27,7 @@ PREFLIGHT = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
 
 @pytest.fixture(scope="module")
 def keyed():
-    s = make_server(api_key="sekret")
+    s = make_server(api_keys=("sekret",))
     yield s
     s.close()
 
@@ -137,7 +137,9 @@ def test_docs_behind_the_key_and_off_with_the_flag(keyed):
     auth = {"Authorization": "Bearer sekret"}
     doc = keyed.http.get("/openapi.json", headers=auth).json()
     assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
-    assert doc["paths"]["/v1/chat/completions"]["post"]["security"] == [{"bearer": []}]
+    assert doc["paths"]["/v1/chat/completions"]["post"]["security"] == [{"bearer": []}, {"apiKeyHeader": []}]
+    assert doc["components"]["securitySchemes"]["apiKeyHeader"] == {"type": "apiKey", "in": "header",
+                                                                    "name": "X-Api-Key"}
     assert "security" not in doc["paths"]["/health"]["get"]
     assert keyed.http.get("/docs", headers=auth).status_code == 200
     s = make_server(enable_docs=False)

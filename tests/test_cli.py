@@ -234,10 +234,30 @@ def test_api_key_from_the_environment(monkeypatch):
     from specserve.commands.args import build_serve_parser
 
     monkeypatch.setenv("SPECSERVE_API_KEY", "from-env")
-    assert build_serve_parser().parse_args([]).api_key == "from-env"
-    assert build_serve_parser().parse_args(["--api-key", "flag"]).api_key == "flag"
+    assert build_serve_parser().parse_args([]).api_key == ["from-env"]
+    assert build_serve_parser().parse_args(["--api-key", "flag"]).api_key == ["flag"]
+    assert build_serve_parser().parse_args(["--api-key", "a", "b"]).api_key == ["a", "b"]
     monkeypatch.delenv("SPECSERVE_API_KEY")
     assert build_serve_parser().parse_args([]).api_key is None
+
+
+def test_api_keys_from_flags_and_a_file(tmp_path):
+    """vLLM's --api-key A B, llama-server's A,B and --api-key-file (one a line, # comments);
+    an empty key or an empty file refuses to start rather than serving everyone."""
+    from specserve.errors import SpecserveError
+    from specserve.server.config import read_api_keys
+
+    f = tmp_path / "keys"
+    f.write_text("# team keys\nk3\n\n  k4  \n#k5\n")
+    assert read_api_keys(["k1,k2", "k3"], str(f)) == ("k1", "k2", "k3", "k4")
+    assert read_api_keys(None, None) == ()
+    assert read_api_keys("one", None) == ("one",)
+    (tmp_path / "empty").write_text("# nothing\n\n")
+    for values, path, message in (([""], None, "holds an empty key"), (["a,"], None, "holds an empty key"),
+                                  (None, str(tmp_path / "none"), "cannot read --api-key-file"),
+                                  (None, str(tmp_path / "empty"), "holds no key")):
+        with pytest.raises(SpecserveError, match=message):
+            read_api_keys(values, path)
 
 
 def test_an_unknown_flag_is_named_by_its_command(capsys):

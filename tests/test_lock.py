@@ -327,6 +327,8 @@ def test_allow_rules_and_redaction():
     assert not is_allowed("packagesx.numpy", ["packages"])
     assert redact_argv(["--api-key", "k", "--api-key=k2", "--port", "1"]) == \
         ["--api-key", "<redacted>", "--api-key=<redacted>", "--port", "1"]
+    assert redact_argv(["--api-key", "a", "b", "--port", "1", "--api-key", "c"]) == \
+        ["--api-key", "<redacted>", "<redacted>", "--port", "1", "--api-key", "<redacted>"]
 
 
 @pytest.mark.parametrize("flags, message", [(["--lock", ""], "--lock: an empty path"),

@@ -270,18 +270,26 @@ def test_a_stream_that_fails_after_its_headers_ends_with_an_error_event(srv, eng
 
 
 def test_api_key():
-    s = make_server(api_key="sekret")
+    s = make_server(api_keys=("sekret", "second"))
     try:
         body = {"messages": MSGS, "max_tokens": 2}
         assert s.http.post("/v1/chat/completions", json=body).status_code == 401
         r = s.http.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert "X-Api-Key" in r.json()["error"]["message"]
         assert s.http.get("/v1/models").status_code == 401
         assert s.http.get("/health").status_code == 200
         with pytest.raises(openai.AuthenticationError):
             s.client("wrong").models.list()
         r = s.client("sekret").chat.completions.create(model="fake-model", messages=MSGS, max_tokens=2)
         assert r.choices[0].message.content == SCRIPT[:2]
+        # llama-server's forms: the bare key, Anthropic's X-Api-Key; either of several keys
+        for headers in ({"Authorization": "second"}, {"X-Api-Key": "sekret"}, {"x-api-key": "second"},
+                        {"Authorization": "bearer  sekret"}):
+            assert s.http.get("/v1/models", headers=headers).status_code == 200, headers
+        for headers in ({"X-Api-Key": "wrong"}, {"Authorization": "Basic sekret"}, {"Authorization": "Bearer"},
+                        {"Authorization": "Bearer sekret,second"}, {"X-Api-Key": ""}):
+            assert s.http.get("/v1/models", headers=headers).status_code == 401, headers
     finally:
         s.close()
 

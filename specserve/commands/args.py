@@ -126,9 +126,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "none"],
                    help="read tool calls out of chat output (auto: hermes when the chat template writes "
                         "<tool_call> tags; none: calls stay text)")
-    p.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY") or None,
-                   help="the key requests must send as 'Authorization: Bearer KEY' (default: $SPECSERVE_API_KEY, "
+    env_key = os.environ.get("SPECSERVE_API_KEY") or None
+    p.add_argument("--api-key", nargs="+", metavar="KEY", default=[env_key] if env_key else None,
+                   help="keys a request may send, as 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'; several "
+                        "as vLLM's (--api-key A B) or llama-server's (A,B) (default: $SPECSERVE_API_KEY, "
                         "which keeps it out of the process list, as vLLM's $VLLM_API_KEY)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="more keys, one a line (# starts a comment), as llama-server's")
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--max-n", type=int, default=8, help="largest n a request may ask for")
     p.add_argument("--max-stored-responses", type=int, default=1000,

@@ -129,22 +129,25 @@ def serve_section(ns: argparse.Namespace) -> dict[str, Any]:
     dests = vars(build_serve_parser().parse_args([]))
     out = {k: getattr(ns, k, v) for k, v in dests.items() if k not in LOCK_ONLY_FLAGS}
     key = out.get("api_key")
-    if key is not None and key != REDACTED:
-        out["api_key"] = "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+    if key is not None:  # several keys hash as one comma-joined value (one key: as before)
+        keys = [key] if isinstance(key, str) else list(key)
+        joined = ",".join(keys).encode()
+        out["api_key"] = REDACTED if REDACTED in keys else "sha256:" + hashlib.sha256(joined).hexdigest()
     return canonical_flags(out)
 
 
 def redact_argv(argv: list[str]) -> list[str]:
-    """``argv`` with the value of ``--api-key`` replaced, for storing in the lock."""
+    """``argv`` with the values of ``--api-key`` (one or several) replaced, for storing in the lock."""
     out, hide = [], False
     for arg in argv:
+        hide = hide and not arg.startswith("-")
         if hide:
             out.append(REDACTED)
         elif arg.startswith("--api-key="):
             out.append("--api-key=" + REDACTED)
         else:
             out.append(arg)
-        hide = arg == "--api-key" and not hide
+        hide = hide or arg == "--api-key"
     return out
 
 

@@ -73,7 +73,7 @@ def create_app(engine, cfg: ServerConfig, drain: Drain | None = None) -> FastAPI
     app = FastAPI(title="specserve", version=__version__, lifespan=lifespan, redoc_url=None,
                   docs_url="/docs" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.ctx = ctx
-    app.add_middleware(GuardMiddleware, api_key=cfg.api_key, max_request_bytes=cfg.max_request_bytes)
+    app.add_middleware(GuardMiddleware, api_keys=cfg.api_keys, max_request_bytes=cfg.max_request_bytes)
     # added last, so outermost: a preflight (which carries no API key) is answered before the key check,
     # and the guard's own 401/413 answers get the CORS headers a browser needs to read them
     app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
@@ -83,7 +83,7 @@ def create_app(engine, cfg: ServerConfig, drain: Drain | None = None) -> FastAPI
         app.add_middleware(DrainMiddleware, drain=drain)
     _install_error_handlers(app)
     _add_routes(app, ctx, ResponsesAPI(ResponseStore(cfg.max_stored_responses)))
-    install_openapi(app, api_key=bool(cfg.api_key))
+    install_openapi(app, api_key=bool(cfg.api_keys))
     return app
 
 

@@ -24,7 +24,7 @@ class ServerConfig:
     default_chat_template_kwargs: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
     reasoning_parser: str = "none"
     tool_call_parser: str = "auto"  # auto: hermes when the chat template writes <tool_call>
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # keys a request may send (none: the API is open)
     max_request_bytes: int = 4 * 1024 * 1024
     max_n: int = 8
     # CORS (vLLM's flags): a browser page on another origin may call the API
@@ -69,7 +69,7 @@ class ServerConfig:
             default_chat_template_kwargs=parse_template_kwargs(args.default_chat_template_kwargs),
             reasoning_parser=args.reasoning_parser,
             tool_call_parser=args.tool_call_parser,
-            api_key=args.api_key or None,
+            api_keys=read_api_keys(args.api_key, getattr(args, "api_key_file", None)),
             max_request_bytes=args.max_request_bytes,
             max_n=args.max_n,
             allowed_origins=args.allowed_origins,
@@ -92,6 +92,31 @@ def media_config(args: argparse.Namespace) -> MediaConfig:
                        max_image_bytes=getattr(args, "max_image_bytes", MediaConfig.max_image_bytes),
                        fetch_timeout=getattr(args, "media_fetch_timeout", MediaConfig.fetch_timeout),
                        max_image_pixels=getattr(args, "max_image_pixels", MediaConfig.max_image_pixels))
+
+
+def read_api_keys(values: list[str] | str | None, path: str | None) -> tuple[str, ...]:
+    """--api-key values (each may hold several keys, comma-separated, as llama-server's) and the
+    keys of --api-key-file (one a line, # comments). An empty one is an error: an unset variable
+    in ``--api-key "$KEY"`` would otherwise serve the API to everyone."""
+    keys: list[str] = []
+    for value in [values] if isinstance(values, str) else values or []:
+        parts = [k.strip() for k in value.split(",")]
+        if not all(parts):
+            raise SpecserveError(f"--api-key {value!r} holds an empty key (leave the flag out to serve "
+                                 "without one)")
+        keys += parts
+    if path is not None:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise SpecserveError(f"cannot read --api-key-file {path}: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise SpecserveError(f"--api-key-file {path} is not UTF-8 text") from exc
+        found = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+        if not found:
+            raise SpecserveError(f"--api-key-file {path} holds no key (one a line; # starts a comment)")
+        keys += found
+    return tuple(dict.fromkeys(keys))
 
 
 def read_chat_template(path: str | None) -> str | None:

@@ -1,4 +1,4 @@
-"""ASGI middleware in front of the API: bearer-key check, header and request-size limits, no
+"""ASGI middleware in front of the API: API-key check, header and request-size limits, no
 compressed bodies.
 
 The body is read here in full (up to the limit) and replayed to the app, so a
@@ -29,9 +29,9 @@ async def send_error(send, status: int, message: str, code: str | None, headers:
 
 
 class GuardMiddleware:
-    def __init__(self, app, api_key: str | None, max_request_bytes: int):
+    def __init__(self, app, api_keys: tuple[str, ...], max_request_bytes: int):
         self.app = app
-        self.api_key = api_key
+        self.api_keys = tuple(k.encode() for k in api_keys)
         self.max_bytes = max_request_bytes
 
     async def __call__(self, scope, receive, send):
@@ -42,9 +42,9 @@ class GuardMiddleware:
             return await send_error(send, 431, f"request headers over {MAX_HEADER_BYTES} bytes",
                                     "request_header_fields_too_large")
         headers = dict(raw)
-        if self.api_key and scope.get("path") not in OPEN_PATHS and not self._authorized(headers):
-            return await send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                    "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+        if self.api_keys and scope.get("path") not in OPEN_PATHS and not self._authorized(headers):
+            return await send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>' "
+                                    "or 'X-Api-Key: <key>'", "invalid_api_key", [(b"www-authenticate", b"Bearer")])
         encoding = headers.get(b"content-encoding", b"identity").strip().lower()
         if encoding not in (b"", b"identity"):
             return await send_error(send, 415, f"unsupported Content-Encoding {encoding.decode('latin-1')!r}: "
@@ -72,11 +72,12 @@ class GuardMiddleware:
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
     def _authorized(self, headers: dict) -> bool:
-        value = headers.get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = value.partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        return hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        """'Authorization: Bearer KEY' (or the bare key, as llama-server takes it), else 'X-Api-Key:
+        KEY' (Anthropic's header, which llama-server reads too); every key compared in constant time."""
+        value = headers.get(b"authorization", b"").strip() or headers.get(b"x-api-key", b"").strip()
+        scheme, _, token = value.partition(b" ")
+        token = token.strip() if scheme.lower() == b"bearer" else value
+        return sum(hmac.compare_digest(token, key) for key in self.api_keys) > 0
 
     async def _too_large(self, send, size: int) -> None:
         await send_error(send, 413, f"request body exceeds the limit of {self.max_bytes} bytes "

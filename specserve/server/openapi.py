@@ -90,11 +90,12 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
                 schema = refs[(body, "validation")] if body is not None else None
                 op = _operation(route.path_format, method, schema)
                 if api_key and route.path not in OPEN_PATHS:
-                    op["security"] = [{"bearer": []}]
+                    op["security"] = [{"bearer": []}, {"apiKeyHeader": []}]  # either one
                 paths.setdefault(route.path_format, {})[method.lower()] = op
     components: dict[str, Any] = {"schemas": schemas}
     if api_key:
-        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                         "apiKeyHeader": {"type": "apiKey", "in": "header", "name": "X-Api-Key"}}
     return {"openapi": "3.1.0", "info": {"title": app.title, "version": app.version}, "paths": paths,
             "components": components}
 
