@@ -48,7 +48,22 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             raise
         seen.add(modname)
         module.add_parser(sub)
+    for command in sub.choices.values():
+        command.formatter_class = DefaultsHelpFormatter
     return parser
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """A command's --help names each flag's default (as vLLM's and llama-server's do), unless the
+    flag's own help already says it or there is none to name (unset, off, empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        unset = default is None or default is False or default is argparse.SUPPRESS or default in ("", [])
+        if not action.option_strings or unset or "default" in text.lower():
+            return text
+        return text + " (default: %(default)s)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -287,3 +287,17 @@ def test_a_missing_mmproj_is_named_first(capsys, tmp_path):
     missing = str(tmp_path / "mmproj.gguf")
     assert main(["generate", "--mmproj", missing, "--max-tokens", "1", "hi"]) == 1
     assert f"--mmproj {missing}: no such file" in capsys.readouterr().err
+
+
+def test_help_names_defaults(capsys):
+    """A command's --help names each flag's default, as vLLM's and llama-server's do; unset ones and
+    flags whose help already says their default are left as written."""
+    from specserve.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("(default: 8000)", "(default: 127.0.0.1)", "(default: 0)", "(default: smollm2-135m)"):
+        assert shown in text, shown
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert text.count("(default: the model's)") == 1  # --max-model-len's own words, nothing appended

@@ -69,7 +69,7 @@ def parse_bytes(text: str) -> int:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="catalog name, local GGUF file, local Hugging Face directory or hub repo id")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when torch sees a GPU")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="activation dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
@@ -103,7 +103,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage (auto: fp32 on CPU, the activation dtype on CUDA); fp8_e4m3 / int8: "
                         "per-token scales, int4: groups of 32 (CPU only); see specserve/models/kv_cache.py")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the K/V of prompt prefixes that earlier requests computed")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
     p.add_argument("--threads", type=int_in(0, MAX_THREADS), default=None,
                    help="CPU threads (default or 0: the cores this process may use; under tensor parallel: "
@@ -114,15 +115,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Every flag of ``specserve serve`` (also parsed by ``specserve lock -- ...``)."""
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int_in(0, 65535), default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on ('' or 0.0.0.0: every interface)")
+    p.add_argument("--port", type=int_in(0, 65535), default=8000, help="port to listen on")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names requests may give as model; answers report the first (default: the "
                         "model's name, and the --model value as given)")
-    p.add_argument("--chat-template", default=None, help="jinja file replacing the model's template")
+    p.add_argument("--chat-template", default=None,
+                   help="jinja file replacing the model's template, or the template itself inline")
     p.add_argument("--default-chat-template-kwargs", default=None,
                    help="JSON object of template variables; a request's chat_template_kwargs override them")
-    p.add_argument("--reasoning-parser", default="none", choices=["none", "qwen3", "deepseek_r1"])
+    p.add_argument("--reasoning-parser", default="none", choices=["none", "qwen3", "deepseek_r1"],
+                   help="split <think> text into reasoning_content")
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "none"],
                    help="read tool calls out of chat output (auto: hermes when the chat template writes "
                         "<tool_call> tags; none: calls stay text)")
@@ -133,7 +136,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "which keeps it out of the process list, as vLLM's $VLLM_API_KEY)")
     p.add_argument("--api-key-file", default=None, metavar="FILE",
                    help="more keys, one a line (# starts a comment), as llama-server's")
-    p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get a 413")
     p.add_argument("--max-n", type=int, default=8, help="largest n a request may ask for")
     p.add_argument("--max-stored-responses", type=int, default=1000,
                    help="/v1/responses kept in memory for previous_response_id (least recently used go first)")
@@ -159,7 +162,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "longer is a 400")
     p.add_argument("--lock", default=None, help="deployment lock file to verify before starting")
     p.add_argument("--lock-allow", action="append", default=[], help="lock field allowed to drift")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error")
     p.add_argument("--shutdown-timeout", type=nonnegative_float, default=30.0,
                    help="on SIGTERM / SIGINT, seconds the running requests may still take before they are "
                         "ended with an error (0: end them at once; a second signal also does)")
