@@ -222,3 +222,21 @@ def test_tool_choice_none_and_no_parser(tool_srv, srv, engine):
 def test_tool_request_errors(tool_srv, body, param):
     r = tool_srv.http.post("/v1/chat/completions", json={"messages": MSGS, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_reasoning_parser_names_missing_think_tokens():
+    """vLLM's parsers refuse a tokenizer without <think>/</think> tokens; ours split by text (a
+    model may spell the tags out), so serve warns instead: the tags it lacks, none where it has them."""
+    import copy
+
+    from specserve.models.loader import load_tokenizer
+    from specserve.server.reasoning import missing_think_tokens
+
+    tok = load_tokenizer("smollm2-135m")
+    assert missing_think_tokens("none", tok) == []
+    for kind in ("qwen3", "deepseek_r1"):
+        assert missing_think_tokens(kind, tok) == ["<think>", "</think>"]
+    thinking = copy.copy(tok)
+    thinking.backend = tok.backend.__class__.from_str(tok.backend.to_str())
+    thinking.backend.add_special_tokens(["<think>", "</think>"])
+    assert missing_think_tokens("qwen3", thinking) == []

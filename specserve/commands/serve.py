@@ -94,9 +94,15 @@ def run(args: argparse.Namespace) -> int:
     from specserve.server.app import create_app
     from specserve.server.drain import Drain
     from specserve.server.http_protocol import uvicorn_config
+    from specserve.server.reasoning import missing_think_tokens
 
     sock = listen_socket(args.host, args.port)  # a busy port fails now, not after the model loads
     engine = AsyncEngine.from_args(args, own_thread=False)
+    missing = missing_think_tokens(cfg.reasoning_parser, engine.tokenizer)
+    if missing:
+        logging.getLogger("specserve.server").warning(
+            "--reasoning-parser %s: the model's tokenizer has no %s token; reasoning is split only where the "
+            "model spells the tags out", cfg.reasoning_parser, " or ".join(missing))
     plan = getattr(getattr(engine, "engine", None), "plan", None)
     if plan is not None:
         from specserve.commands.plan import format_plan

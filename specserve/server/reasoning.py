@@ -17,6 +17,7 @@ around the reasoning and before the answer is trimmed (Qwen writes
 
 from __future__ import annotations
 
+
 OPEN = "<think>"
 CLOSE = "</think>"
 
@@ -106,6 +107,15 @@ class ReasoningParser:
         reasoning.append(buf[:len(buf) - keep])
         self._buf = buf[len(buf) - keep:]
         return False
+
+
+def missing_think_tokens(kind: str, tokenizer) -> list[str]:
+    """The tags a reasoning parser looks for that the model's tokenizer does not have as tokens.
+    vLLM's parsers refuse such a model; here the split is by text, so a model that spells the tags
+    out still splits (and the server only warns at start-up: most such models write no blocks)."""
+    if kind == "none":
+        return []
+    return [tag for tag in (OPEN, CLOSE) if len(tokenizer.encode(tag)) != 1]
 
 
 def make_parser(kind: str, prompt_opened: bool) -> ReasoningParser | None:
