@@ -50,6 +50,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         module.add_parser(sub)
     for command in sub.choices.values():
         command.formatter_class = DefaultsHelpFormatter
+    parser.commands = sub.choices  # name -> the command's parser, which names its own unknown flags
     return parser
 
 
@@ -79,8 +80,7 @@ def _main(argv: list[str] | None) -> int:
     parser = build_parser(only=command if command in COMMANDS else None)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the command's own parser (its usage, not the top-level one)
-        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-        (commands.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        (parser.commands.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
