@@ -154,9 +154,44 @@ def test_llama_server_completion_endpoint(srv, engine):
     with srv.http.stream("POST", "/completion", json={"prompt": "Hi", "n_predict": 0, "stream": True}) as s:
         events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line]
     assert [e["content"] for e in events] == [""] and events[-1]["stop"] and events[-1]["tokens_predicted"] == 0
-    r = srv.http.post("/completion", json={"prompt": ["Hi", "there"]})  # one prompt here, named as such
-    assert r.status_code == 400 and "one prompt here" in r.json()["error"]["message"], r.text
     for bad, param in (({"prompt": "Hi", "n_predict": -2}, "n_predict"), ({"prompt": []}, "prompt"),
                        ({"prompt": "Hi", "n_predict": 10**6}, "n_predict"), ({"prompt": [10**9]}, "prompt")):
         r = srv.http.post("/completion", json=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+
+
+def test_completion_with_several_prompts():
+    """As llama-server's /completion: a list of prompts (texts and/or token-id lists) runs at once and
+    answers with an array in prompt order, or one stream whose events carry each prompt's index and end
+    with a final event per prompt. A prompt that reaches its own limit (t_max_predict_ms here) stops
+    alone, aborted in the engine, while the others run on. Texts and ids mixed in one prompt: a 400."""
+    from fake_engine import SCRIPT, FakeEngine
+    from live_server import make_server
+
+    lines = "a = 1\n" * 40
+    eng = FakeEngine(step_delay=0.005, responder=lambda prompt, params: lines if prompt.endswith("A") else SCRIPT)
+    s = make_server(eng)
+    try:
+        body = {"prompt": ["A", "B", [1, 75, 108]], "n_predict": 30, "temperature": 0}
+        r = s.http.post("/completion", json=body).json()
+        assert [x["index"] for x in r] == [0, 1, 2] and [x["content"] for x in r] == [lines[:30], SCRIPT[:30],
+                                                                                     SCRIPT[:30]]
+        assert [x["tokens_evaluated"] for x in r] == [2, 2, 3] and all(x["stop_type"] == "limit" for x in r)
+        late = {"prompt": ["A", "B"], "n_predict": 30, "temperature": 0, "t_max_predict_ms": 1}
+        r = s.http.post("/completion", json=late).json()
+        assert "\n" in r[0]["content"] and len(r[0]["content"]) < 30 and r[0]["stop_type"] == "limit"
+        assert r[1]["content"] == SCRIPT[:30]  # no new line: the time limit never applies
+        with s.http.stream("POST", "/completion", json={**late, "stream": True}) as st:
+            events = [json.loads(line[len("data: "):]) for line in st.iter_lines() if line]
+        finals = {e["index"]: e for e in events if e["stop"]}
+        assert set(finals) == {0, 1} and all(e["stop_type"] == "limit" for e in finals.values())
+        text = {i: "".join(e["content"] for e in events if e["index"] == i) for i in (0, 1)}
+        assert "\n" in text[0] and len(text[0]) < 30 and text[1] == SCRIPT[:30]
+        assert events.index(finals[0]) < events.index(finals[1])  # A stopped while B went on
+        assert sum(rid.endswith("-0") for rid in eng.aborted) == 2  # stopped in the engine, both times
+        r = s.http.post("/completion", json={"prompt": ["A", 75]})
+        assert r.status_code == 400 and "mixed" in r.json()["error"]["message"], r.text
+        r = s.http.post("/completion", json={"prompt": ["A", [10**9]]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]", r.text
+    finally:
+        s.close()

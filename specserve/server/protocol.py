@@ -294,14 +294,15 @@ class InfillRequest(NativeFields):
 
 
 class NativeCompletionRequest(NativeFields):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str | list[int]]  # several: texts and/or token-id lists
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and any(isinstance(t, bool) or not isinstance(t, int) for t in value):
-            raise ValueError("one prompt here: a string or a list of token ids (for several prompts, "
-                             "send a request each, or a list to /v1/completions)")
+    def _prompts(cls, value: Any) -> Any:
+        if isinstance(value, list) and any(isinstance(t, int) for t in value) and \
+                any(not isinstance(t, int) or isinstance(t, bool) for t in value):
+            raise ValueError("a prompt is a string or a list of token ids, and several prompts a list of "
+                             "those (texts and token ids mixed in one prompt are not supported)")
         return value
 
 

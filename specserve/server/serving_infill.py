@@ -37,6 +37,7 @@ from specserve.models.tokenizer import Tokenizer
 from specserve.server.protocol import ExtraFile, InfillRequest, NativeCompletionRequest, NativeFields, parse_body
 from specserve.server.serving import (ServingContext, check_unsupported, format_logprobs, make_choices, new_id,
                                       resolve_max_tokens, timings)
+from specserve.server.serving_completion import resolve_prompts
 from specserve.server.streaming import Choice, Fanout, SSEResponse, run_or_disconnect, sse, start_fanout
 from specserve.server.structured import constrain
 
@@ -101,25 +102,23 @@ async def create_infill(ctx: ServingContext, request: Request) -> Response:
     reserve = n_predict if n_predict > 0 else min(512, limit // 4)
     prompt = build_prompt(ctx.engine.tokenizer, req, ctx.fim, limit - reserve)
     max_tokens = n_predict if n_predict >= 0 else limit - len(prompt.ids)
-    return await respond(ctx, request, req, prompt, max_tokens, ctx.fim.end_ids)
+    return await respond(ctx, request, req, [prompt], [max_tokens], ctx.fim.end_ids)
 
 
 async def create_native_completion(ctx: ServingContext, request: Request) -> Response:
     """POST /completion: llama-server's own completion endpoint (a text or token-id prompt, BOS added to
-    a text as the model wants), answered in the same native format as /infill."""
+    a text as the model wants), answered in the same native format as /infill. Several prompts (a
+    list of texts or of token-id lists) run at once, as llama-server's: an array of answers, or one
+    stream whose events carry each prompt's ``index``."""
     req = parse_body(await request.body(), NativeCompletionRequest)
     ctx.check_model(req.model)
     n_predict = check_native(req)
-    if isinstance(req.prompt, str):
-        ids = ctx.encode_prompt(req.prompt, add_bos=True)
-    else:
-        ids = list(req.prompt)
-        ctx.check_token_ids(ids, "prompt")
-    if not ids:
-        raise RequestError("prompt must not be empty", param="prompt")
-    max_tokens = resolve_max_tokens(ctx, None if n_predict == -1 else n_predict, None, len(ids), "prompt",
-                                    param="n_predict", minimum=0)
-    return await respond(ctx, request, req, InfillPrompt(ids, False), max_tokens, ())
+    ids_list, _ = resolve_prompts(ctx, req.prompt)
+    max_tokens = [resolve_max_tokens(ctx, None if n_predict == -1 else n_predict, None, len(ids),
+                                     "prompt" if len(ids_list) == 1 else f"prompt[{i}]", param="n_predict",
+                                     minimum=0) for i, ids in enumerate(ids_list)]
+    return await respond(ctx, request, req, [InfillPrompt(ids, False) for ids in ids_list], max_tokens, (),
+                         several=len(ids_list) > 1)
 
 
 def check_native(req: NativeFields) -> int:
@@ -139,29 +138,33 @@ def check_native(req: NativeFields) -> int:
     return n_predict
 
 
-async def respond(ctx: ServingContext, request: Request, req: NativeFields, prompt: InfillPrompt,
-                  max_tokens: int, end_ids: tuple[int, ...]) -> Response:
-    """Run the one choice and answer in llama-server's native format, streamed or not."""
+async def respond(ctx: ServingContext, request: Request, req: NativeFields, prompts: list[InfillPrompt],
+                  max_tokens: list[int], end_ids: tuple[int, ...], several: bool = False) -> Response:
+    """Run one choice per prompt and answer in llama-server's native format, streamed or not: one
+    answer, or (``several``) an array of them in prompt order."""
     structured = await ctx.structured.spec_for(req)  # response_format / vLLM's structured fields, as completions
-    choices = make_choices([prompt.ids], llama_sampling(req, ctx.engine.tokenizer), [max_tokens],
+    choices = make_choices([p.ids for p in prompts], llama_sampling(req, ctx.engine.tokenizer), max_tokens,
                            req.n_probs or None, new_id("cmpl"))
-    choices[0].params = replace(choices[0].params, stop_token_ids=choices[0].params.stop_token_ids + end_ids)
+    for c in choices:
+        c.params = replace(c.params, stop_token_ids=c.params.stop_token_ids + end_ids)
     choices = constrain(choices, structured)
-    c = choices[0]
     fan = Fanout(ctx.engine, ctx.metrics, choices)
-    limits = Limits(req.n_indent, req.t_max_predict_ms)
+    limits = {c.index: Limits(req.n_indent, req.t_max_predict_ms) for c in choices}
     await start_fanout(request.receive, fan, drain=False)
     if req.stream:
-        return SSEResponse(infill_events(ctx, fan, prompt, limits, req), fan.close)
+        return SSEResponse(infill_events(ctx, fan, prompts, limits, req), fan.close)
     try:
         await run_or_disconnect(request.receive, collect(fan, limits))
     finally:
         await fan.close()
-    body = {"index": 0, "content": c.text, "tokens": c.token_ids if req.return_tokens else [],
-            **final_fields(ctx, c, prompt)}
-    if req.n_probs:  # (streamed, each event carries its tokens' instead)
-        body["completion_probabilities"] = format_logprobs(ctx, c.logprobs, req.n_probs, ids=True)
-    return JSONResponse(pick_fields(body, req.response_fields))
+    bodies = []
+    for c in choices:
+        body = {"index": c.index, "content": c.text, "tokens": c.token_ids if req.return_tokens else [],
+                **final_fields(ctx, c, prompts[c.prompt_index])}
+        if req.n_probs:  # (streamed, each event carries its tokens' instead)
+            body["completion_probabilities"] = format_logprobs(ctx, c.logprobs, req.n_probs, ids=True)
+        bodies.append(pick_fields(body, req.response_fields))
+    return JSONResponse(bodies if several else bodies[0])
 
 
 @dataclass
@@ -203,10 +206,11 @@ class Limits:
         return None
 
 
-async def collect(fan: Fanout, limits: Limits) -> None:
+async def collect(fan: Fanout, limits: dict[int, Limits]) -> None:
+    """Run every choice to its end; one that reaches its limit stops (``Fanout.stop``) on its own."""
     async for choice, _out in fan:
-        if limits.reached(choice):
-            return
+        if choice.finish_reason is None and limits[choice.index].reached(choice):
+            fan.stop(choice)
 
 
 def native_logit_bias(tok: Tokenizer, raw: list[list]) -> dict[str, float]:
@@ -273,24 +277,31 @@ def pick_fields(body: dict, paths: list[str]) -> dict:
     return out
 
 
-async def infill_events(ctx: ServingContext, fan: Fanout, prompt: InfillPrompt, limits: Limits,
+async def infill_events(ctx: ServingContext, fan: Fanout, prompts: list[InfillPrompt], limits: dict[int, Limits],
                         req: NativeFields) -> AsyncIterator[str]:
-    """llama-server's stream: one event per delta with ``content``, its token ids and ``stop``; the
-    last one (empty content, no tokens, ``stop`` true) carries the finished completion's fields. No
-    [DONE] line, as llama-server.
+    """llama-server's stream: one event per delta with ``content``, its token ids, ``stop`` and the
+    prompt's ``index``; each choice's last one (empty content, no tokens, ``stop`` true) carries its
+    finished completion's fields. No [DONE] line, as llama-server.
     A line is held back until it is complete when n_indent may cut it."""
-    sent, tokens = 0, []  # tokens: ids not yet sent (their text may be held back)
+    sent = {c.index: 0 for c in fan.choices}
+    tokens: dict[int, list[int]] = {c.index: [] for c in fan.choices}  # ids not yet sent (their text may wait)
     async for choice, out in fan:
-        done = limits.reached(choice) or out.finished
-        end = len(choice.text) if done or not limits.n_indent else choice.text.rfind("\n") + 1
+        i, lim = choice.index, limits[choice.index]
+        if sent[i] < 0:
+            continue  # stopped at its limit: what the engine still had is dropped
+        done = lim.reached(choice) or out.finished
+        end = len(choice.text) if done or not lim.n_indent else choice.text.rfind("\n") + 1
         n_probs = choice.params.logprobs
         probs = format_logprobs(ctx, out.new_logprobs or [], n_probs, ids=True) if n_probs else None
-        tokens += out.new_token_ids
-        if end > sent or probs:
-            event = {"content": choice.text[sent:end], "tokens": tokens, "stop": False, "id_slot": 0, "index": 0}
+        tokens[i] += out.new_token_ids
+        if end > sent[i] or probs:
+            event = {"content": choice.text[sent[i]:end], "tokens": tokens[i], "stop": False, "id_slot": 0,
+                     "index": i}
             yield sse(event | ({"completion_probabilities": probs} if probs else {}))
-            sent, tokens = end, []
+            sent[i], tokens[i] = end, []
         if done:
-            yield sse(pick_fields({"content": "", "tokens": [], "index": 0, **final_fields(ctx, choice, prompt)},
-                                  req.response_fields))
-            return
+            yield sse(pick_fields({"content": "", "tokens": [], "index": i,
+                                   **final_fields(ctx, choice, prompts[choice.prompt_index])}, req.response_fields))
+            sent[i] = -1
+            if not out.finished:
+                fan.stop(choice)

@@ -126,6 +126,10 @@ class Fanout:
         for task in self._tasks:
             task.cancel()
 
+    def stop(self, choice: Choice) -> None:
+        """End one choice now (the engine aborts it); iterating goes on with the others."""
+        self._tasks[self.choices.index(choice)].cancel()
+
     async def close(self) -> None:
         """Cancel unfinished choices (the engine aborts them) and wait until they are gone."""
         self.cancel()
@@ -144,6 +148,9 @@ class Fanout:
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
             self._queue.put_nowait((choice, None, exc))
             return
+        except asyncio.CancelledError:  # stopped (stop, close): the consumer counts it as ended
+            self._queue.put_nowait((choice, None, None))
+            raise
         finally:
             with contextlib.suppress(Exception):
                 await gen.aclose()
