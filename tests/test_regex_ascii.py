@@ -1,5 +1,5 @@
 """Structured outputs as vLLM's default backend reads them: a regex's \\d and \\w are ASCII
-(regex_ascii.py), and a json_schema with ``strict: true`` closes its objects (closed_objects)."""
+(regex_ascii.py), and a JSON schema's objects are closed unless it opens them (closed_objects)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from engine_utils import make_engine
 from specserve.bench.structured_cases import run_cases
 from specserve.engine.types import SamplingParams
 from specserve.server.regex_ascii import ascii_classes, lark_ascii
-from specserve.server.structured import build_tokenizer, closed_objects
+from specserve.errors import RequestError
+from specserve.server.structured import build_tokenizer, closed_objects, grammar_source, text_format_source
 
 
 @pytest.mark.parametrize("regex, want", [
@@ -52,6 +53,23 @@ def test_strict_closes_every_object_schema():
     assert props["open"]["additionalProperties"] is True
     assert out["$defs"]["X"]["additionalProperties"] is False and out["anyOf"][0]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # a copy
+
+
+def test_every_json_schema_closes_its_objects_unless_it_opens_them():
+    """As xgrammar (vLLM's default, strict or not) and llama.cpp: objects take only their listed keys
+    by default; additionalProperties true opens one; json_object stays any object; true is any value."""
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    assert grammar_source("json", point).schema["additionalProperties"] is False
+    assert grammar_source("json", {**point, "additionalProperties": True}).schema["additionalProperties"] is True
+    fmt = {"type": "json_schema", "name": "p", "schema": point, "strict": False}
+    assert text_format_source(fmt).schema["additionalProperties"] is False
+    assert text_format_source({"type": "json_object"}).schema == {"type": "object"}
+    assert grammar_source("json", True).schema == {} and grammar_source("json", "true").schema == {}
+    with pytest.raises(RequestError, match="accepts no value"):
+        grammar_source("json", False)
+    with pytest.raises(RequestError, match="needs name") as exc:  # as OpenAI's Responses API
+        text_format_source({"type": "json_schema", "schema": point})
+    assert exc.value.param == "text.format.name"
 
 
 def test_a_small_model_writes_ascii_digits_and_no_extra_keys():

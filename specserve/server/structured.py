@@ -3,8 +3,7 @@
 Fields, as OpenAI and vLLM take them (at most one per request):
 
 * ``response_format``: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
-  {"name": ..., "schema": {...}, "strict": ...}}`` (the schema is always enforced; ``strict``
-  closes its objects, ``closed_objects``);
+  {"name": ..., "schema": {...}, "strict": ...}}`` (the schema is always enforced, ``strict`` or not);
 * vLLM's ``structured_outputs``: one of ``json`` (a schema), ``regex``, ``choice`` (a list of
   strings), ``grammar`` (Lark or GBNF), ``json_object: true``; and ``whitespace_pattern``
   (a regex's ``\\d`` and ``\\w`` are ASCII, as in xgrammar: regex_ascii.py);
@@ -15,6 +14,12 @@ Fields, as OpenAI and vLLM take them (at most one per request):
   parser reads, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, with the
   arguments constrained by the tool's parameter schema, its objects closed (``closed_objects``:
   a key the function does not take is never written, as OpenAI's strict tools and xgrammar do).
+
+Every JSON schema's objects are closed where the schema does not open them (``closed_objects``:
+``additionalProperties: false``), as vLLM's default backend (xgrammar's strict mode) and llama.cpp's
+schema converter take them: otherwise a small model writes key after key until max_tokens cuts the
+JSON short. ``additionalProperties: true`` (or a schema for them) opens an object. A schema
+``true`` (or ``{}``) is any JSON value.
 
 Grammars are compiled by llguidance (no dependencies, a 3 MB wheel; its Earley parser computes
 masks lazily, so a schema's compile is cheap and bounded by its parser limits) in a worker
@@ -119,20 +124,22 @@ def text_format_source(fmt: Any) -> Source | None:
         return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "json_object":
-        return _json({"type": "object"}, "text.format", None)
+        return _json({"type": "object"}, "text.format", None, closed=False)
     if kind != "json_schema":
         raise RequestError(f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                            param="text.format.type")
     if "schema" not in fmt:
         raise RequestError("text.format json_schema needs schema (a JSON Schema object)", param="text.format.schema")
+    if not isinstance(fmt.get("name"), str) or not fmt["name"]:  # as OpenAI's
+        raise RequestError("text.format json_schema needs name (a string)", param="text.format.name")
     if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):
         raise RequestError("text.format.strict must be a boolean", param="text.format.strict")
-    return _json(fmt["schema"], "text.format.schema", None, strict=bool(fmt.get("strict")))
+    return _json(fmt["schema"], "text.format.schema", None)
 
 
 def _from_response_format(fmt: Any) -> Source:
     if fmt.type == "json_object":
-        return _json({"type": "object"}, "response_format", None)
+        return _json({"type": "object"}, "response_format", None, closed=False)
     spec = fmt.json_schema
     if not isinstance(spec, dict) or "schema" not in spec:
         raise RequestError("response_format json_schema needs json_schema.schema (a JSON Schema object)",
@@ -141,7 +148,7 @@ def _from_response_format(fmt: Any) -> Source:
     if strict is not None and not isinstance(strict, bool):
         raise RequestError("response_format.json_schema.strict must be a boolean",
                            param="response_format.json_schema.strict")
-    return _json(spec["schema"], "response_format.json_schema.schema", None, strict=bool(strict))
+    return _json(spec["schema"], "response_format.json_schema.schema", None)
 
 
 def _from_structured_outputs(value: Any) -> Source:
@@ -158,7 +165,7 @@ def _from_structured_outputs(value: Any) -> Source:
                            f"{'' if not kinds else ', got ' + ', '.join(kinds)}", param="structured_outputs")
     kind = kinds[0]
     if kind == "json_object":
-        return _json({"type": "object"}, "structured_outputs.json_object", ws)
+        return _json({"type": "object"}, "structured_outputs.json_object", ws, closed=False)
     return grammar_source(kind, value[kind], f"structured_outputs.{kind}", ws)
 
 
@@ -198,13 +205,19 @@ def _schema(value: Any, param: str) -> dict | bool:
     return value
 
 
-def _json(value: Any, param: str, ws: str | None, strict: bool = False) -> Source:
+def _json(value: Any, param: str, ws: str | None, closed: bool = True) -> Source:
+    """A JSON schema's grammar; ``closed``: its objects closed where it does not open them (module
+    docstring), False for json_object's any object."""
     import llguidance
 
     options = COMPACT if ws is None else {"whitespace_flexible": True, "whitespace_pattern": ws}
     try:
         schema = _schema(value, param)
-        if strict:
+        if schema is True:  # the schema that accepts every value
+            schema = {}
+        elif schema is False:
+            raise RequestError(f"{param}: the schema false accepts no value", param=param)
+        if closed:
             schema = closed_objects(schema)
         text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     except (ValueError, RecursionError) as exc:
@@ -219,9 +232,9 @@ SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
 
 
 def closed_objects(schema: Any) -> Any:
-    """OpenAI's ``strict: true``: every object schema that does not say otherwise takes no properties
-    beyond those it lists (``additionalProperties: false``, which strict mode at OpenAI requires be
-    written and xgrammar, vLLM's default, assumes), through the nested schemas; a copy."""
+    """Every object schema that does not say otherwise takes no properties beyond those it lists
+    (``additionalProperties: false``, which OpenAI's strict mode requires be written and xgrammar,
+    vLLM's default, and llama.cpp assume), through the nested schemas; a copy."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
