@@ -207,7 +207,8 @@ def check_unsupported(req: SamplingFields) -> None:
 
 # read by server/structured.py (the backend name is accepted and not used: llguidance compiles)
 STRUCTURED_FIELDS = frozenset({"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                               "guided_whitespace_pattern", "guided_decoding_backend"})
+                               "guided_whitespace_pattern", "guided_decoding_backend",
+                               "grammar", "json_schema"})  # llama-server's, taken on the OpenAI endpoints too
 
 
 def choice_seed(seed: int, choice: int) -> int:
