@@ -603,3 +603,29 @@ def test_the_scripted_engine_stops_as_the_engine_does(kw, text):
         return out, reason
 
     assert asyncio.run(run()) == (text, "stop")
+
+
+def test_an_abort_before_the_first_token_is_counted_and_logged(caplog):
+    """A client gone while its request waits for its first step (no output yet) is an abort in
+    request_success_total and the e2e histogram, and a log line, as one gone later is."""
+    import logging
+
+    eng = FakeEngine(step_delay=0.3)  # every step of a busy engine waits: the new request's first one too
+    s = make_server(eng, served_model_name="served")
+    busy = s.client().completions.create(model="served", prompt="a", max_tokens=400, stream=True,
+                                         extra_body={"ignore_eos": True})
+    try:
+        next(iter(busy))
+        body = json.dumps({"prompt": "x", "max_tokens": 4}).encode()
+        with caplog.at_level(logging.INFO, logger="specserve.server"):
+            with socket.create_connection(("127.0.0.1", s.port)) as client:  # sent, then closed at once
+                client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                assert wait_for(lambda: len(eng.requests) == 2)
+            assert wait_for(lambda: len(eng.aborted) == 1)
+            assert wait_for(lambda: _m(s.metrics(), "vllm:request_success_total", finished_reason="abort") == 1)
+        assert _m(s.metrics(), "vllm:e2e_request_latency_seconds_count") == 1
+        assert eng.aborted == [eng.requests[1][0]] and "aborted before its first token" in caplog.text
+    finally:
+        busy.close()
+        s.close()

@@ -146,6 +146,13 @@ class RequestTracker:
             self.last_time = now
         self.last = out
 
+    def aborted_early(self) -> None:
+        """Aborted before its first output (a client gone during prefill): an abort, with its
+        latency, and no tokens (vLLM counts a prompt's tokens at its first token)."""
+        m = self.metrics.model_name
+        self.metrics.request_success.labels(m, "abort").inc()
+        self.metrics.e2e.labels(m).observe(time.monotonic() - self.arrival)
+
     def finish(self, finish_reason: str | None) -> None:
         if self.last is None:
             return  # the engine never started it (rejected before the first output)

@@ -140,6 +140,7 @@ class Fanout:
         tracker = self.metrics.tracker()
         gen = self.engine.generate(choice.prompt_ids, choice.params, choice.request_id,
                                    **({"images": choice.images} if choice.images else {}))
+        cancelled = False
         try:
             async for out in gen:
                 choice.absorb(out)
@@ -149,6 +150,7 @@ class Fanout:
             self._queue.put_nowait((choice, None, exc))
             return
         except asyncio.CancelledError:  # stopped (stop, close): the consumer counts it as ended
+            cancelled = True
             self._queue.put_nowait((choice, None, None))
             raise
         finally:
@@ -157,6 +159,10 @@ class Fanout:
             if tracker.last is not None:
                 tracker.finish(choice.finish_reason)
                 log_finished(choice)
+            elif cancelled:  # gone before its first output: still an abort, in the log and the metrics
+                tracker.aborted_early()
+                logger.info("request %s: prompt %d tok, aborted before its first token", choice.request_id,
+                            len(choice.prompt_ids))
         self._queue.put_nowait((choice, None, None))
 
 
