@@ -629,3 +629,34 @@ def test_an_abort_before_the_first_token_is_counted_and_logged(caplog):
     finally:
         busy.close()
         s.close()
+
+
+def test_a_request_in_its_first_forward_counts_as_running():
+    """/metrics while a request's first forward computes (a long prompt's first prefill chunk can
+    take seconds): running, its K/V reserved, not waiting (as vLLM counts a scheduled prefill)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    eng = FakeEngine()
+    s = make_server(eng, served_model_name="served")
+    entered, release = threading.Event(), threading.Event()
+    run = eng.engine.runner.run
+
+    def held_run(rows):
+        entered.set()
+        release.wait(10)
+        return run(rows)
+
+    eng.engine.runner.run = held_run
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(s.http.post, "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert entered.wait(10)
+            m = s.metrics()
+            assert _m(m, "vllm:num_requests_running") == 1 and _m(m, "vllm:num_requests_waiting") == 0
+            assert _m(m, "vllm:kv_cache_usage_perc") > 0
+            release.set()
+            assert answer.result(10).status_code == 200
+    finally:
+        release.set()
+        s.close()

@@ -119,7 +119,9 @@ class AsyncEngine:
             if not eng.has_work():
                 eng.idle()
                 return
-            outputs = eng.step()
+            rows = eng.schedule_step()
+            self._stats = eng.stats()  # admitted and reserved: running while its forward computes
+            outputs = eng.run_step(rows) if rows else []
         except ParallelError as exc:  # the group is broken for good: fail everything, stop
             log.error("%s: failing every request and stopping", exc)
             self.fatal = self._closed = exc

@@ -242,13 +242,21 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        rows = self.schedule_step()
+        return self.run_step(rows) if rows else []
+
+    def schedule_step(self) -> list[ScheduledRow]:
+        """The step's rows: waiting requests admitted, K/V blocks reserved (``stats`` now counts
+        them running, which a server publishes before the forward: a long prefill chunk is not
+        shown as waiting)."""
         self.scheduler.admit()
         if not self.running:
             return []
         spent_ms = self.encode_ahead() if self.runner.encoder is not None else 0.0
-        rows = self.scheduler.schedule(drafting=self.drafter is not None, spent_ms=spent_ms)
-        if not rows:
-            return []
+        return self.scheduler.schedule(drafting=self.drafter is not None, spent_ms=spent_ms)
+
+    def run_step(self, rows: list[ScheduledRow]) -> list[RequestOutput]:
+        """Drafts, one forward and its verification for the scheduled ``rows``."""
         self._propose([r for r in rows if r.decode])
         Scheduler.place(rows)
         out = self.runner.run(rows)
