@@ -72,6 +72,20 @@ def test_every_json_schema_closes_its_objects_unless_it_opens_them():
     assert exc.value.param == "text.format.name"
 
 
+def test_formats_llguidance_lacks_are_annotations():
+    """Pydantic writes format path, binary, password; OpenAPI int64: JSON Schema lets a validator
+    ignore a format it does not know (xgrammar and llama.cpp do), so these compile as plain strings
+    instead of failing the request; the formats llguidance has stay."""
+    schema = {"type": "object", "properties": {"p": {"type": "string", "format": "path"},
+                                               "d": {"type": "string", "format": "date"},
+                                               "n": {"type": "array", "items": {"type": "string", "format": "int64"}}},
+              "additionalProperties": {"type": "string", "format": "binary"}}
+    out = grammar_source("json", schema).schema
+    assert "format" not in out["properties"]["p"] and out["properties"]["d"]["format"] == "date"
+    assert "format" not in out["properties"]["n"]["items"] and "format" not in out["additionalProperties"]
+    assert schema["properties"]["p"]["format"] == "path"  # the request's own schema is left as it was
+
+
 def test_a_small_model_writes_ascii_digits_and_no_extra_keys():
     """smollm2-135m under \\d{4}-\\d{2}-\\d{2} read as Unicode digits wrote '🯸🯸🯸🯸-🯸🯸-🯸🯸' (an emoji's
     first bytes, then the segmented digit they allow); with strict, a date schema got an "author"."""

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specserve.engine.constraint import ConstraintSpec, Grammar
+from specserve.server.json_schema import closed_objects, known_formats_only
 from specserve.errors import RequestError
 from specserve.server.regex_ascii import ascii_classes, lark_ascii
 from specserve.server.tools import CLOSE, OPEN, ToolPlan
@@ -217,42 +218,13 @@ def _json(value: Any, param: str, ws: str | None, closed: bool = True) -> Source
             schema = {}
         elif schema is False:
             raise RequestError(f"{param}: the schema false accepts no value", param=param)
+        schema = known_formats_only(schema)
         if closed:
             schema = closed_objects(schema)
         text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     except (ValueError, RecursionError) as exc:
         raise RequestError(f"{param}: {_short(str(exc))}", param=param) from None
     return Source(text, param, "JSON schema", schema)
-
-
-SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-SCHEMA_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
-              "unevaluatedItems")
-SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
-
-
-def closed_objects(schema: Any) -> Any:
-    """Every object schema that does not say otherwise takes no properties beyond those it lists
-    (``additionalProperties: false``, which OpenAI's strict mode requires be written and xgrammar,
-    vLLM's default, and llama.cpp assume), through the nested schemas; a copy."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
-    for key in SCHEMA_ONE:
-        if key in out:
-            out[key] = closed_objects(out[key]) if not isinstance(out[key], list) else \
-                [closed_objects(sub) for sub in out[key]]
-    for key in SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed_objects(sub) for sub in out[key]]
-    kind = out.get("type")
-    if (kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out) and \
-            not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(out):
-        out["additionalProperties"] = False
-    return out
 
 
 def _whitespace(value: Any, param: str) -> str | None:
