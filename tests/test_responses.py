@@ -141,6 +141,36 @@ def test_retrieve_delete_and_store_false(srv, engine):
     assert info.value.body["code"] == "previous_response_not_found"
 
 
+def test_input_items_of_a_stored_response(srv, engine):
+    """GET /v1/responses/{id}/input_items, as OpenAI's (the openai client's input_items.list): the
+    request's input items with ids, newest first by default, paged by after / limit; bad
+    parameters are 400s, an unknown response a 404."""
+    c = srv.client()
+    assert [i.content[0].text for i in c.responses.input_items.list(
+        c.responses.create(model="fake-model", input="Hi").id)] == ["Hi"]
+    given = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"type": "message", "role": "assistant", "content": "Hello.", "id": "msg_mine"},
+             {"role": "user", "content": [{"type": "input_text", "text": "And now?"}]}]
+    r = c.responses.create(model="fake-model", input=given)
+    items = srv.http.get(f"/v1/responses/{r.id}/input_items", params={"order": "asc"}).json()
+    assert items["object"] == "list" and not items["has_more"] and len(items["data"]) == 4
+    assert [i["role"] for i in items["data"]] == ["system", "user", "assistant", "user"]
+    assert items["data"][2] == {"type": "message", "role": "assistant", "id": "msg_mine", "status": "completed",
+                                "content": [{"type": "output_text", "text": "Hello."}]}
+    assert items["data"][0]["content"] == [{"type": "input_text", "text": "Be brief."}]
+    assert all(i["id"].startswith("msg_") and i["status"] == "completed" for i in items["data"])
+    newest = srv.http.get(f"/v1/responses/{r.id}/input_items", params={"limit": 2}).json()
+    assert [i["id"] for i in newest["data"]] == [i["id"] for i in items["data"][::-1][:2]] and newest["has_more"]
+    rest = srv.http.get(f"/v1/responses/{r.id}/input_items", params={"limit": 2, "after": newest["last_id"]}).json()
+    assert [i["role"] for i in rest["data"]] == ["user", "system"] and not rest["has_more"]
+    assert [i.id for i in c.responses.input_items.list(r.id, order="asc")] == [i["id"] for i in items["data"]]
+    for bad, param in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                       ({"after": "msg_none"}, "after")):
+        got = srv.http.get(f"/v1/responses/{r.id}/input_items", params=bad)
+        assert got.status_code == 400 and got.json()["error"]["param"] == param, (bad, got.text)
+    assert srv.http.get("/v1/responses/resp_none/input_items").status_code == 404
+
+
 def test_a_server_that_stores_nothing_says_so():
     """--max-stored-responses 0: an answer says store false (it cannot be retrieved or chained)."""
     server = make_server(chat_template=TOOL_TEMPLATE, max_stored_responses=0)

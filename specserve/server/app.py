@@ -118,6 +118,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, responses: ResponsesAPI) -> N
         ("POST", "/completion", create_native_completion),
         ("POST", "/v1/responses", responses.create),
         ("GET", "/v1/responses/{response_id}", responses.retrieve),
+        ("GET", "/v1/responses/{response_id}/input_items", responses.input_items),
         ("DELETE", "/v1/responses/{response_id}", responses.delete),
         ("GET", "/v1/models", list_models),
         ("GET", "/v1/models/{model:path}", retrieve_model),

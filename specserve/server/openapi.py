@@ -36,6 +36,7 @@ SUMMARIES = {
     "/v1/completions": "Text completion (OpenAI legacy); server-sent events with stream: true",
     "/v1/responses": "Create a response (OpenAI Responses API); typed server-sent events with stream: true",
     "/v1/responses/{response_id}": "A stored response",
+    "/v1/responses/{response_id}/input_items": "A stored response's input items (OpenAI's list: after, limit, order)",
     "/v1/models": "The served model",
     "/v1/models/{model}": "One model by id",
     "/health": "Liveness", "/v1/health": "Liveness (llama-server's alias)",

@@ -151,3 +151,38 @@ def assistant_turn(items: list[dict]) -> dict:
     if reasoning:
         msg["reasoning_content"] = reasoning
     return msg
+
+
+ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def listed_input(value: str | list[dict] | None) -> list[dict]:
+    """A request's ``input`` as the items GET /v1/responses/{id}/input_items lists: a text as one
+    user message; each message's text as a content part (input_text, or output_text for the
+    assistant's); every item with an id (its own, else a new one) and a status."""
+    items = [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value or []
+    out = []
+    for raw in items:
+        item = {**copy.deepcopy(raw), "type": raw.get("type", "message")}
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        item.setdefault("id", item_id(ITEM_PREFIX.get(item["type"], "item")))
+        item.setdefault("status", COMPLETED)
+        out.append(item)
+    return out
+
+
+def item_page(items: list[dict], after: str | None, limit: int, order: str) -> dict:
+    """One page of a list of items, as OpenAI's cursor lists: ``order`` asc (as given) or desc,
+    from the item after ``after`` (an id in the list), at most ``limit``."""
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [it["id"] for it in ordered]
+        if after not in ids:
+            raise KeyError(after)
+        start = ids.index(after) + 1
+    page = ordered[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(ordered)}

@@ -28,7 +28,7 @@ from specserve.server.chat import prompt_opens_think
 from specserve.server.protocol import ApiError, ChatMessage, parse_body
 from specserve.server.reasoning import CLOSE as THINK_CLOSE
 from specserve.server.responses_output import (COMPLETED, INCOMPLETE, OutputBuilder, assistant_turn, item_id,
-                                               item_text)
+                                               item_page, item_text, listed_input)
 from specserve.server.responses_protocol import (ResponsesRequest, chat_tool_choice, chat_tools, check_request,
                                                  input_messages, responses_param, sampling_fields)
 from specserve.server.serving import ServingContext, make_choices, now, resolve_max_tokens, timings, usage
@@ -44,6 +44,7 @@ logger = logging.getLogger("specserve.server")
 class Stored:
     response: dict
     messages: tuple[dict, ...]  # the conversation without instructions, this response's output included
+    input_items: tuple[dict, ...] = ()  # this request's own input, as GET .../input_items lists it
 
 
 class ResponseStore:
@@ -125,6 +126,25 @@ class ResponsesAPI:
     async def retrieve(self, ctx: ServingContext, request: Request) -> dict:
         return self._stored(request.path_params["response_id"]).response
 
+    async def input_items(self, ctx: ServingContext, request: Request) -> dict:
+        """GET /v1/responses/{id}/input_items: the request's input items, a page at a time (OpenAI's
+        ``after``, ``limit`` 1-100 (20), ``order`` asc or desc (desc))."""
+        stored = self._stored(request.path_params["response_id"])
+        q = request.query_params
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise RequestError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+        try:
+            limit = int(q.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise RequestError(f"limit must be an integer from 1 to 100, got {q.get('limit')!r}", param="limit")
+        try:
+            return item_page(list(stored.input_items), q.get("after"), limit, order)
+        except KeyError:
+            raise RequestError(f"after: no input item {q.get('after')!r} in this response", param="after") from None
+
     async def delete(self, ctx: ServingContext, request: Request) -> dict:
         response_id = request.path_params["response_id"]
         self._stored(response_id)
@@ -154,7 +174,8 @@ class ResponsesAPI:
         resp = response_object(ctx, turn, status, items, response_usage(ctx, choices[0], items), incomplete)
         resp["timings"] = timings(choices)
         if turn.req.store:
-            self.store.put(turn.id, Stored(resp, tuple(turn.conversation + [assistant_turn(items)])))
+            self.store.put(turn.id, Stored(resp, tuple(turn.conversation + [assistant_turn(items)]),
+                                           tuple(listed_input(turn.req.input))))
         return resp
 
     async def _events(self, ctx: ServingContext, turn: Turn, fan: Fanout) -> AsyncIterator[str]:
