@@ -12,7 +12,8 @@ from specserve.bench.structured_cases import run_cases
 from specserve.engine.types import SamplingParams
 from specserve.server.regex_ascii import ascii_classes, lark_ascii
 from specserve.errors import RequestError
-from specserve.server.structured import build_tokenizer, closed_objects, grammar_source, text_format_source
+from specserve.server.json_schema import closed_objects
+from specserve.server.structured import build_tokenizer, grammar_source, text_format_source
 
 
 @pytest.mark.parametrize("regex, want", [

@@ -151,7 +151,9 @@ def test_forced_tool_call_arguments_take_only_the_functions_keys():
         "type": "object", "properties": city, "required": ["city"]}}},
              {"type": "function", "function": {"name": "get_time", "parameters": {
                  "type": "object", "properties": {**city, "tz": {"type": "integer"}}, "required": ["city"]}}},
-             {"type": "function", "function": {"name": "now"}}]
+             {"type": "function", "function": {"name": "now"}},
+             {"type": "function", "function": {"name": "open_file", "parameters": {  # Pydantic's Path
+                 "type": "object", "properties": {"path": {"type": "string", "format": "path"}}}}}]
     req = SimpleNamespace(model_extra={}, response_format=None)
     grammar = compile_grammar(lltok, requested_source(req, plan_tools(tools, "required", None, "hermes"),
                                                       tag_terms(tok.backend, lltok)).grammar)
@@ -167,3 +169,4 @@ def test_forced_tool_call_arguments_take_only_the_functions_keys():
     assert not legal('{"name": "get_weather", "arguments": {"city": "Paris", "tz": 1}}')
     assert not legal('{"name": "get_weather", "arguments": {"city": "Paris", "city2": "London"}}')
     assert not legal('{"name": "now", "arguments": {"x": 1}}')
+    assert legal('{"name": "open_file", "arguments": {"path": "/tmp/a.txt"}}')  # a format llguidance lacks: text

@@ -61,3 +61,13 @@ def _format_known(name: str) -> bool:
 
     grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "format": name})
     return not llguidance.LLMatcher.validate_grammar(grammar)
+
+
+def prepared(schema: Any, closed: bool = True) -> Any:
+    """A JSON schema as every structured-outputs grammar takes it (response formats, vLLM's fields,
+    a forced tool's parameters): ``true`` as ``{}`` (any value), the formats llguidance lacks left
+    out, and (``closed``) objects closed where it does not open them. ValueError for ``false``."""
+    if schema is False:
+        raise ValueError("the schema false accepts no value")
+    schema = known_formats_only({} if schema is True else schema)
+    return closed_objects(schema) if closed else schema

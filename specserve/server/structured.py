@@ -43,8 +43,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specserve.engine.constraint import ConstraintSpec, Grammar
-from specserve.server.json_schema import closed_objects, known_formats_only
 from specserve.errors import RequestError
+from specserve.server.json_schema import prepared
 from specserve.server.regex_ascii import ascii_classes, lark_ascii
 from specserve.server.tools import CLOSE, OPEN, ToolPlan
 
@@ -213,14 +213,7 @@ def _json(value: Any, param: str, ws: str | None, closed: bool = True) -> Source
 
     options = COMPACT if ws is None else {"whitespace_flexible": True, "whitespace_pattern": ws}
     try:
-        schema = _schema(value, param)
-        if schema is True:  # the schema that accepts every value
-            schema = {}
-        elif schema is False:
-            raise RequestError(f"{param}: the schema false accepts no value", param=param)
-        schema = known_formats_only(schema)
-        if closed:
-            schema = closed_objects(schema)
+        schema = prepared(_schema(value, param), closed)
         text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     except (ValueError, RecursionError) as exc:
         raise RequestError(f"{param}: {_short(str(exc))}", param=param) from None
@@ -254,7 +247,10 @@ def _from_tools(plan: ToolPlan, tags: tuple[str, str]) -> Source:
         fn = tool["function"]
         if fn["name"] in plan.forced:
             params = fn.get("parameters")  # closed: a key the function does not take would break its call
-            args = closed_objects({"type": "object", "properties": {}} if params is None else params)
+            try:
+                args = prepared({"type": "object", "properties": {}} if params is None else params)
+            except ValueError as exc:
+                raise RequestError(f"tool {fn['name']!r}: parameters: {exc}", param="tools") from None
             calls.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": args},
                           "required": ["name", "arguments"], "additionalProperties": False})
     schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
