@@ -186,7 +186,7 @@ def exact_joint(sp) -> dict[tuple[int, int], float]:
 def draw(sp, n: int, seed: int, mask_draft: bool) -> dict[tuple[int, int], int]:
     """Two tokens per step: one draft (picked by pick_tokens, masked or not) verified against the
     masked target, then the bonus or recovered token, as the engine does."""
-    g = make_generator(seed, 0)
+    g = make_generator(seed)
     params = SamplingParams(temperature=1.0)
     logits_t = torch.log(P).expand(2, V)
     counts: dict[tuple[int, int], int] = {}

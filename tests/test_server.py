@@ -510,7 +510,9 @@ def test_model_without_template():
 
 # ---------------------------------------------------------------- the serve command
 
-def test_serve_command_wiring(monkeypatch):
+def test_serve_command_wiring(monkeypatch, caplog):
+    import logging
+
     from specserve.cli import main
     from specserve.commands import serve as serve_cmd
 
@@ -528,8 +530,11 @@ def test_serve_command_wiring(monkeypatch):
     with socket.socket() as probe:  # a port free now (a fixed one may be taken on the machine)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    assert main(["serve", "--port", str(port), "--served-model-name", "x", "--reasoning-parser", "qwen3"]) == 0
+    with caplog.at_level(logging.WARNING, logger="specserve.server"):
+        assert main(["serve", "--port", str(port), "--served-model-name", "x", "--reasoning-parser", "qwen3"]) == 0
     assert started["port"] == started["bound"] == port and started["app"].state.ctx.served_model_name == "x"
+    # the fake model's tokenizer spells <think> out in characters: said at start-up
+    assert "--reasoning-parser qwen3: the model's tokenizer has no <think> or </think> token" in caplog.text
     with socket.socket() as busy:  # a port in use fails before the model loads
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -32,7 +32,7 @@ def test_greedy_accepts_longest_matching_prefix_then_target_token():
 def _run(verifier, n: int, k: int, seed: int, point_mass: bool = False,
          q: torch.Tensor = Q) -> tuple[torch.Tensor, torch.Tensor]:
     """Count the first and second output tokens over n verification steps (draft distribution q)."""
-    g = make_generator(seed, 0)
+    g = make_generator(seed)
     first, second = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
     target = P.expand(k + 1, V).float()
     draft = None if point_mass else q.expand(k, V).float()
@@ -100,5 +100,5 @@ def test_generator_seed_keeps_32_bit_seeds_and_mixes_the_rest():
     wide = [5 + 2 ** 32, 5 + 2 ** 40, -1, -(2 ** 63), 2 ** 63 - 1]
     mixed = [generator_seed(s) for s in wide]
     assert all(0 <= m < 2 ** 32 for m in mixed) and len(set(mixed) | {5}) == len(wide) + 1
-    draws = {tuple(torch.rand(4, generator=make_generator(s, 0)).tolist()) for s in [5, *wide]}
+    draws = {tuple(torch.rand(4, generator=make_generator(s)).tolist()) for s in [5, *wide]}
     assert len(draws) == len(wide) + 1

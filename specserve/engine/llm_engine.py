@@ -196,7 +196,7 @@ class LLMEngine:
             # run's sampled answers repeat after a restart (vLLM's --seed), and no two requests share one
             seq.sample_key = params.seed if params.seed is not None else \
                 sampler.mix_key(self.ecfg.seed, next(self._arrivals))
-            seq.generator = sampler.make_generator(params.seed, seq.sample_key)
+            seq.generator = sampler.make_generator(seq.sample_key)
             if params.seed is not None:  # each position sampled by its own noise: the same text whatever is drafted
                 seq.noise = sampler.PositionNoise(params.seed, self.model.head_size)
         self.waiting.append(seq)

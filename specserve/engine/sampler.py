@@ -164,7 +164,8 @@ def generator_seed(seed: int) -> int:
     return mixed >> 32
 
 
-def make_generator(seed: int | None, fallback_seed: int) -> torch.Generator:
+def make_generator(key: int) -> torch.Generator:
+    """A torch generator for a sequence's (or its drafter's) sampling key."""
     g = torch.Generator()
-    g.manual_seed(generator_seed(seed if seed is not None else fallback_seed))
+    g.manual_seed(generator_seed(key))
     return g

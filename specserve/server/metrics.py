@@ -102,14 +102,18 @@ class ServerMetrics:
     def tracker(self) -> "RequestTracker":
         return RequestTracker(self)
 
-    def record_finished(self, last: RequestOutput, finish_reason: str, e2e: float) -> None:
+    def record_finished(self, last: RequestOutput | None, finish_reason: str, e2e: float) -> None:
+        """One ended request; ``last`` None: it ended before its first output (an abort during its
+        prefill), with no tokens counted (vLLM counts a prompt's tokens at its first token)."""
         m = self.model_name
+        self.request_success.labels(m, finish_reason).inc()
+        self.e2e.labels(m).observe(e2e)
+        if last is None:
+            return
         self.prompt_tokens.labels(m).inc(last.prompt_tokens)
         self.generation_tokens.labels(m).inc(last.completion_tokens)
         self.cache_queries.labels(m).inc(last.prompt_tokens)
         self.cache_hits.labels(m).inc(last.cached_tokens)
-        self.request_success.labels(m, finish_reason).inc()
-        self.e2e.labels(m).observe(e2e)
         if last.acceptance is not None:
             self.record_spec(last.acceptance)
 
@@ -146,15 +150,6 @@ class RequestTracker:
             self.last_time = now
         self.last = out
 
-    def aborted_early(self) -> None:
-        """Aborted before its first output (a client gone during prefill): an abort, with its
-        latency, and no tokens (vLLM counts a prompt's tokens at its first token)."""
-        m = self.metrics.model_name
-        self.metrics.request_success.labels(m, "abort").inc()
-        self.metrics.e2e.labels(m).observe(time.monotonic() - self.arrival)
-
     def finish(self, finish_reason: str | None) -> None:
-        if self.last is None:
-            return  # the engine never started it (rejected before the first output)
-        reason = finish_reason or "abort"
-        self.metrics.record_finished(self.last, reason, time.monotonic() - self.arrival)
+        """The request ended (without a reason, or before any output: aborted)."""
+        self.metrics.record_finished(self.last, finish_reason or "abort", time.monotonic() - self.arrival)

@@ -17,7 +17,6 @@ around the reasoning and before the answer is trimmed (Qwen writes
 
 from __future__ import annotations
 
-
 OPEN = "<think>"
 CLOSE = "</think>"
 

@@ -285,9 +285,10 @@ async def infill_events(ctx: ServingContext, fan: Fanout, prompts: list[InfillPr
     A line is held back until it is complete when n_indent may cut it."""
     sent = {c.index: 0 for c in fan.choices}
     tokens: dict[int, list[int]] = {c.index: [] for c in fan.choices}  # ids not yet sent (their text may wait)
+    ended: set[int] = set()
     async for choice, out in fan:
         i, lim = choice.index, limits[choice.index]
-        if sent[i] < 0:
+        if i in ended:
             continue  # stopped at its limit: what the engine still had is dropped
         done = lim.reached(choice) or out.finished
         end = len(choice.text) if done or not lim.n_indent else choice.text.rfind("\n") + 1
@@ -302,6 +303,6 @@ async def infill_events(ctx: ServingContext, fan: Fanout, prompts: list[InfillPr
         if done:
             yield sse(pick_fields({"content": "", "tokens": [], "index": i,
                                    **final_fields(ctx, choice, prompts[choice.prompt_index])}, req.response_fields))
-            sent[i] = -1
+            ended.add(i)
             if not out.finished:
                 fan.stop(choice)

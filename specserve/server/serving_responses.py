@@ -44,7 +44,7 @@ logger = logging.getLogger("specserve.server")
 class Stored:
     response: dict
     messages: tuple[dict, ...]  # the conversation without instructions, this response's output included
-    input_items: tuple[dict, ...] = ()  # this request's own input, as GET .../input_items lists it
+    input_items: tuple[dict, ...]  # this request's own input, as GET .../input_items lists it
 
 
 class ResponseStore:

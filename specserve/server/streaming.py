@@ -68,7 +68,11 @@ class Choice:
         self.decode_time = out.decode_time
 
 
-def log_finished(choice: Choice) -> None:
+def log_finished(choice: Choice, before_output: bool = False) -> None:
+    if before_output:  # gone during its prefill: no tokens or speeds to report
+        logger.info("request %s: prompt %d tok, aborted before its first token", choice.request_id,
+                    len(choice.prompt_ids))
+        return
     pre = choice.prompt_tokens / choice.prefill_time if choice.prefill_time > 0 else 0.0
     dec = choice.completion_tokens / choice.decode_time if choice.decode_time > 0 else 0.0
     line = (f"request {choice.request_id}: prompt {choice.prompt_tokens} tok (cached {choice.cached_tokens}), "
@@ -156,13 +160,9 @@ class Fanout:
         finally:
             with contextlib.suppress(Exception):
                 await gen.aclose()
-            if tracker.last is not None:
+            if tracker.last is not None or cancelled:  # (not a request the engine refused before any output)
+                log_finished(choice, before_output=tracker.last is None)
                 tracker.finish(choice.finish_reason)
-                log_finished(choice)
-            elif cancelled:  # gone before its first output: still an abort, in the log and the metrics
-                tracker.aborted_early()
-                logger.info("request %s: prompt %d tok, aborted before its first token", choice.request_id,
-                            len(choice.prompt_ids))
         self._queue.put_nowait((choice, None, None))
 
 

@@ -60,7 +60,7 @@ class Drafter(ABC):
             st = factory()
             if not seq.params.greedy:
                 key = sampler.mix_key(seq.sample_key, zlib.crc32(self.name.encode()))
-                st.generator = sampler.make_generator(None, key)
+                st.generator = sampler.make_generator(key)
             seq.drafter_state[self.name] = st
         return st
 
