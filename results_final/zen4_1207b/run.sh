@@ -8,3 +8,4 @@ python "$D/step_split.py" > "$D/step_split.txt"
 # The whole forward, once, from a tree with q4k_unroll.patch applied (unroll_forward.txt):
 #   python benchmarks/decode_cost.py --models qwen2.5-coder-1.5b --formats auto --rows 1,3,5,8 --context 512
 #     --min-time 3 --variants "new=;old=-DQP_UNROLL_ROWS=0"
+# step_split_run1.txt: the same measurement half an hour earlier, printed by an earlier copy of step_split.py.
