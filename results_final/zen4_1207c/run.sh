@@ -9,3 +9,7 @@ git apply $D/bounded_head.patch
 python $D/ab.py > $D/ab.txt
 python $D/split.py /tmp/hidden_1.5b.pt > $D/split.txt
 git apply -R $D/bounded_head.patch
+git apply $D/bounded_head_c.patch
+python $D/split_c.py /tmp/hidden_1.5b.pt > $D/split_c.txt
+for m in qwen2.5-coder-1.5b qwen2.5-coder-0.5b gemma3-270m; do python $D/ab.py $m > $D/ab_c_$m.txt; done
+git apply -R $D/bounded_head_c.patch
