@@ -1,5 +1,6 @@
 #!/bin/sh
-# The section "Greedy tokens from a cheaper copy of the LM head" (README), from the repository root.
+# The sections "Greedy tokens from a cheaper copy of the LM head" and "A draft model with layers left out"
+# (README), from the repository root.
 # candidates.py, hidden.py and draft_layers.py run on this commit; ab.py and split.py need bounded_head.patch applied.
 set -e
 D=results_final/zen4_1207c
