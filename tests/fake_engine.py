@@ -27,6 +27,7 @@ import argparse
 import math
 import threading
 import time
+from types import SimpleNamespace
 from typing import AsyncIterator, Callable
 
 import torch
@@ -110,6 +111,13 @@ class CharTokenizer:
 
     def token_bytes(self, i: int) -> bytes:
         return self.id_to_token(i).encode()
+
+    def all_token_bytes(self) -> list[bytes]:
+        return [self.token_bytes(i) for i in range(self.vocab_size)]
+
+    def text_only(self):
+        """Like Tokenizer.text_only: special tokens' spellings read as the characters."""
+        return SimpleNamespace(encode=lambda text, add_special_tokens=False: SimpleNamespace(ids=self.encode_plain(text)))
 
 
 class Scripts:

@@ -320,3 +320,19 @@ def test_a_compile_past_the_time_limit_is_refused_then_cached(smol):
     quick, later = asyncio.run(run())
     assert quick is not None and later is not None
     so.close()
+
+
+@pytest.mark.parametrize("model,spelled", [("smollm2-135m", "<|im_start|>"), ("qwen2.5-coder-0.5b", "<tool_call>")])
+def test_forced_text_spelling_a_special_token_is_written_as_text(model, spelled):
+    """A regex that forces the characters of an added token: the mask offers the characters' tokens
+    (never the token itself, which the matcher refuses), and they lead to the end of the grammar."""
+    tok = load_tokenizer(model)
+    lltok, _ = build_tokenizer(tok)
+    special = tok.backend.token_to_id(spelled)
+    c = Constraint(spec(lltok, "regex", "A" + spelled.replace("|", "\\|") + "B"))
+    text = tok.text_only().encode(spelled + "B", add_special_tokens=False).ids
+    assert special not in text and c.legal_prefix(tok.encode("A") + text) == len(tok.encode("A") + text)
+    mask = c.mask_after(tok.encode("A"), tok.vocab_size)
+    assert not mask[special] and mask[text[0]]
+    c.commit(tok.encode("A") + text)
+    assert not c.broken and bool(c.mask_after([], tok.vocab_size)[min(tok.eos_token_ids)])

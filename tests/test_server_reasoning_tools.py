@@ -213,7 +213,7 @@ def test_tool_choice_none_and_no_parser(tool_srv, srv, engine):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"tools": "get_weather"}, "tools"),

@@ -77,9 +77,22 @@ class Tokenizer:
             self._bytes[i] = self._token_bytes(i)
         return self._bytes[i]
 
-    def _token_bytes(self, i: int) -> bytes:
-        piece = self.id_to_token(i)
-        added = self.backend.get_added_tokens_decoder().get(i)
+    def all_token_bytes(self) -> list[bytes]:
+        """``token_bytes`` of every id, in id order (one pass: a grammar engine's vocabulary)."""
+        added = self.backend.get_added_tokens_decoder()
+        pieces = {i: t for t, i in self.backend.get_vocab(with_added_tokens=True).items()}
+        return [self._token_bytes(i, pieces.get(i, ""), added) for i in range(self.vocab_size)]
+
+    def text_only(self) -> HFTokenizer:
+        """A copy of the backend without its added tokens: text that spells one ("<tool_call>",
+        "<|im_end|>") is read as the characters, as a grammar forcing that text must write it."""
+        spec = json.loads(self.backend.to_str())
+        spec["added_tokens"] = []
+        return HFTokenizer.from_str(json.dumps(spec))
+
+    def _token_bytes(self, i: int, piece: str | None = None, added: dict | None = None) -> bytes:
+        piece = self.id_to_token(i) if piece is None else piece
+        added = (self.backend.get_added_tokens_decoder() if added is None else added).get(i)
         kind = self._decoder_kind()
         if added is not None or kind is None:
             return (added.content if added is not None else self.decode([i], skip_special_tokens=False)).encode()

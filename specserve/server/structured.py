@@ -418,18 +418,39 @@ def parser_limits():
     return llguidance.LLParserLimits(verbose_errors=False)
 
 
+class _Vocabulary:
+    """The model's vocabulary as llguidance reads it (its TokenizerWrapper): every token's bytes, the
+    added tokens as special ones, and a tokenizer of text alone. Given the tokenizer.json instead,
+    llguidance tokenized the text a grammar forces with the added tokens read in it: the forced text
+    "<tool_call>" became the special token, which its own matcher then refused (the answer ended
+    there, marked stop)."""
+
+    def __init__(self, tokenizer):
+        self.tokens = tokenizer.all_token_bytes()
+        self.special_token_ids = sorted(tokenizer.backend.get_added_tokens_decoder())
+        self.eos_token_id = min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
+        self.bos_token_id = tokenizer.bos_token_id
+        self._text = tokenizer.text_only()
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # llguidance then passes text (the valid UTF-8 it holds) as str
+            raise TypeError("text only")
+        return self._text.encode(text, add_special_tokens=False).ids
+
+
 def build_tokenizer(tokenizer) -> tuple[Any, tuple[int, ...]]:
     """An llguidance tokenizer over the model's tokenizer.json (specserve.models.tokenizer), with
     the model's end-of-generation tokens as EOS; and the token ids that open a <think> block."""
     import llguidance
+    from llguidance._tokenizer import TokenizerWrapper
 
     backend = getattr(tokenizer, "backend", None)
     if backend is None or not hasattr(backend, "to_str"):
         raise RequestError("structured outputs need the model's tokenizer (a tokenizer.json); this one has none")
     try:
-        lltok = llguidance.LLTokenizer(backend.to_str(), n_vocab=tokenizer.vocab_size,
+        lltok = llguidance.LLTokenizer(TokenizerWrapper(_Vocabulary(tokenizer)), n_vocab=tokenizer.vocab_size,
                                        eos_token=sorted(tokenizer.eos_token_ids))
-    except ValueError as exc:  # a tokenizer.json llguidance cannot read: the request's error, not a 500
+    except ValueError as exc:  # a vocabulary llguidance cannot read: the request's error, not a 500
         raise RequestError(f"structured outputs cannot use this model's tokenizer: {exc}") from None
     think = backend.token_to_id("<think>")
     return lltok, (() if think is None else (think,))
