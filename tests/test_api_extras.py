@@ -156,11 +156,23 @@ def test_docs_behind_the_key_and_off_with_the_flag(keyed):
 def test_405_carries_allow():
     s = make_server()
     try:
-        for method, path, allow in (("GET", "/v1/chat/completions", "POST"), ("DELETE", "/v1/models", "GET"),
-                                    ("PUT", "/v1/responses/resp_1", "DELETE, GET")):
+        for method, path, allow in (("GET", "/v1/chat/completions", "POST"), ("DELETE", "/v1/models", "GET, HEAD"),
+                                    ("PUT", "/v1/responses/resp_1", "DELETE, GET, HEAD")):
             r = s.http.request(method, path)
             assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
             assert ", ".join(sorted(r.headers["allow"].split(", "))) == allow
+    finally:
+        s.close()
+
+
+def test_head_wherever_get():
+    """HEAD answers as GET does, without a body (RFC 9110; health checks such as curl -I send it)."""
+    s = make_server()
+    try:
+        for path in ("/health", "/v1/models", "/props", "/metrics"):
+            r = s.http.head(path)
+            assert r.status_code == 200 and r.content == b"", (path, r.status_code)
+        assert s.http.head("/v1/chat/completions").status_code == 405
     finally:
         s.close()
 

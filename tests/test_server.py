@@ -87,6 +87,26 @@ def test_sampling_params_reach_engine(srv, engine):
     assert p.min_tokens == 2 and p.include_stop_str_in_output and not p.skip_special_tokens
 
 
+def test_assistant_refusal_part_reads_as_its_text(srv, engine):
+    """OpenAI's assistant content takes refusal parts: a conversation replayed with one reads it as the
+    turn's text (a user's refusal part is a 400, tests/test_server_errors.py)."""
+    msgs = [*MSGS, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+            {"role": "user", "content": "Why?"}]
+    r = srv.http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert engine.prompts[-1] == "<s><|user|>Hi\n<|assistant|>No.\n<|user|>Why?\n<|assistant|>"
+
+
+def test_structured_outputs_on_any_vocabulary(srv):
+    """llguidance reads the vocabulary token by token (server/structured.py), so the fake engine's
+    one-character tokenizer, which it could not read as a tokenizer.json, constrains too."""
+    r = srv.http.post("/v1/completions", json={"prompt": "x", "guided_choice": ["ab", "ba"], "max_tokens": 8})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("ab", "ba"), r.text
+    r = srv.http.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 6,
+                                                    "structured_outputs": {"regex": "a+"}})
+    assert r.status_code == 200 and set(r.json()["choices"][0]["message"]["content"]) == {"a"}, r.text
+
+
 def test_continue_final_message_leaves_the_assistant_turn_open(srv, engine):
     """vLLM's continue_final_message: the prompt ends where the last (assistant) message's text ends,
     so the model continues it; /tokenize counts the same prompt."""

@@ -32,6 +32,10 @@ ERROR_CASES = [
      "messages", "images_not_supported"),  # a text-only model
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400,
      "messages[0].content[0].type", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]},
+     400, "messages[0].content[0].type", None),  # a refusal part: an assistant's only
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": [{"type": "refusal"}]}, *MSGS]}, 400,
+     "messages[0].content[0].refusal", None),
     ("/v1/chat/completions", {"messages": MSGS, "max_tokens": -1}, 400, "max_tokens", None),
     ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 10**9}, 400, "max_tokens",
      "context_length_exceeded"),
@@ -75,15 +79,6 @@ ERROR_CASES = [
      "response_format.type", None),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
      "response_format.json_schema.schema", None),
-    # structured outputs need a tokenizer llguidance can read, which the fake engine's char tokenizer
-    # (one word per character, fused) is not: a 400, not a 500 (tests/test_structured_server.py runs
-    # them on real models)
-    ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_object"}}, 400,
-     "response_format", None),
-    ("/v1/chat/completions", {"messages": MSGS, "guided_json": {"type": "object"}}, 400, "guided_json", None),
-    ("/v1/completions", {"prompt": "x", "guided_choice": ["a", "b"]}, 400, "guided_choice", None),
-    ("/v1/chat/completions", {"messages": MSGS, "structured_outputs": {"regex": "a+"}}, 400,
-     "structured_outputs.regex", None),
     ("/v1/chat/completions", {"messages": MSGS, "guided_regex": 5}, 400, "guided_regex", None),
     # vLLM / legacy OpenAI fields that would change the result if ignored: refused unless at their default
     ("/v1/chat/completions", {"messages": MSGS, "use_beam_search": True}, 400, "use_beam_search", None),

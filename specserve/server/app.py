@@ -131,8 +131,9 @@ def _add_routes(app: FastAPI, ctx: ServingContext, responses: ResponsesAPI) -> N
         ("POST", "/detokenize", detokenize),
         ("POST", "/apply-template", apply_template),
     ]
-    for method, path, handler in routes:
-        app.add_api_route(path, _guard(ctx, handler), methods=[method], include_in_schema=False)
+    for method, path, handler in routes:  # HEAD wherever GET (RFC 9110; health checks send it), as Starlette's routes do
+        methods = [method, "HEAD"] if method == "GET" else [method]
+        app.add_api_route(path, _guard(ctx, handler), methods=methods, include_in_schema=False)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

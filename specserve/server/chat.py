@@ -168,14 +168,24 @@ def _content_text(i: int, msg: ChatMessage) -> str | None:
         if part.type in IMAGE_PART_TYPES:  # the image's place: its tokens replace the mark (server/media.py)
             out, prev_text = out + IMAGE_MARK, False
             continue
-        if part.type not in TEXT_PART_TYPES:
-            raise RequestError(f"content part type {part.type!r} is not supported (text, image_url)",
-                               param=f"messages[{i}].content[{j}].type")
-        if part.text is None:
-            raise RequestError(f"messages[{i}].content[{j}] ({part.type}) has no 'text'",
-                               param=f"messages[{i}].content[{j}].text")
-        out, prev_text = out + ("\n" if prev_text else "") + part.text.replace(IMAGE_MARK, ""), True
+        text = _part_text(i, j, msg.role, part)
+        out, prev_text = out + ("\n" if prev_text else "") + text.replace(IMAGE_MARK, ""), True
     return out
+
+
+def _part_text(i: int, j: int, role: str, part) -> str:
+    """A text part's text; in an assistant message also a refusal part's refusal (OpenAI's assistant
+    content takes both; a conversation replayed with a refusal in it reads it as the turn's text)."""
+    key = "refusal" if part.type == "refusal" and role == "assistant" else "text"
+    if key == "text" and part.type not in TEXT_PART_TYPES:
+        kinds = "text, refusal, image_url" if role == "assistant" else "text, image_url"
+        raise RequestError(f"content part type {part.type!r} is not supported ({kinds})",
+                           param=f"messages[{i}].content[{j}].type")
+    text = part.text if key == "text" else (part.model_extra or {}).get("refusal")
+    if not isinstance(text, str):
+        raise RequestError(f"messages[{i}].content[{j}] ({part.type}) has no '{key}'",
+                           param=f"messages[{i}].content[{j}].{key}")
+    return text
 
 
 def image_urls(messages: list[ChatMessage]) -> list[tuple[str, str]]:

@@ -86,7 +86,7 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
     paths: dict[str, dict] = {}
     for route in app.routes:
         if isinstance(route, APIRoute):
-            for method in sorted(route.methods):
+            for method in sorted(route.methods - {"HEAD"}):  # HEAD: implied by GET
                 body = BODIES.get((method, route.path))
                 schema = refs[(body, "validation")] if body is not None else None
                 op = _operation(route.path_format, method, schema)
