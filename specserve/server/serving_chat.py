@@ -104,7 +104,7 @@ def chat_message(choice: Choice, split: Splitter) -> tuple[dict, list[ToolCall]]
         content, calls = split_calls(split.tools, content)
     message: dict = {"role": "assistant", "content": content}
     if calls:
-        message["content"] = content.strip() or None
+        message["content"] = content or None  # as the stream's deltas join (its whitespace kept)
         message["tool_calls"] = [c.as_dict() for c in calls]
     if kind != "none":
         if reasoning is not None and not content:
