@@ -58,6 +58,7 @@ def engine(srv):
     srv.engine.responder = lambda prompt, params: SCRIPT
     srv.engine.step_delay = 0.0
     srv.engine.fail_next = None
+    srv.engine.no_steps = None
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ failures. Only the network is replaced, so a test knows the text a request gets:
   wrong token: verification decides what is kept;
 - ``gate`` (a threading.Event): while set to one that is shut, the engine does not step once every
   sequence has had an output and none waits (requests stay in flight, whatever the machine's
-  speed); ``step_delay`` seconds of sleep before each step; ``fail_next``: raised by the next
+  speed); ``step_delay`` seconds of sleep before each step; ``no_steps`` (set: no step runs; call
+  ``hold_steps`` to set it, which waits until the step thread has seen it); ``fail_next``: raised by the next
   generate(); ``prompts`` / ``requests`` / ``finished`` / ``aborted`` record what came and how it ended.
 """
 
@@ -225,6 +226,8 @@ class FakeEngine(AsyncEngine):
         self.step_delay = step_delay
         self.gate: threading.Event | None = None
         self.fail_next: BaseException | None = None  # raised by the next generate() before its first output
+        self.no_steps: threading.Event | None = None  # while set, no step runs (requests wait, unstarted)
+        self.idle_loops = 0  # loops of the step thread that ran no step (held, or no_steps)
         self.prompts: list[str] = []  # decoded prompts, in arrival order
         self.requests: list[tuple[str, SamplingParams]] = []
         self.aborted: list[str] = []
@@ -275,13 +278,24 @@ class FakeEngine(AsyncEngine):
 
     def _step_once(self) -> None:
         eng = self.engine
-        if self._held():
+        if self._held() or (self.no_steps is not None and self.no_steps.is_set()):
             self._drain(block=False)
+            self.idle_loops += 1
             time.sleep(0.01)
             return
         if self.step_delay and eng.has_work():
             time.sleep(self.step_delay)
         super()._step_once()
+
+    def hold_steps(self) -> threading.Event:
+        """No step runs until the returned event is cleared (the step thread, maybe waiting idle for
+        work, is woken and has come round to the check before this returns)."""
+        self.no_steps, seen = threading.Event(), self.idle_loops
+        self.no_steps.set()
+        self._inbox.put(("wake", None))
+        while self.idle_loops == seen:
+            time.sleep(0.005)
+        return self.no_steps
 
     def _held(self) -> bool:
         """The gate is shut and every sequence has had an output (none waits)."""

@@ -237,6 +237,21 @@ def test_stream_raw_sse_ends_with_done(srv, engine):
     assert all("usage" not in e for e in events)  # no include_usage: no usage fields at all
 
 
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", {"messages": MSGS}),
+                                       ("/v1/completions", {"prompt": "Once"}), ("/completion", {"prompt": "Once"})])
+def test_stream_headers_before_the_first_token(srv, engine, path, body):
+    """A stream's status line and headers come before its first output (vLLM's come at once): a long
+    prefill or a queue does not run into a client's first-byte timeout. Here no engine step runs
+    until the headers are in; the events follow."""
+    held = engine.hold_steps()
+    with srv.http.stream("POST", path, json={**body, "stream": True, "max_tokens": 4}, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert not any(s.output_ids for s in engine.engine.running)  # the headers came before any output
+        held.clear()
+        lines = [line for line in r.iter_lines() if line]
+    assert lines and all(line.startswith("data: ") for line in lines)
+
+
 def test_completions_stream(srv, engine):
     stream = srv.client().completions.create(model="fake-model", prompt="p", max_tokens=20, stream=True,
                                              n=2, stream_options={"include_usage": True})

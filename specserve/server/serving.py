@@ -374,10 +374,11 @@ def vllm_prompt_logprobs(ctx: ServingContext, lps: list[TokenLogprob | None] | N
     return out
 
 
-async def openai_sse(events: AsyncIterator[str], what: str, request_id: str) -> AsyncIterator[str]:
-    """A chat or completion stream's events, then [DONE]. The headers are sent by then, so an error
-    becomes an OpenAI error event in the stream: a bad request's 4xx body, the shutdown drain's
-    (a clean ending, no traceback), or an internal error's (logged)."""
+async def openai_sse(events: AsyncIterator[str], what: str, request_id: str, done: bool = True) -> AsyncIterator[str]:
+    """A chat or completion stream's events, then [DONE] (``done``; llama-server's native stream has
+    none). The headers are sent by then, so an error becomes an OpenAI error event in the stream: a
+    bad request's 4xx body, the shutdown drain's (a clean ending, no traceback), or an internal
+    error's (logged)."""
     try:
         async for event in events:
             yield event
@@ -390,4 +391,5 @@ async def openai_sse(events: AsyncIterator[str], what: str, request_id: str) -> 
         yield sse(error_body(f"internal error: {type(exc).__name__}", "server_error", code="internal_error"))
     finally:
         await events.aclose()  # a client gone mid-stream closes this generator: close the inner one too
-    yield SSE_DONE
+    if done:
+        yield SSE_DONE

@@ -60,7 +60,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     choices = constrain(choices, structured)
     split = Splitter(ctx.cfg.reasoning_parser, opened, plan)
     fan = Fanout(ctx.engine, ctx.metrics, choices)
-    await start_fanout(request.receive, fan, drain=not req.stream)
+    await start_fanout(request.receive, fan, drain=not req.stream, stream=req.stream)
     if req.stream:
         events = chat_events(ctx, request_id, fan, split, *stream_usage(req))
         return SSEResponse(openai_sse(events, "chat", request_id), fan.close)

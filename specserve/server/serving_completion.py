@@ -92,7 +92,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
             c.params = replace(c.params, stop_token_ids=c.params.stop_token_ids + ctx.fim.end_ids)
     choices = constrain(choices, structured)
     fan = Fanout(ctx.engine, ctx.metrics, choices)
-    await start_fanout(request.receive, fan, drain=not req.stream)
+    await start_fanout(request.receive, fan, drain=not req.stream, stream=req.stream)
     if req.stream:
         events = completion_events(ctx, request_id, fan, view, *stream_usage(req))
         return SSEResponse(openai_sse(events, "completion", request_id), fan.close)

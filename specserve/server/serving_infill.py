@@ -36,7 +36,7 @@ from specserve.models.fim import FimTokens, fim_prompt
 from specserve.models.tokenizer import Tokenizer
 from specserve.server.protocol import ExtraFile, InfillRequest, NativeCompletionRequest, NativeFields, parse_body
 from specserve.server.serving import (ServingContext, check_unsupported, format_logprobs, make_choices, new_id,
-                                      resolve_max_tokens, timings)
+                                      openai_sse, resolve_max_tokens, timings)
 from specserve.server.serving_completion import resolve_prompts
 from specserve.server.streaming import Choice, Fanout, SSEResponse, run_or_disconnect, sse, start_fanout
 from specserve.server.structured import constrain
@@ -150,9 +150,10 @@ async def respond(ctx: ServingContext, request: Request, req: NativeFields, prom
     choices = constrain(choices, structured)
     fan = Fanout(ctx.engine, ctx.metrics, choices)
     limits = {c.index: Limits(req.n_indent, req.t_max_predict_ms) for c in choices}
-    await start_fanout(request.receive, fan, drain=False)
+    await start_fanout(request.receive, fan, drain=False, stream=bool(req.stream))
     if req.stream:
-        return SSEResponse(infill_events(ctx, fan, prompts, limits, req), fan.close)
+        return SSEResponse(openai_sse(infill_events(ctx, fan, prompts, limits, req), "infill", fan.choices[0].request_id,
+                                      done=False), fan.close)
     try:
         await run_or_disconnect(request.receive, collect(fan, limits))
     finally:

@@ -114,7 +114,7 @@ class ResponsesAPI:
         choices = constrain(make_choices([ids], sampling_fields(req), [max_tokens], None, turn.id, images),
                             structured)
         fan = Fanout(ctx.engine, ctx.metrics, choices)
-        await start_fanout(request.receive, fan, drain=not req.stream)
+        await start_fanout(request.receive, fan, drain=not req.stream, stream=req.stream)
         if req.stream:
             return SSEResponse(self._events(ctx, turn, fan), fan.close)
         builder = OutputBuilder()

@@ -83,6 +83,9 @@ def log_finished(choice: Choice, before_output: bool = False) -> None:
     logger.info(line)
 
 
+STREAM_HEADERS_AFTER = 0.5  # seconds a stream waits for its first outputs before sending its headers
+
+
 class Fanout:
     """Runs choices concurrently; iterate to get (choice, output) in arrival order."""
 
@@ -94,16 +97,25 @@ class Fanout:
         self._tasks: list[asyncio.Task] = []
         self._buffer: list[tuple[Choice, RequestOutput | None, BaseException | None]] = []
 
-    async def start(self) -> None:
-        """Submit every choice and wait until each produced its first output.
+    async def start(self, within: float | None = None) -> None:
+        """Submit every choice and wait until each produced its first output, or ``within`` seconds
+        passed (None: no limit).
 
-        An engine error raised before the first output (e.g. RequestError for a
-        prompt that is too long) is raised here, before any response is sent.
+        An engine error raised before then (the engine's checks of a request, e.g. a prompt too
+        long for the KV pool, come at once) is raised here, before any response is sent; a stream
+        that starts without waiting out a long prefill reports a later error in its events.
         """
         self._tasks = [asyncio.create_task(self._pump(c)) for c in self.choices]
         pending = {c.index for c in self.choices}
+        deadline = None if within is None else asyncio.get_running_loop().time() + within
         while pending:
-            item = await self._queue.get()
+            left = None if deadline is None else deadline - asyncio.get_running_loop().time()
+            if left is not None and left <= 0:
+                return
+            try:
+                item = await asyncio.wait_for(self._queue.get(), left)
+            except asyncio.TimeoutError:
+                return
             self._buffer.append(item)
             choice, _out, exc = item
             if exc is not None:
@@ -230,16 +242,19 @@ class SSEResponse(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def start_fanout(receive: Callable[[], Awaitable[dict]], fan: Fanout, drain: bool) -> None:
+async def start_fanout(receive: Callable[[], Awaitable[dict]], fan: Fanout, drain: bool, stream: bool = False) -> None:
     """Start the choices (and, for a non-streaming response, run them to the end).
 
     Engine errors before the first output propagate (as 4xx/5xx before any
     byte is sent); a disconnect raises ClientGone. Either way nothing is left
     running. A drained fan-out is closed; a streaming one is closed by the
-    SSEResponse.
+    SSEResponse. A stream (``stream``) starts after at most STREAM_HEADERS_AFTER
+    seconds, as vLLM's sends its headers at once: a long prompt's prefill or a
+    queue does not hold back the status line past a client's or a proxy's
+    first-byte timeout.
     """
     try:
-        await run_or_disconnect(receive, fan.start())
+        await run_or_disconnect(receive, fan.start(STREAM_HEADERS_AFTER if stream else None))
         if drain:
             await run_or_disconnect(receive, fan.drain())
     except BaseException:
