@@ -169,6 +169,8 @@ def test_head_wherever_get():
     """HEAD answers as GET does, without a body (RFC 9110; health checks such as curl -I send it)."""
     s = make_server()
     try:
+        ids = [[m["id"] for m in s.http.get(p).json()["data"]] for p in ("/models", "/v1/models")]
+        assert ids[0] == ids[1] and ids[0]  # llama-server's alias
         for path in ("/health", "/v1/models", "/props", "/metrics"):
             r = s.http.head(path)
             assert r.status_code == 200 and r.content == b"", (path, r.status_code)

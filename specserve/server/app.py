@@ -121,6 +121,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, responses: ResponsesAPI) -> N
         ("GET", "/v1/responses/{response_id}/input_items", responses.input_items),
         ("DELETE", "/v1/responses/{response_id}", responses.delete),
         ("GET", "/v1/models", list_models),
+        ("GET", "/models", list_models),  # llama-server's alias
         ("GET", "/v1/models/{model:path}", retrieve_model),
         ("GET", "/health", health),
         ("GET", "/v1/health", health),  # llama-server's alias

@@ -131,7 +131,8 @@ def check_native(req: NativeFields) -> int:
     if req.post_sampling_probs and req.n_probs:
         raise RequestError("post_sampling_probs is not supported: n_probs gives the model's own logprobs "
                            "(llama-server's default)", param="post_sampling_probs")
-    n_predict = req.max_tokens if req.n_predict == -1 and req.max_tokens else req.n_predict
+    # llama-server reads n_predict first, max_tokens where it is absent
+    n_predict = req.max_tokens if "n_predict" not in req.model_fields_set and req.max_tokens else req.n_predict
     if n_predict < -1:  # as llama-server, -1 is "no limit" and 0 the prompt alone, into the prefix cache
         raise RequestError(f"n_predict must be -1 (until the context is full), 0 (the prompt alone, "
                            f"cached) or >= 1, got {n_predict}", param="n_predict")
