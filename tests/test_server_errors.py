@@ -82,6 +82,8 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": MSGS, "guided_regex": 5}, 400, "guided_regex", None),
     # vLLM / legacy OpenAI fields that would change the result if ignored: refused unless at their default
     ("/v1/chat/completions", {"messages": MSGS, "use_beam_search": True}, 400, "use_beam_search", None),
+    ("/v1/chat/completions", {"messages": MSGS, "modalities": ["text", "audio"]}, 400, "modalities", None),
+    ("/v1/chat/completions", {"messages": MSGS, "audio": {"voice": "alloy", "format": "wav"}}, 400, "audio", None),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", None),
     # llama-server's samplers we do not have: refused when on (llama.cpp clients send them to /completion)
     ("/completion", {"prompt": "x", "mirostat": 2}, 400, "mirostat", None),

@@ -163,6 +163,10 @@ _NOT_SUPPORTED = {
     "suffix": (lambda v: v is None, "suffix (insertion) is supported by /v1/completions only"),
     "functions": (lambda v: v is None, "the legacy functions API is not supported; use tools"),
     "function_call": (lambda v: v is None, "the legacy functions API is not supported; use tool_choice"),
+    # spoken answers: this server writes text only
+    "audio": (lambda v: v is None, "audio output is not supported (text only)"),
+    "modalities": (lambda v: v is None or (isinstance(v, list) and all(m == "text" for m in v)),
+                   "only the text modality is supported"),
     # llama-server's samplers beyond temperature / top_k / top_p / min_p / repeat_penalty (at their off values: fine)
     "mirostat": (lambda v: v in (None, 0), _LLAMA_SAMPLER),
     "typical_p": (lambda v: v in (None, 1, 1.0), _LLAMA_SAMPLER),
