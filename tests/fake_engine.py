@@ -118,7 +118,10 @@ class CharTokenizer:
 
     def text_only(self):
         """Like Tokenizer.text_only: special tokens' spellings read as the characters."""
-        return SimpleNamespace(encode=lambda text, add_special_tokens=False: SimpleNamespace(ids=self.encode_plain(text)))
+        def encode(text, add_special_tokens=False):
+            return SimpleNamespace(ids=self.encode_plain(text))
+
+        return SimpleNamespace(encode=encode)
 
 
 class Scripts:

@@ -103,7 +103,8 @@ def test_llama_server_completion_endpoint(srv, engine):
     assert r["tokens_predicted"] == r["timings"]["predicted_n"] == len(SCRIPT) + 1 and r["tokens_evaluated"] == 3
     r = srv.http.post("/completion", json={"prompt": [1, 75, 108], "n_predict": 5, "temperature": 0}).json()
     assert r["content"] == SCRIPT[:5] and r["stop_type"] == "limit" and r["tokens_evaluated"] == 3
-    for body, n in (({"max_tokens": 3}, 3), ({"n_predict": 4, "max_tokens": 3}, 4), ({"n_predict": -1, "max_tokens": 3}, None)):
+    cases = (({"max_tokens": 3}, 3), ({"n_predict": 4, "max_tokens": 3}, 4), ({"n_predict": -1, "max_tokens": 3}, None))
+    for body, n in cases:
         r = srv.http.post("/completion", json={"prompt": "Hi", "temperature": 0, **body}).json()  # n_predict first
         assert r["content"] == (SCRIPT if n is None else SCRIPT[:n]), body
     with srv.http.stream("POST", "/completion", json={"prompt": "Hi", "stream": True, "stop": ["!"]}) as s:

@@ -132,7 +132,8 @@ def _add_routes(app: FastAPI, ctx: ServingContext, responses: ResponsesAPI) -> N
         ("POST", "/detokenize", detokenize),
         ("POST", "/apply-template", apply_template),
     ]
-    for method, path, handler in routes:  # HEAD wherever GET (RFC 9110; health checks send it), as Starlette's routes do
+    # HEAD wherever GET (RFC 9110; health checks send it), as Starlette's own routes do
+    for method, path, handler in routes:
         methods = [method, "HEAD"] if method == "GET" else [method]
         app.add_api_route(path, _guard(ctx, handler), methods=methods, include_in_schema=False)
 

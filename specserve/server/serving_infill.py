@@ -153,8 +153,8 @@ async def respond(ctx: ServingContext, request: Request, req: NativeFields, prom
     limits = {c.index: Limits(req.n_indent, req.t_max_predict_ms) for c in choices}
     await start_fanout(request.receive, fan, drain=False, stream=bool(req.stream))
     if req.stream:
-        return SSEResponse(openai_sse(infill_events(ctx, fan, prompts, limits, req), "infill", fan.choices[0].request_id,
-                                      done=False), fan.close)
+        events = infill_events(ctx, fan, prompts, limits, req)
+        return SSEResponse(openai_sse(events, "infill", fan.choices[0].request_id, done=False), fan.close)
     try:
         await run_or_disconnect(request.receive, collect(fan, limits))
     finally:
