@@ -237,6 +237,9 @@ def test_token_bytes_join_into_the_text(name):
     assert b"".join(p.encode() if isinstance(p, str) else bytes(p) for p in pieces) == text.encode()
     end = sorted(tok.eos_token_ids)[0]
     assert tok.token_bytes(end) == tok.id_to_token(end).encode()
+    every = tok.all_token_bytes()  # the one-pass vocabulary a grammar engine reads: the same bytes
+    sample = [*ids, end, *range(0, tok.vocab_size, tok.vocab_size // 150)]
+    assert len(every) == tok.vocab_size and all(every[i] == tok.token_bytes(i) for i in sample)
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])

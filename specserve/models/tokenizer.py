@@ -81,7 +81,18 @@ class Tokenizer:
         """``token_bytes`` of every id, in id order (one pass: a grammar engine's vocabulary)."""
         added = self.backend.get_added_tokens_decoder()
         pieces = {i: t for t, i in self.backend.get_vocab(with_added_tokens=True).items()}
-        return [self._token_bytes(i, pieces.get(i, ""), added) for i in range(self.vocab_size)]
+        if self._decoder_kind() != "byte_level":
+            return [self._token_bytes(i, pieces.get(i, ""), added) for i in range(self.vocab_size)]
+        from gguf.vocab import bytes_to_unicode
+
+        chars = {c: chr(b) for b, c in bytes_to_unicode().items()}
+        to_bytes, unmapped = str.maketrans(chars), str.maketrans(dict.fromkeys(chars))  # (deletes them)
+        out = []
+        for i in range(self.vocab_size):  # str.translate: the byte-level pieces in C, not char by char
+            piece = pieces.get(i, "")
+            plain = i not in added and not piece.translate(unmapped)  # every char a byte's
+            out.append(piece.translate(to_bytes).encode("latin-1") if plain else self._token_bytes(i, piece, added))
+        return out
 
     def text_only(self) -> HFTokenizer:
         """A copy of the backend without its added tokens: text that spells one ("<tool_call>",
