@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gguf.vocab import bytes_to_unicode
 from tokenizers import Tokenizer as HFTokenizer
 
 from specserve.errors import ModelLoadError
@@ -32,7 +33,7 @@ class Tokenizer:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     _bytes: dict[int, bytes] = field(default_factory=dict, repr=False)  # token_bytes, per token asked
     _decoder: str | None = field(default="", repr=False)  # the decoder's kind ("": not read yet)
-    _byte_of: dict[str, int] | None = field(default=None, repr=False)  # byte-level BPE: char -> byte
+    _byte_of: tuple | None = field(default=None, repr=False)  # byte-level BPE: str.translate tables (char -> byte; drop)
     _plain: HFTokenizer | None = field(default=None, repr=False)  # a copy that reads special tokens as text
 
     @property
@@ -81,18 +82,7 @@ class Tokenizer:
         """``token_bytes`` of every id, in id order (one pass: a grammar engine's vocabulary)."""
         added = self.backend.get_added_tokens_decoder()
         pieces = {i: t for t, i in self.backend.get_vocab(with_added_tokens=True).items()}
-        if self._decoder_kind() != "byte_level":
-            return [self._token_bytes(i, pieces.get(i, ""), added) for i in range(self.vocab_size)]
-        from gguf.vocab import bytes_to_unicode
-
-        chars = {c: chr(b) for b, c in bytes_to_unicode().items()}
-        to_bytes, unmapped = str.maketrans(chars), str.maketrans(dict.fromkeys(chars))  # (deletes them)
-        out = []
-        for i in range(self.vocab_size):  # str.translate: the byte-level pieces in C, not char by char
-            piece = pieces.get(i, "")
-            plain = i not in added and not piece.translate(unmapped)  # every char a byte's
-            out.append(piece.translate(to_bytes).encode("latin-1") if plain else self._token_bytes(i, piece, added))
-        return out
+        return [self._token_bytes(i, pieces.get(i, ""), added) for i in range(self.vocab_size)]
 
     def text_only(self) -> HFTokenizer:
         """A copy of the backend without its added tokens: text that spells one ("<tool_call>",
@@ -108,12 +98,12 @@ class Tokenizer:
         if added is not None or kind is None:
             return (added.content if added is not None else self.decode([i], skip_special_tokens=False)).encode()
         if kind == "byte_level":
-            from gguf.vocab import bytes_to_unicode
-
-            if self._byte_of is None:
-                self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
-            if all(c in self._byte_of for c in piece):
-                return bytes(self._byte_of[c] for c in piece)
+            if self._byte_of is None:  # str.translate: a piece in C, not char by char (all_token_bytes)
+                chars = {c: chr(b) for b, c in bytes_to_unicode().items()}
+                self._byte_of = (str.maketrans(chars), str.maketrans(dict.fromkeys(chars)))
+            to_bytes, drop = self._byte_of
+            if not piece.translate(drop):  # every char one byte's
+                return piece.translate(to_bytes).encode("latin-1")
             return piece.encode()
         m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
         return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode()

@@ -365,9 +365,9 @@ class StructuredOutputs:
 
     # ---- worker thread ---------------------------------------------------------------------
     async def _ready(self, param: str) -> None:
-        """Build the llguidance tokenizer once, outside any time limit (about 4 s for a 150K vocabulary
-        on a 2-core Zen 4: every token's bytes, a text-only tokenizer); a model without a tokenizer.json
-        gets a 400 naming ``param``."""
+        """Build the llguidance tokenizer once, outside any time limit (seconds for a 150K vocabulary:
+        every token's bytes, a text-only tokenizer); a model without a tokenizer.json gets a 400
+        naming ``param``."""
         if self._lltok is None:
             try:
                 await asyncio.wrap_future(self._worker().submit(self._tokenizer))
