@@ -199,3 +199,26 @@ def test_completion_with_several_prompts():
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]", r.text
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("path,done", [("/completion", False), ("/v1/completions", True)])
+def test_engine_failure_after_the_headers_is_an_error_event(srv, engine, path, done):
+    """A failure once a stream's headers are out (here no step runs until they are; then the step
+    fails) ends the stream with an error event: on llama-server's /completion as on OpenAI's
+    endpoints, [DONE] after it on OpenAI's only."""
+    held, step = engine.hold_steps(), engine.engine.run_step
+
+    def failing(rows):
+        engine.engine.run_step = step
+        raise RuntimeError("step failed")
+
+    engine.engine.run_step = failing
+    try:
+        with srv.http.stream("POST", path, json={"prompt": "Hi", "stream": True, "max_tokens": 4}, timeout=30) as r:
+            assert r.status_code == 200
+            held.clear()
+            lines = [line for line in r.iter_lines() if line]
+    finally:
+        engine.engine.run_step = step
+    assert json.loads(lines[-2 if done else -1][6:])["error"]["code"] == "internal_error"
+    assert (lines[-1] == "data: [DONE]") == done
