@@ -130,6 +130,9 @@ def test_llama_server_completion_endpoint(srv, engine):
                        ({"n_probs": 2, "post_sampling_probs": True}, "post_sampling_probs")):
         r = srv.http.post("/completion", json={"prompt": "Hi", **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+    # a negative temperature is greedy in llama-server (its clients send -1 for greedy with probabilities)
+    r = srv.http.post("/completion", json={"prompt": "Hi", "n_predict": 3, "temperature": -1})
+    assert r.status_code == 200 and engine.requests[-1][1].temperature == 0.0, r.text
     # response_fields (llama.vim sends them): the final answer keeps those paths, as flat keys
     fields = ["content", "timings/prompt_n", "timings/predicted_n", "truncated", "no/such"]
     r = srv.http.post("/completion", json={"prompt": "Hi", "n_predict": 4, "response_fields": fields}).json()

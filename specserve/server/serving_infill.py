@@ -234,8 +234,10 @@ def native_logit_bias(tok: Tokenizer, raw: list[list]) -> dict[str, float]:
 
 def llama_sampling(req: NativeFields, tok: Tokenizer) -> NativeFields:
     """The request with llama-server's sampling defaults and names (repeat_penalty; seed -1: random;
-    logit_bias as a list)."""
+    logit_bias as a list; a negative temperature: greedy, as llama-server samples it)."""
     update = {k: v for k, v in LLAMA_DEFAULTS.items() if getattr(req, k) is None}
+    if req.temperature is not None and req.temperature < 0:
+        update["temperature"] = 0.0
     if isinstance(req.logit_bias, list):
         update["logit_bias"] = native_logit_bias(tok, req.logit_bias)
     if req.repeat_penalty is not None and req.repetition_penalty is None:
