@@ -234,3 +234,38 @@ def make_tiny_vl(directory: Path, seed: int = 0, mtp: bool = True, **text_over):
         add_mtp_tensors(directory, hf, seed + 2)
     write_vl_tokenizer(directory)
     return hf
+
+
+def write_fp8_copy(src: Path, dst: Path, block: tuple[int, int], skip: tuple[str, ...] = ("norm", "embed", "lm_head"),
+                   scale_dtype: torch.dtype = torch.float32) -> list[str]:
+    """Copy a transformers checkpoint as an FP8 one, as Qwen's -FP8 releases are written: every 2-D
+    weight (names in ``skip`` aside) as float8_e4m3fn with a ``weight_scale_inv`` per ``block`` block
+    (amax / 448; a ceil(rows / bm) x ceil(cols / bn) grid), and quantization_config in config.json. Returns the
+    names quantized."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    done = []
+    for f in dst.glob("*.safetensors"):
+        out = {}
+        for key, w in load_file(str(f)).items():
+            if w.dim() != 2 or not key.endswith(".weight") or any(s in key for s in skip):
+                out[key] = w
+                continue
+            (r, c), (bm, bn) = w.shape, block
+            gr, gc = -(-r // bm), -(-c // bn)  # edge blocks may be short: pad them with zeros
+            padded = torch.nn.functional.pad(w.float(), (0, gc * bn - c, 0, gr * bm - r))
+            blocks = padded.reshape(gr, bm, gc, bn)
+            scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12).to(scale_dtype)
+            q = (blocks / scale.float()[:, None, :, None]).reshape(gr * bm, gc * bn)[:r, :c]
+            out[key] = q.to(torch.float8_e4m3fn)
+            out[key + "_scale_inv"] = scale
+            done.append(key)
+        save_file(out, str(f), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block), "fmt": "e4m3"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return done

@@ -315,21 +315,14 @@ class Encoding:
 # ---- transformers checkpoints ----
 
 def _read_visual_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
+    from specserve.models.safetensors_dir import SafetensorsDir
 
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors files in {directory}")
+    files = SafetensorsDir(directory)
     out: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for key in st.keys():
-                    m = re.match(r"(?:model\.)?visual\.(.+)", key)
-                    if m:
-                        out[m.group(1)] = st.get_tensor(key)
-        except Exception as exc:  # noqa: BLE001 - safetensors raises several kinds on bad files
-            raise ModelLoadError(f"cannot read {f}: corrupt or truncated ({exc})") from exc
+    for key in files.keys():
+        m = re.match(r"(?:model\.)?visual\.(.+)", key)
+        if m:
+            out[m.group(1)] = files.get(key)
     return out
 
 

@@ -21,10 +21,13 @@ from specserve.errors import ModelLoadError
 from specserve.kernels.linear import DEQUANT_QTYPES, dequantize_blocks
 from specserve.models.families import ModelFamily, family
 from specserve.models.families.base import GGUF_TOP, HF_TOP
+from specserve.models.safetensors_dir import Fp8Weight, SafetensorsDir
 
 # quant types the gguf package can dequantize and we accept
 SUPPORTED_GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
                         "Q4_K", "Q5_K", "Q6_K", "Q8_K"}
+
+FLOAT_QTYPES = ("torch", "fp8", "F32", "F16", "BF16")
 
 
 @dataclass
@@ -33,13 +36,20 @@ class RawTensor:
 
     name: str
     shape: tuple[int, ...]  # logical shape, torch order ([out, in] for matrices)
-    qtype: str  # "F32", "Q4_1", ... or "torch" for safetensors data
-    data: object  # numpy uint8 [rows, row_bytes] / numpy float / torch tensor
+    qtype: str  # "F32", "Q4_1", ... or "torch" for safetensors data, "fp8" for an FP8 checkpoint's
+    data: object  # numpy uint8 [rows, row_bytes] / numpy float / torch tensor / Fp8Weight
     row_perm: np.ndarray | None = None  # output-row permutation to apply (llama q/k from GGUF)
+
+    @property
+    def is_float(self) -> bool:
+        """Float data (no GGUF blocks to keep whole): its rows and columns are cut after dequantize()."""
+        return self.qtype in FLOAT_QTYPES
 
     def dequantize(self) -> torch.Tensor:
         if self.qtype == "torch":
             out = self.data.to(torch.float32)
+        elif self.qtype == "fp8":  # dequantized here, one tensor at a time, not at read
+            out = self.data.dequantize()
         elif self.qtype in DEQUANT_QTYPES:  # the kernels' dequantizer: gguf-py's bits, many times faster
             k = self.shape[-1]
             with warnings.catch_warnings():  # a read-only mapping of the file: only read here
@@ -165,25 +175,16 @@ def _hf_name(name: str, fam: ModelFamily) -> str | None:
 
 
 def read_safetensors(directory: Path, arch: str) -> dict[str, RawTensor]:
-    from safetensors import safe_open
-
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors files in {directory}")
+    """The family's tensors of a transformers checkpoint under internal names (FP8 weights
+    dequantized: models/safetensors_dir.py)."""
+    files = SafetensorsDir(directory)
     out: dict[str, RawTensor] = {}
     fam = family(arch)
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for key in st.keys():
-                    name = _hf_name(key, fam)
-                    if name is not None:
-                        t = st.get_tensor(key)
-                        out[name] = RawTensor(name, tuple(t.shape), "torch", t)
-        except ModelLoadError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise ModelLoadError(f"cannot read {f}: corrupt or truncated ({exc})") from exc
+    for key in files.keys():
+        name = _hf_name(key, fam)
+        if name is not None:
+            t = files.get_lazy(key)
+            out[name] = RawTensor(name, tuple(t.shape), "fp8" if isinstance(t, Fp8Weight) else "torch", t)
     return out
 
 

@@ -74,7 +74,7 @@ def vocab_rows(vocab: int, shard: Shard) -> tuple[int, int]:
 
 def _block(raw: RawTensor) -> int:
     """Elements per stored block along a row (1 for float data)."""
-    if raw.qtype == "torch" or raw.qtype in ("F32", "F16", "BF16"):
+    if raw.is_float:
         return 1
     import gguf
 
@@ -92,7 +92,7 @@ def split_points(total: int, world: int, align: int) -> list[int]:
 def take_rows(raw: RawTensor, start: int, stop: int) -> RawTensor:
     """Output rows [start, stop) of a weight or vector, in its stored format where it has one."""
     shape = (stop - start,) + tuple(raw.shape[1:])
-    if raw.qtype == "torch" or len(raw.shape) == 1 or raw.qtype in ("F32", "F16", "BF16"):
+    if raw.is_float or len(raw.shape) == 1:
         return RawTensor(raw.name, shape, "torch", raw.dequantize()[start:stop].contiguous())
     rows = raw.raw_rows()[start:stop].numpy()  # the row permutation applied
     return RawTensor(raw.name, shape, raw.qtype, rows)
@@ -199,7 +199,7 @@ def _first(tensors: dict[str, RawTensor], suffix: str) -> RawTensor | None:
 def take_index(raw: RawTensor, idx: list[int]) -> RawTensor:
     """Output rows idx (ascending) of a weight or vector (a vector of per-head values, a conv)."""
     shape = (len(idx),) + tuple(raw.shape[1:])
-    if len(raw.shape) == 2 and raw.qtype not in ("torch", "F32", "F16", "BF16"):  # whole rows: blocks kept
+    if len(raw.shape) == 2 and not raw.is_float:  # whole rows: blocks kept
         return RawTensor(raw.name, shape, raw.qtype, raw.raw_rows()[torch.tensor(idx)].numpy())
     flat = raw.dequantize()
     return RawTensor(raw.name, shape, "torch", flat.reshape(raw.shape)[torch.tensor(idx)].contiguous())

@@ -66,18 +66,17 @@ def _map_hf_name(key: str, n_layers: int | None) -> str | None:
 
 
 def _read_hf_mtp(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    from safetensors import safe_open
+    from specserve.models.safetensors_dir import SafetensorsDir
 
     raw_cfg = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
     text = raw_cfg.get("text_config", raw_cfg)
     n_layers = text.get("num_hidden_layers")
     state: dict[str, torch.Tensor] = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                name = _map_hf_name(key, n_layers)
-                if name is not None:
-                    state[name] = st.get_tensor(key).float()
+    files = SafetensorsDir(directory)
+    for key in files.keys():
+        name = _map_hf_name(key, n_layers)
+        if name is not None:
+            state[name] = files.get(key).float()
     if state and text.get("model_type") in _OFFSET_NORMS:
         for k in list(state):
             if k.endswith("norm"):
