@@ -95,3 +95,11 @@ def hybrid():
     from hybrid_utils import load_hybrid
 
     return load_hybrid()
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe(tmp_path_factory):
+    """A tiny random Qwen3.5-MoE with an MTP head: (our LoadedModel, transformers' model)."""
+    from tiny_models import make_tiny_qwen3_5_moe
+
+    return make_tiny_qwen3_5_moe(tmp_path_factory.mktemp("tiny_qwen3_5_moe"))

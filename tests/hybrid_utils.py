@@ -16,6 +16,7 @@ from specserve.engine.config import EngineConfig
 from specserve.engine.llm_engine import LLMEngine
 from specserve.engine.types import SamplingParams
 from specserve.models.loader import load_model
+from specserve.speculative.config import SpeculativeConfig
 from specserve.speculative.drafter import Drafter, Proposal
 from tiny_models import FP32
 
@@ -82,3 +83,41 @@ def copy_checkpoint(hybrid, tmp_path):
     dst = tmp_path / "ckpt"
     shutil.copytree(src, dst)
     return dst, json.loads((dst / "config.json").read_text())
+
+
+def check_matches_transformers(ours, hf, seed: int) -> None:
+    """A prompt's logits at every position (one forward) as transformers' within RTOL, and greedy
+    tokens as its generate (which stops at the eos token; we ignore it)."""
+    ids = random_prompt(seed, 40)
+    eng = make_engine(ours)
+    eng.add_request("a", ids, SamplingParams(max_tokens=1))
+    eng.scheduler.admit()
+    rows = eng.scheduler.schedule(drafting=False)
+    batch = eng.runner.batch(rows)
+    batch.logits_indices = torch.arange(len(ids))
+    got = ours.model.forward(batch, eng.kv).logits
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert float(ref.abs().max()) > 1.0 and (got - ref).abs().max() <= RTOL * ref.abs().max()
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False)[0, len(ids):]
+    want = want.tolist()
+    assert len(want) >= 8 and greedy_outputs(make_engine(ours), [ids], 32)[0][:len(want)] == want
+
+
+def check_lossless_with_oracle_and_mtp(ours, seed: int) -> None:
+    """Greedy speculation equals plain greedy, 4 sequences batched: an oracle drafter with chunked
+    prefill (16-token steps), and the checkpoint's own MTP head, both at a fixed draft length."""
+    from specserve.speculative.mtp import MTPDrafter
+
+    prompts = [random_prompt(seed + s, 25 + 11 * s) for s in range(4)]
+    plain = greedy_outputs(make_engine(ours, max_num_seqs=4), prompts, 24)
+    truth = {tuple(p): out for p, out in zip(prompts, plain)}
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=4, adaptive=False)
+    eng = make_engine(ours, spec, OracleDrafter(truth), max_num_seqs=4, max_num_batched_tokens=16, max_step_ms=0)
+    assert greedy_outputs(eng, prompts, 24) == plain
+    assert eng.totals.accepted_tokens > 0 and eng.cache.idle()
+    mtp = make_engine(ours, SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False),
+                      MTPDrafter.load(None, ours), max_num_seqs=4)
+    assert greedy_outputs(mtp, prompts, 24) == plain and mtp.totals.draft_tokens > 0

@@ -19,8 +19,9 @@ import torch
 transformers = pytest.importorskip("transformers", minversion="5.0")
 pytest.importorskip("transformers.models.qwen3_5")
 
-from hybrid_utils import (DATA, LLAMA_CPP, RTOL, OracleDrafter, copy_checkpoint, greedy_outputs,  # noqa: E402
-                          make_engine, random_prompt, repetitive)
+from hybrid_utils import (DATA, LLAMA_CPP, RTOL, OracleDrafter, check_lossless_with_oracle_and_mtp,  # noqa: E402
+                          check_matches_transformers, copy_checkpoint, greedy_outputs, make_engine, random_prompt,
+                          repetitive)
 from specserve.engine.types import SamplingParams  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
 from specserve.speculative.config import SpeculativeConfig  # noqa: E402
@@ -35,15 +36,17 @@ def _reference_mtp_logits(hf, ids: list[int], ckpt: Path = DATA / "hf") -> torch
     MLP for Qwen3-Next), its norm and the LM head."""
     from safetensors.torch import load_file
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
 
     w = {k[4:]: v for k, v in load_file(str(ckpt / "model.safetensors")).items() if k.startswith("mtp.")}
     cfg = hf.config
-    nxt = cfg.model_type == "qwen3_next"
-    layer_cls, norm_cls = (Qwen3NextDecoderLayer, Qwen3NextRMSNorm) if nxt else (Qwen3_5DecoderLayer, Qwen3_5RMSNorm)
+    layer_cls, norm_cls = {"qwen3_next": (Qwen3NextDecoderLayer, Qwen3NextRMSNorm),
+                           "qwen3_5_moe_text": (Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm)}.get(
+                               cfg.model_type, (Qwen3_5DecoderLayer, Qwen3_5RMSNorm))
     layer = layer_cls(cfg, cfg.layer_types.index("full_attention")).eval()
     sd = {k[len("layers.0."):]: v for k, v in w.items() if k.startswith("layers.0.")}
-    if nxt:  # transformers keeps its experts as 3-D tensors
+    if "mlp.gate.weight" in sd:  # a MoE layer: transformers keeps its experts as 3-D tensors
         e = cfg.num_experts
         sd["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([sd.pop(f"mlp.experts.{j}.gate_proj.weight"),
                                                                  sd.pop(f"mlp.experts.{j}.up_proj.weight")])
@@ -67,17 +70,18 @@ def _reference_mtp_logits(hf, ids: list[int], ckpt: Path = DATA / "hf") -> torch
         return hf.lm_head(norms["norm"](out))[0]  # [n, V]: row j predicts token j + 2
 
 
-@pytest.mark.parametrize("source", ["hf", "tiny-qwen35-f32.gguf", "qwen3_next", "tiny-qwen3next-f32.gguf"])
-def test_checkpoint_mtp_head_matches_transformers_modules(hybrid, qwen3_next, source):
+@pytest.mark.parametrize("source", ["hf", "tiny-qwen35-f32.gguf", "qwen3_next", "tiny-qwen3next-f32.gguf",
+                                    "qwen3_5_moe", "tiny-qwen35moe-f32.gguf"])
+def test_checkpoint_mtp_head_matches_transformers_modules(hybrid, qwen3_next, qwen3_5_moe, source):
     """The head read from the safetensors (mtp.*, zero-centred norms), from llama.cpp's GGUF
-    (blk.4.nextn.*, norms folded), or Qwen3-Next's (a mixture-of-experts layer; from GGUF its
-    experts merged into 3-D tensors) computes what transformers' modules compute."""
-    if source == "qwen3_next":
-        ours, hf = qwen3_next
+    (blk.4.nextn.*, norms folded), or Qwen3-Next's and Qwen3.5-MoE's (a mixture-of-experts layer;
+    from GGUF its experts merged into 3-D tensors) computes what transformers' modules compute."""
+    if source in ("qwen3_next", "qwen3_5_moe"):
+        ours, hf = qwen3_next if source == "qwen3_next" else qwen3_5_moe
         ckpt, target = ours.resolved.path, ours
-    elif "qwen3next" in source:
-        ckpt = DATA / "next_hf"
-        hf = transformers.Qwen3NextForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    elif "qwen3next" in source or "qwen35moe" in source:
+        ckpt = DATA / ("next_hf" if "qwen3next" in source else "moe_hf")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
         target = load_model(str(DATA / source), FP32)
     else:
         hf, ckpt, target = hybrid[1], DATA / "hf", load_model(str(DATA / source), FP32)
@@ -156,36 +160,11 @@ def test_qwen3_next_matches_transformers(qwen3_next):
     ours, hf = qwen3_next
     cfg = ours.config
     assert cfg.arch == "qwen3next" and cfg.moe.num_experts == 4 and cfg.moe.sparse(2) and not cfg.moe.sparse(3)
-    ids = random_prompt(3, 40)
-    eng = make_engine(ours)
-    eng.add_request("a", ids, SamplingParams(max_tokens=1))
-    eng.scheduler.admit()
-    rows = eng.scheduler.schedule(drafting=False)
-    batch = eng.runner.batch(rows)
-    batch.logits_indices = torch.arange(len(ids))
-    got = ours.model.forward(batch, eng.kv).logits
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    assert (got - ref).abs().max() <= RTOL * ref.abs().max()
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False)[0, len(ids):]
-    want = want.tolist()
-    assert len(want) >= 8 and greedy_outputs(make_engine(ours), [ids], 32)[0][:len(want)] == want
+    check_matches_transformers(ours, hf, seed=3)
 
 
 def test_qwen3_next_speculation_and_chunking_are_lossless(qwen3_next):
-    ours, _ = qwen3_next
-    prompts = [random_prompt(60 + s, 25 + 11 * s) for s in range(4)]
-    plain = greedy_outputs(make_engine(ours, max_num_seqs=4), prompts, 24)
-    truth = {tuple(p): out for p, out in zip(prompts, plain)}
-    spec = SpeculativeConfig("ngram", num_speculative_tokens=4)
-    eng = make_engine(ours, spec, OracleDrafter(truth), max_num_seqs=4, max_num_batched_tokens=16, max_step_ms=0)
-    assert greedy_outputs(eng, prompts, 24) == plain
-    assert eng.totals.accepted_tokens > 0 and eng.cache.idle()
-    mtp = make_engine(ours, SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False),
-                  MTPDrafter.load(None, ours), max_num_seqs=4)  # the checkpoint's MoE MTP head
-    assert greedy_outputs(mtp, prompts, 24) == plain and mtp.totals.draft_tokens > 0
+    check_lossless_with_oracle_and_mtp(qwen3_next[0], seed=60)  # its MTP head: a MoE layer
 
 
 def test_qwen3_next_gguf_greedy_equals_llama_cpp():

@@ -105,14 +105,7 @@ def make_tiny_hybrid(directory: Path, seed: int = 0, options: LoadOptions = FP32
     transformers model is returned too (the oracle)."""
     import transformers
 
-    torch.manual_seed(seed)
-    hf = transformers.Qwen3_5ForCausalLM(tiny_hybrid_config(**over)).eval()
-    randomize_hybrid(hf, seed + 1)
-    directory.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(directory, safe_serialization=True)
-    add_mtp_tensors(directory, hf, seed + 2)
-    write_byte_tokenizer(directory, HYBRID_MERGES)
-    return load_model(str(directory), options), hf
+    return _save_random(transformers.Qwen3_5ForCausalLM, tiny_hybrid_config(**over), directory, seed, options, True)
 
 
 def mtp_shapes(hf) -> dict[str, tuple[int, ...]]:
@@ -177,8 +170,14 @@ def make_tiny_qwen3_next(directory: Path, seed: int = 0, options: LoadOptions = 
         bos_token_id=None, eos_token_id=HYBRID_EOS, pad_token_id=0)
     for k, v in over.items():
         setattr(cfg, k, v)
+    return _save_random(transformers.Qwen3NextForCausalLM, cfg, directory, seed, options, mtp)
+
+
+def _save_random(model_cls, cfg, directory: Path, seed: int, options: LoadOptions, mtp: bool):
+    """A random ``model_cls(cfg)`` saved with save_pretrained (mtp.* added if ``mtp``) beside the hybrid
+    tests' tokenizer, loaded by our loader: (ours, transformers')."""
     torch.manual_seed(seed)
-    hf = transformers.Qwen3NextForCausalLM(cfg).eval()
+    hf = model_cls(cfg).eval()
     randomize_hybrid(hf, seed + 1)
     directory.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(directory, safe_serialization=True)
@@ -186,6 +185,22 @@ def make_tiny_qwen3_next(directory: Path, seed: int = 0, options: LoadOptions = 
         add_mtp_tensors(directory, hf, seed + 2)
     write_byte_tokenizer(directory, HYBRID_MERGES)
     return load_model(str(directory), options), hf
+
+
+def make_tiny_qwen3_5_moe(directory: Path, seed: int = 0, options: LoadOptions = FP32, mtp: bool = True):
+    """A tiny random Qwen3_5MoeForCausalLM (Qwen3.5's layers, a sparse MoE MLP with a shared expert in
+    every layer, the MTP head's layer a MoE one too) saved with save_pretrained, loaded by our loader;
+    the transformers model is returned too."""
+    import transformers
+
+    kw = {k: v for k, v in tiny_hybrid_config().to_dict().items()
+          if k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                   "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                   "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings", "rms_norm_eps",
+                   "tie_word_embeddings", "layer_types", "rope_parameters", "eos_token_id", "pad_token_id")}
+    cfg = transformers.Qwen3_5MoeTextConfig(**kw, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                            shared_expert_intermediate_size=48, bos_token_id=None)
+    return _save_random(transformers.Qwen3_5MoeForCausalLM, cfg, directory, seed, options, mtp)
 
 
 # vision: specials after the chat ones (<|im_start|> 257, <|im_end|> 258)

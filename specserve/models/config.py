@@ -123,8 +123,11 @@ def from_gguf_metadata(meta: dict, vocab_size: int) -> ModelConfig:
 
     hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
     head_dim = int(g("attention.key_length", 0) or g("rope.dimension_count", 0) or hidden // heads)
+    ffn = g("feed_forward_length") or g("expert_feed_forward_length")  # (every MLP a mixture of experts)
+    if ffn is None:
+        raise ModelLoadError(f"GGUF lacks {arch}.feed_forward_length")
     kw = dict(
-        arch=arch, vocab_size=vocab_size, hidden_size=hidden, intermediate_size=int(g("feed_forward_length")),
+        arch=arch, vocab_size=vocab_size, hidden_size=hidden, intermediate_size=int(ffn),
         num_layers=int(g("block_count")), num_heads=heads,
         num_kv_heads=int(g("attention.head_count_kv", heads)), head_dim=head_dim,
         rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)), rope_theta=float(g("rope.freq_base", 10000.0)),
@@ -152,8 +155,12 @@ def from_hf_config(cfg: dict) -> ModelConfig:
     if fam.hf_rope_kinds and kind not in fam.hf_rope_kinds:
         raise ModelLoadError(f"unsupported rope scaling {kind!r} in config.json (supported: none, linear)")
     theta = cfg.get("rope_theta") or rope.get("rope_theta") or rope.get("full_attention", {}).get("rope_theta")
+    # every MLP a mixture of experts (Qwen3.5-MoE): no dense width, the experts' stands in
+    ffn = cfg.get("intermediate_size") or cfg.get("moe_intermediate_size")
+    if ffn is None:
+        raise ModelLoadError("config.json lacks intermediate_size")
     kw = dict(
-        arch=fam.arch, vocab_size=cfg["vocab_size"], hidden_size=hidden, intermediate_size=cfg["intermediate_size"],
+        arch=fam.arch, vocab_size=cfg["vocab_size"], hidden_size=hidden, intermediate_size=ffn,
         num_layers=cfg["num_hidden_layers"], num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
         head_dim=cfg.get("head_dim") or hidden // heads, rms_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(theta or fam.hf_default_rope_theta),

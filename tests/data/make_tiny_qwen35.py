@@ -1,9 +1,9 @@
 """Make the committed llama.cpp oracle of the hybrid model tests (tests/test_hybrid_gguf.py).
 
-    python tests/data/make_tiny_qwen35.py
+    python tests/data/make_tiny_qwen35.py [qwen35 | qwen3next | qwen35moe ...]   (default: all)
 
 1. the tiny random Qwen3.5 checkpoint of tests/tiny_models.py (its mtp.* tensors included) is
-   saved under tests/data/tiny_qwen35/hf (and a tiny Qwen3-Next under next_hf);
+   saved under tests/data/tiny_qwen35/hf (a tiny Qwen3-Next under next_hf, a Qwen3.5-MoE under moe_hf);
 2. llama.cpp's own ``convert_hf_to_gguf.py`` (from the llama-cpp-python sdist, the source the
    native benchmark builds) converts it to F32 and Q8_0 GGUF, MTP head included; its tokenizer
    pre-tokenizer check does not know the tests' byte-level vocabulary, so the conversion declares
@@ -83,25 +83,41 @@ def llama_cpp_tokens(server: Path, gguf: Path) -> list[list[int]]:
         proc.wait(30)
 
 
-def main() -> None:
-    from native_llamacpp import build_native, native_dir
-    from tiny_models import make_tiny_hybrid, make_tiny_qwen3_next
+def make(kind: str, src: Path) -> list[Path]:
+    """The checkpoint of one kind under OUT and its GGUF files."""
+    from tiny_models import make_tiny_hybrid, make_tiny_qwen3_5_moe, make_tiny_qwen3_next
 
-    make_tiny_hybrid(OUT / "hf")
+    if kind == "qwen35":
+        make_tiny_hybrid(OUT / "hf")
+        return [convert(src, outtype) for outtype in ("f32", "q8_0")]
+    if kind == "qwen3next":
+        # every MLP sparse (llama.cpp's converter rejects dense layers), its MTP head a mixture-of-experts
+        # layer too (GGUF: experts merged into 3-D tensors, ssm_ba interleaved per key head)
+        make_tiny_qwen3_next(OUT / "next_hf", mtp=True, mlp_only_layers=[])
+        return [convert(src, "f32", OUT / "next_hf", OUT / "tiny-qwen3next-f32.gguf")]
+    # Qwen3.5-MoE: Qwen3.5's tiled value heads, experts merged into 3-D tensors, a MoE MTP head
+    make_tiny_qwen3_5_moe(OUT / "moe_hf")
+    return [convert(src, "f32", OUT / "moe_hf", OUT / "tiny-qwen35moe-f32.gguf")]
+
+
+def main(kinds: list[str]) -> None:
+    """Remake the kinds named (default: all) and their tokens; the others' records are kept."""
+    from native_llamacpp import build_native, native_dir
+
     bindir = build_native()
     src = native_dir() / "src"
-    record = {"prompts": PROMPTS, "tokens": TOKENS, "llama_cpp": str(native_dir().name), "files": {}}
-    for outtype in ("f32", "q8_0"):
-        gguf = convert(src, outtype)
-        record["files"][gguf.name] = llama_cpp_tokens(bindir / "llama-server", gguf)
-    # Qwen3-Next: every MLP sparse (llama.cpp's converter rejects dense layers), its MTP head a
-    # mixture-of-experts layer too (GGUF: experts merged into 3-D tensors, ssm_ba interleaved per key head)
-    make_tiny_qwen3_next(OUT / "next_hf", mtp=True, mlp_only_layers=[])
-    gguf = convert(src, "f32", OUT / "next_hf", OUT / "tiny-qwen3next-f32.gguf")
-    record["files"][gguf.name] = llama_cpp_tokens(bindir / "llama-server", gguf)
-    (OUT / "llama_cpp_tokens.json").write_text(json.dumps(record, indent=1) + "\n")
+    path = OUT / "llama_cpp_tokens.json"
+    old = json.loads(path.read_text()) if path.exists() else {"files": {}}
+    record = {"prompts": PROMPTS, "tokens": TOKENS, "llama_cpp": str(native_dir().name), "files": old["files"]}
+    for kind in kinds or KINDS:
+        for gguf in make(kind, src):
+            record["files"][gguf.name] = llama_cpp_tokens(bindir / "llama-server", gguf)
+    path.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record["files"], indent=1))
 
 
+KINDS = ("qwen35", "qwen3next", "qwen35moe")
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

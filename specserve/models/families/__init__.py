@@ -9,6 +9,7 @@ from specserve.models.families import qwen3  # noqa: F401
 from specserve.models.families import gemma3  # noqa: F401
 from specserve.models.families import qwen3_5  # noqa: F401
 from specserve.models.families import qwen3_next  # noqa: F401
+from specserve.models.families import qwen3_5_moe  # noqa: F401
 from specserve.models.families.base import ModelFamily, families
 
 __all__ = ["ModelFamily", "families", "family", "family_for_model_type"]

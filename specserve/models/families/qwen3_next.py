@@ -10,15 +10,18 @@ from specserve.models.families.base import ModelFamily, register
 from specserve.models.families.qwen3_5 import GGUF_HYBRID, HF_LINEAR_ATTN, hybrid_gguf_fields
 from specserve.models.families.qwen3_5 import _hf_fields as hybrid_fields
 
+# the mixture-of-experts MLP's names (Qwen3.5-MoE's too: families/qwen3_5_moe.py)
+HF_MOE = {"mlp.gate": "router", "mlp.shared_expert.gate_proj": "shexp.gate", "mlp.shared_expert.up_proj": "shexp.up",
+          "mlp.shared_expert.down_proj": "shexp.down", "mlp.shared_expert_gate": "shexp_gate"}
 HF_NAMES = {
     **{k: v for k, v in HF_LINEAR_ATTN.items() if not k.startswith("linear_attn.in_proj_")},
-    "linear_attn.in_proj_qkvz": "ssm_in_qkvz", "linear_attn.in_proj_ba": "ssm_in_ba",
-    "mlp.gate": "router", "mlp.shared_expert.gate_proj": "shexp.gate", "mlp.shared_expert.up_proj": "shexp.up",
-    "mlp.shared_expert.down_proj": "shexp.down", "mlp.shared_expert_gate": "shexp_gate",
+    "linear_attn.in_proj_qkvz": "ssm_in_qkvz", "linear_attn.in_proj_ba": "ssm_in_ba", **HF_MOE,
 }
 
 
 def _hf_fields(read, kw: dict) -> dict:
+    """The hybrid's fields and, with num_experts, the MoEConfig (norm_topk_prob absent: normalised,
+    as Qwen3.5-MoE's router always does; decoder_sparse_step / mlp_only_layers absent: every layer)."""
     out = hybrid_fields(read, kw)
     if int(read("num_experts") or 0) > 0:
         norm = read("norm_topk_prob")
@@ -52,6 +55,14 @@ def _rewrite(tensors: dict, cfg) -> dict:
             b, a = ba.dequantize().view(hk, 2 * r, hidden).split((r, r), dim=1)
             put(f"layers.{i}.ssm_beta", b)
             put(f"layers.{i}.ssm_alpha", a)
+    return split_experts(out)
+
+
+def split_experts(tensors: dict) -> dict:
+    """GGUF's experts (3-D, all experts in one tensor) -> one tensor per expert."""
+    from specserve.models.weights import RawTensor
+
+    out = dict(tensors)
     for name in [n for n in out if ".experts." in n]:
         raw = out.pop(name)
         layer, part = name.split(".experts.")
@@ -62,13 +73,18 @@ def _rewrite(tensors: dict, cfg) -> dict:
     return out
 
 
-GGUF_NAMES = {**GGUF_HYBRID, "ssm_ba": "ssm_in_ba", "ffn_gate_inp": "router", "ffn_gate_shexp": "shexp.gate",
-              "ffn_up_shexp": "shexp.up", "ffn_down_shexp": "shexp.down", "ffn_gate_inp_shexp": "shexp_gate",
-              "ffn_gate_exps": "experts.gate", "ffn_up_exps": "experts.up", "ffn_down_exps": "experts.down"}
+GGUF_MOE = {"ffn_gate_inp": "router", "ffn_gate_shexp": "shexp.gate", "ffn_up_shexp": "shexp.up",
+            "ffn_down_shexp": "shexp.down", "ffn_gate_inp_shexp": "shexp_gate",
+            "ffn_gate_exps": "experts.gate", "ffn_up_exps": "experts.up", "ffn_down_exps": "experts.down"}
+GGUF_NAMES = {**GGUF_HYBRID, "ssm_ba": "ssm_in_ba", **GGUF_MOE}
 
 
 def _gguf_fields(read, kw: dict) -> dict:
-    out = hybrid_gguf_fields(read, kw, tiled=False)  # Qwen3-Next's converter keeps the grouped order
+    return moe_gguf_fields(read, hybrid_gguf_fields(read, kw, tiled=False))  # Qwen3-Next's: grouped order
+
+
+def moe_gguf_fields(read, out: dict) -> dict:
+    """``out`` with the MoEConfig of llama.cpp's expert_* keys, where there are experts."""
     if int(read("expert_count") or 0) > 0:
         norm = read("expert_weights_norm")
         out["moe"] = MoEConfig(int(read("expert_count")), int(read("expert_used_count")),
