@@ -1,7 +1,11 @@
 """Hybrid Qwen3.5 speed at the real shapes of Qwen3.5-0.8B (random weights), us vs native llama.cpp.
 
     python benchmarks/hybrid_speed.py [--types q8_0,q4_k_m] [--prefill 2048,8192] [--decode 64]
-        [--widths 1-9] [--out r.json] [--markdown r.md]
+        [--widths 1-9] [--out r.json] [--markdown r.md] [--model 0.8b | 35b-a3b] [--layers N]
+
+``--model 35b-a3b`` takes Qwen3.5-35B-A3B's shapes instead (mixture of experts: 256 experts of
+width 512, 8 per token, and a shared expert in every layer; no MTP layer), with ``--layers`` to keep
+the first N of its 40 layers so that the file fits this machine.
 
 No Qwen3.5 checkpoint ships inside a package on the registries this project installs from, so
 the model is random weights at the published Qwen3.5-0.8B text shapes (SHAPES below: 24 layers,
@@ -44,8 +48,30 @@ SHAPES = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_h
                                "mrope_section": [11, 11, 10], "mrope_interleaved": True})
 
 
-def random_checkpoint(out: Path) -> Path:
-    """Random bf16 weights under transformers' names and shapes (a meta-device model gives them)."""
+# Qwen3.5-35B-A3B's text shapes: transformers' Qwen3_5MoeTextConfig defaults, documented as that
+# model's (hidden 2048, 40 layers, 256 experts of width 512, 8 per token, a shared expert of 512,
+# 16 / 32 DeltaNet key / value heads); --layers keeps the first N layers (every 4th full attention)
+MOE_SHAPES = dict(vocab_size=248320, eos_token_id=248044, bos_token_id=None, full_attention_interval=4,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                   "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+MODELS = {"0.8b": "qwen35-0.8b-random", "35b-a3b": "qwen35-35b-a3b-random"}
+
+
+def hf_config(model: str, layers: int | None):
+    import transformers
+
+    if model == "0.8b":
+        cfg = transformers.Qwen3_5TextConfig(**SHAPES)
+    else:
+        cfg = transformers.Qwen3_5MoeTextConfig(**MOE_SHAPES)
+    if layers:
+        cfg.num_hidden_layers, cfg.layer_types = layers, cfg.layer_types[:layers]
+    return cfg
+
+
+def random_checkpoint(out: Path, model: str = "0.8b", layers: int | None = None) -> Path:
+    """Random bf16 weights under the names and shapes of transformers' model (a meta-device model
+    gives them; a mixture of experts' 3-D tensors saved one expert at a time, as checkpoints are)."""
     import torch
     import transformers
     from safetensors.torch import save_file
@@ -54,12 +80,14 @@ def random_checkpoint(out: Path) -> Path:
     if (out / "model.safetensors").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    cfg = transformers.Qwen3_5TextConfig(**SHAPES)
+    cfg = hf_config(model, layers)
+    cls = transformers.Qwen3_5ForCausalLM if model == "0.8b" else transformers.Qwen3_5MoeForCausalLM
     with torch.device("meta"):
-        hf = transformers.Qwen3_5ForCausalLM(cfg)
-    tensors = random_tensors(hf, hf, torch.Generator().manual_seed(0))
+        hf = cls(cfg)
+    mtp = model == "0.8b"  # (the MoE's MTP layer would add 256 more experts the benchmark never reads)
+    tensors = random_tensors(hf, hf if mtp else None, torch.Generator().manual_seed(0))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg.architectures, cfg.mtp_num_hidden_layers = ["Qwen3_5ForCausalLM"], 1
+    cfg.architectures, cfg.mtp_num_hidden_layers = [cls.__name__], int(mtp)
     cfg.save_pretrained(out)
     write_byte_tokenizer(out, (("Ġ", "t"),))
     return out
@@ -67,15 +95,18 @@ def random_checkpoint(out: Path) -> Path:
 
 def random_tensors(hf, text, g) -> dict:
     """Random bf16 tensors for every parameter of hf (a meta-device model) and the MTP layer of its
-    text model ``text`` (an object with .config and .model.layers): norms near their neutral value,
+    text model ``text`` (an object with .config and .model.layers; None: no MTP layer): norms near their neutral value,
     decays in a realistic range, matrices scaled by their fan-in."""
     import torch
     from tiny_models import mtp_shapes
 
     tensors = {}
     for name, p in hf.named_parameters():
-        if name == "lm_head.weight":
-            continue  # tied
+        if name == "lm_head.weight" and hf.config.tie_word_embeddings:
+            continue
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            tensors.update(random_experts(name, tuple(p.shape), g))
+            continue
         r = torch.randn(tuple(p.shape), generator=g)
         if name.endswith("linear_attn.norm.weight") or ("visual" in name and name.endswith("norm1.weight")) or \
                 ("visual" in name and name.endswith("norm2.weight")) or name.endswith("merger.norm.weight"):
@@ -87,32 +118,46 @@ def random_tensors(hf, text, g) -> dict:
         elif p.dim() >= 2:
             r = r * p[0].numel() ** -0.5
         tensors[name] = r.to(torch.bfloat16).contiguous()
-    for name, shape in mtp_shapes(text).items():  # the checkpoint's MTP layer, as the released one has
+    for name, shape in (mtp_shapes(text) if text is not None else {}).items():  # as the released checkpoint has
         r = torch.randn(shape, generator=g)
         tensors[name] = (0.1 * r if "norm" in name else r * shape[-1] ** -0.5).to(torch.bfloat16)
     return tensors
 
 
-def gguf_files(ckpt: Path, types: list[str], top: Path) -> dict[str, Path]:
-    from native_llamacpp import build_native, native_dir
+def random_experts(name: str, shape: tuple[int, ...], g) -> dict:
+    """One gate / up / down tensor per expert (checkpoints' names) for transformers' 3-D parameter."""
+    import torch
 
-    bindir = build_native()
+    layer, part = name.rsplit(".mlp.experts.", 1)
+    out = {}
+    for e in range(shape[0]):
+        w = (torch.randn(shape[1:], generator=g) * shape[-1] ** -0.5).to(torch.bfloat16)
+        if part == "gate_up_proj":
+            gate, up = w.chunk(2)
+            out[f"{layer}.mlp.experts.{e}.gate_proj.weight"] = gate.contiguous()
+            out[f"{layer}.mlp.experts.{e}.up_proj.weight"] = up.contiguous()
+        else:
+            out[f"{layer}.mlp.experts.{e}.down_proj.weight"] = w
+    return out
+
+
+def gguf_files(ckpt: Path, types: list[str], top: Path) -> dict[str, Path]:
+    from native_llamacpp import build_native, native_dir, native_tool
+
+    build_native()  # (its source tree holds the converter)
     src = native_dir() / "src"
-    q8 = top / "qwen35-0.8b-random-q8_0.gguf"
+    q8 = top / f"{top.name}-q8_0.gguf"
     if not q8.exists():
         sys.path[:0] = [str(HERE.parent / "tests" / "data")]
         from make_tiny_qwen35 import convert_cmd
 
-        subprocess.run(convert_cmd(src, ckpt, q8, "q8_0"), check=True)
+        mtp = json.loads((ckpt / "config.json").read_text()).get("mtp_num_hidden_layers")
+        subprocess.run(convert_cmd(src, ckpt, q8, "q8_0", *([] if mtp else ["--no-mtp"])), check=True)
     out = {"q8_0": q8}
     if "q4_k_m" in types:
-        q4 = top / "qwen35-0.8b-random-q4_k_m.gguf"
+        q4 = top / f"{top.name}-q4_k_m.gguf"
         if not q4.exists():
-            quant = bindir / "llama-quantize"
-            if not quant.exists():
-                subprocess.run(["cmake", "--build", str(native_dir() / "build"), "-j", "2", "--target",
-                                "llama-quantize"], check=True, stdout=subprocess.DEVNULL)
-            subprocess.run([str(quant), "--allow-requantize", str(q8), str(q4), "Q4_K_M"], check=True,
+            subprocess.run([str(native_tool("llama-quantize")), "--allow-requantize", str(q8), str(q4), "Q4_K_M"], check=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         out["q4_k_m"] = q4
     return {t: out[t] for t in types}
@@ -184,7 +229,10 @@ def specserve(gguf: Path, prefill: list[int], decode: int, widths: list[int]) ->
 
 
 def markdown(res: dict, cpu: str) -> str:
-    lines = [f"CPU: {cpu}, 2 threads. Random weights at Qwen3.5-0.8B's shapes; the same GGUF file for both.", "",
+    shapes = {"0.8b": "Qwen3.5-0.8B's shapes", "35b-a3b": "Qwen3.5-35B-A3B's shapes"}[res.get("model", "0.8b")]
+    if res.get("layers"):
+        shapes += f", its first {res['layers']} layers"
+    lines = [f"CPU: {cpu}, 2 threads. Random weights at {shapes}; the same GGUF file for both.", "",
              "| file | engine | decode tok/s | prefill 2K tok/s | prefill 8K tok/s | "
              + " | ".join(f"t({w})/t(1)" for w in res["widths"][1:]) + " |",
              "|---|---|---|---|---|" + "---|" * (len(res["widths"]) - 1)]
@@ -215,13 +263,16 @@ def main() -> None:
     ap.add_argument("--widths", default="1-9")
     ap.add_argument("--out")
     ap.add_argument("--markdown")
+    ap.add_argument("--model", choices=list(MODELS), default="0.8b",
+                    help="whose shapes: Qwen3.5-0.8B (dense) or Qwen3.5-35B-A3B (mixture of experts)")
+    ap.add_argument("--layers", type=int, help="keep the first N layers (the 35B-A3B's 40 do not fit 24 GB)")
     a = ap.parse_args()
     lo, hi = (int(x) for x in a.widths.split("-"))
     widths, prefill = list(range(lo, hi + 1)), [int(x) for x in a.prefill.split(",")]
-    top = cache_root() / "bench" / "qwen35-0.8b-random"
-    files = gguf_files(random_checkpoint(top / "hf"), a.types.split(","), top)
+    top = cache_root() / "bench" / (MODELS[a.model] + (f"-{a.layers}l" if a.layers else ""))
+    files = gguf_files(random_checkpoint(top / "hf", a.model, a.layers), a.types.split(","), top)
     bench = build_native() / "llama-bench"
-    res = {"prefill": prefill, "widths": widths, "files": {}}
+    res = {"prefill": prefill, "widths": widths, "files": {}, "model": a.model, "layers": a.layers}
     for t, f in files.items():
         print(f"{t}: llama.cpp", file=sys.stderr, flush=True)
         ref = llama_cpp(bench, f, prefill, a.decode, widths)

@@ -129,6 +129,15 @@ def build_native(version: str = LLAMACPP_VERSION, isa: str = "native") -> Path:
     return bindir
 
 
+def native_tool(name: str, version: str = LLAMACPP_VERSION) -> Path:
+    """Another program of the native build (llama-quantize, ...), built into it when first asked for."""
+    bindir = build_native(version)
+    if not (bindir / name).exists():
+        subprocess.run(["cmake", "--build", str(bindir.parent), "-j", "2", "--target", name], check=True,
+                       stdout=subprocess.DEVNULL)
+    return bindir / name
+
+
 def _extract_vendor(sdist: Path, dest: Path) -> None:
     """Unpack ``<sdist>/vendor/llama.cpp/`` into ``dest``."""
     with tarfile.open(sdist) as tf:

@@ -13,7 +13,7 @@ BASE = dict(num_attention_heads=4, hidden_size=64, intermediate_size=128, num_hi
 
 
 def test_every_family_is_registered_once_under_its_gguf_name():
-    assert SUPPORTED_ARCHS == ("llama", "qwen2", "qwen3", "gemma3", "qwen35", "qwen3next")
+    assert SUPPORTED_ARCHS == ("llama", "qwen2", "qwen3", "gemma3", "qwen35", "qwen3next", "qwen35moe")
     for arch, fam in families().items():
         assert fam.arch == arch and family(arch) is fam
         for model_type in fam.hf_model_types:

@@ -69,3 +69,34 @@ def test_gguf_greedy_equals_llama_cpp():
     mtp = make_engine(ours, SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False),
                       MTPDrafter.load(None, ours), max_num_seqs=4)
     assert greedy_outputs(mtp, prompts, n) == plain and mtp.totals.draft_tokens > 0
+
+
+def test_llama_quantize_q8_0_loads_keeps_the_router_float_and_stays_lossless():
+    """llama-quantize's Q8_0 of it: the shared expert's gate, written as a vector [H], loads as the
+    one-row matrix it is (it failed to load before); the router and that gate stay float32 (llama.cpp
+    keeps them F32: int8 there moves which experts a token gets), the experts keep the file's Q8_0
+    blocks. Against llama-server on the same file the paths part only where two of our logits are
+    close (both quantize activations to 8 bits, not identically: llama.cpp's block scales are fp16);
+    speculation with the MTP head is lossless on it."""
+    from specserve.models.layers import linears
+
+    name = "tiny-qwen35moe-q8_0.gguf"
+    ours = load_model(str(DATA / name))  # default CPU weights: the file's blocks
+    mlp = ours.model.layers[0].mlp
+    assert mlp.router.format == mlp.shared_gate.format == "fp32" and mlp.shared_gate.weight.shape == (1, 64)
+    assert {lin.format for lin in linears(mlp.experts[0])} == {"Q8_0"}
+    prompts, n = LLAMA_CPP["prompts"], LLAMA_CPP["tokens"]
+    plain = greedy_outputs(make_engine(ours, max_num_seqs=4), prompts, n)
+    same = 0
+    for prompt, got, want in zip(prompts, plain, LLAMA_CPP["files"][name]):
+        i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+        same += i
+        if i < len(want):
+            eng = make_engine(ours)
+            eng.add_request("t", prompt + got[:i], SamplingParams(max_tokens=1))
+            last = logits_of_every_position(eng, "t")[0][len(prompt) + i - 1]
+            assert float(last[got[i]] - last[want[i]]) < 0.05 * float(last.max()), (i, got[i], want[i])
+    assert same >= 50, same  # seen: 3 + 10 + 32 + 14 of 123 (int8 routers: 11 + 4 + 32 + 1)
+    mtp = make_engine(ours, SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False),
+                      MTPDrafter.load(None, ours), max_num_seqs=4)
+    assert greedy_outputs(mtp, prompts, n) == plain and mtp.totals.draft_tokens > 0

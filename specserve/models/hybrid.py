@@ -202,12 +202,14 @@ class SparseMoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, lw: LayerWeights):
         super().__init__()
-        self.moe, self.router, self.reduce_group = cfg.moe, lw.lin("router"), None
+        # the router and the shared expert's gate stay float32 with float32 inputs (as llama.cpp keeps
+        # them F32 and vLLM unquantized): int8 there moves which experts a token gets
+        self.moe, self.router, self.reduce_group = cfg.moe, lw.lin("router", quant="none"), None
         self.experts = nn.ModuleList(MLP(lw.part(f"expert{e}."), cfg.activation, down="row_partial")
                                      for e in range(cfg.moe.num_experts))
         self.shared = (MLP(lw.part("shexp."), cfg.activation, down="row_partial")
                        if cfg.moe.shared_intermediate_size else None)
-        self.shared_gate = lw.lin("shexp_gate") if self.shared else None
+        self.shared_gate = lw.lin("shexp_gate", quant="none") if self.shared else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weight, groups = route_top_k(self.router(h), self.moe.num_experts_per_tok, self.moe.norm_topk_prob)

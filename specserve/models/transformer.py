@@ -104,9 +104,10 @@ class LayerWeights:
     def part(self, prefix: str) -> "LayerWeights":
         return LayerWeights(self.i, self.w, self.quant, self.device, self.dtype, prefix)
 
-    def lin(self, name: str, parallel: str = "replicated") -> Linear:
+    def lin(self, name: str, parallel: str = "replicated", quant: str | None = None) -> Linear:
+        """The linear of tensor ``name``, in the layer's format or in ``quant`` ("none": float32)."""
         bias = self.w.get(f"{self.prefix}{name}_bias")
-        return Linear(self.w[self.prefix + name], None if bias is None else bias.dequantize(), self.quant,
+        return Linear(self.w[self.prefix + name], None if bias is None else bias.dequantize(), quant or self.quant,
                       self.device, self.dtype, parallel)
 
     def vec(self, name: str) -> torch.Tensor:

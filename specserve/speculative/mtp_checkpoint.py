@@ -108,8 +108,8 @@ def _read_gguf_mtp(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
             if part.endswith("_exps"):
                 for e in range(shape[0]):
                     state[f"layer.moe.experts.{e}.{_GGUF_MOE[part]}.weight"] = w[e]
-            else:
-                state[f"layer.moe.{_GGUF_MOE[part]}.weight"] = w
+            else:  # (llama-quantize writes the shared expert's gate [1, H] as a vector [H])
+                state[f"layer.moe.{_GGUF_MOE[part]}.weight"] = w.reshape(1, -1) if w.dim() == 1 else w
             continue
         if _UNSUPPORTED.search(t.name):
             raise SpecserveError(f"MTP tensor {t.name}: MLA MTP layers are not supported")

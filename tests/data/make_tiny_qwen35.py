@@ -33,25 +33,24 @@ PROMPTS = [[(7 * i + 3 * j * j) % 256 for j in range(12 + 9 * i)] for i in range
 TOKENS = 32
 
 
-def convert_cmd(src: Path, ckpt: Path, out: Path, outtype: str) -> list[str]:
+def convert_cmd(src: Path, ckpt: Path, out: Path, outtype: str, *extra: str) -> list[str]:
     """The command running llama.cpp's converter (source tree src) on ckpt, with the test vocabulary's
-    pre-tokenizer declared 'qwen2'."""
+    pre-tokenizer declared 'qwen2'; ``extra``: more converter flags (a checkpoint without an MTP
+    layer needs --no-mtp)."""
+    argv = ["convert_hf_to_gguf.py", str(ckpt), "--outfile", str(out), "--outtype", outtype, *extra]
     code = (f"import runpy, sys; sys.path[:0] = [{str(src)!r}, {str(src / 'gguf-py')!r}]\n"
             "import conversion.base as b\n"
             "for c in vars(b).values():\n"
             "    if isinstance(c, type) and hasattr(c, 'get_vocab_base_pre'):\n"
             "        c.get_vocab_base_pre = lambda self, tokenizer: 'qwen2'\n"
-            f"sys.argv = ['convert_hf_to_gguf.py', {str(ckpt)!r}, '--outfile', {str(out)!r}, '--outtype', {outtype!r}]\n"
+            f"sys.argv = {argv!r}\n"
             f"runpy.run_path({str(src / 'convert_hf_to_gguf.py')!r}, run_name='__main__')\n")
     return [sys.executable, "-c", code]
 
 
 def convert(src: Path, outtype: str, ckpt: Path = OUT / "hf", out: Path | None = None, *extra: str) -> Path:
     out = out or OUT / f"tiny-qwen35-{outtype}.gguf"
-    cmd = convert_cmd(src, ckpt, out, outtype)
-    cmd[-1] = cmd[-1].replace(f"'--outtype', {outtype!r}]", f"'--outtype', {outtype!r}, " + "".join(
-        f"{e!r}, " for e in extra) + "]")
-    subprocess.run(cmd, check=True)
+    subprocess.run(convert_cmd(src, ckpt, out, outtype, *extra), check=True)
     return out
 
 
@@ -85,6 +84,7 @@ def llama_cpp_tokens(server: Path, gguf: Path) -> list[list[int]]:
 
 def make(kind: str, src: Path) -> list[Path]:
     """The checkpoint of one kind under OUT and its GGUF files."""
+    from native_llamacpp import native_tool
     from tiny_models import make_tiny_hybrid, make_tiny_qwen3_5_moe, make_tiny_qwen3_next
 
     if kind == "qwen35":
@@ -95,9 +95,14 @@ def make(kind: str, src: Path) -> list[Path]:
         # layer too (GGUF: experts merged into 3-D tensors, ssm_ba interleaved per key head)
         make_tiny_qwen3_next(OUT / "next_hf", mtp=True, mlp_only_layers=[])
         return [convert(src, "f32", OUT / "next_hf", OUT / "tiny-qwen3next-f32.gguf")]
-    # Qwen3.5-MoE: Qwen3.5's tiled value heads, experts merged into 3-D tensors, a MoE MTP head
+    # Qwen3.5-MoE: Qwen3.5's tiled value heads, experts merged into 3-D tensors, a MoE MTP head; and
+    # llama-quantize's Q8_0 of it, where the shared expert's gate [1, H] is written as a vector [H]
     make_tiny_qwen3_5_moe(OUT / "moe_hf")
-    return [convert(src, "f32", OUT / "moe_hf", OUT / "tiny-qwen35moe-f32.gguf")]
+    f32 = convert(src, "f32", OUT / "moe_hf", OUT / "tiny-qwen35moe-f32.gguf")
+    q8 = OUT / "tiny-qwen35moe-q8_0.gguf"
+    subprocess.run([str(native_tool("llama-quantize")), str(f32), str(q8), "Q8_0"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return [f32, q8]
 
 
 def main(kinds: list[str]) -> None:
