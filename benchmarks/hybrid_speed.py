@@ -233,9 +233,9 @@ def markdown(res: dict, cpu: str) -> str:
     if res.get("layers"):
         shapes += f", its first {res['layers']} layers"
     lines = [f"CPU: {cpu}, 2 threads. Random weights at {shapes}; the same GGUF file for both.", "",
-             "| file | engine | decode tok/s | prefill 2K tok/s | prefill 8K tok/s | "
+             "| file | engine | decode tok/s | " + "".join(f"prefill {n // 1024}K tok/s | " for n in res["prefill"])
              + " | ".join(f"t({w})/t(1)" for w in res["widths"][1:]) + " |",
-             "|---|---|---|---|---|" + "---|" * (len(res["widths"]) - 1)]
+             "|---|---|---|" + "---|" * len(res["prefill"]) + "---|" * (len(res["widths"]) - 1)]
     for t, by in res["files"].items():
         for eng in ("llama.cpp", "specserve"):
             r = by[eng]

@@ -1,0 +1,71 @@
+"""Where a decode step of the 4-layer Qwen3.5-35B-A3B-shaped model goes (hybrid_speed.py --model 35b-a3b
+--layers 4 made the file): timers around the LM head, the layers and their mixture-of-experts MLPs,
+and one MoE layer's parts with its inputs fixed (weights then partly in cache). ms, 2 threads.
+
+    python results_final/zen4_1207d/moe_split.py > results_final/zen4_1207d/moe_split.txt
+"""
+
+import statistics
+import time
+
+import torch
+
+from specserve.engine.config import EngineConfig
+from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.types import SamplingParams
+from specserve.models import hybrid
+from specserve.models.catalog import cache_root
+from specserve.models.layers import route_top_k
+from specserve.models.loader import load_model
+
+GGUF = cache_root() / "bench" / "qwen35-35b-a3b-random-4l" / "qwen35-35b-a3b-random-4l-q4_k_m.gguf"
+spent: dict[str, float] = {}
+
+
+def timed(label, fn):
+    def wrapper(*a, **kw):
+        t = time.perf_counter()
+        out = fn(*a, **kw)
+        spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+        return out
+    return wrapper
+
+
+def main() -> None:
+    m = load_model(str(GGUF))
+    eng = LLMEngine(m, EngineConfig(max_model_len=512, max_num_seqs=2))
+    eng.add_request("a", list(range(100, 116)), SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(10):
+        eng.step()
+    model = m.model
+    model.logits = timed("LM head", model.logits)
+    model.run_layers = timed("layers", model.run_layers)
+    hybrid.SparseMoE.__call__ = timed("MoE MLPs", hybrid.SparseMoE.forward)
+    steps, t0 = 60, time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    total = time.perf_counter() - t0
+    print(f"decode step {total / steps * 1e3:.2f} ms; per step: " +
+          ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in spent.items()))
+    mlp, x = model.layers[0].mlp, torch.randn(1, m.config.hidden_size)
+
+    def ms(f, n=300):
+        f()
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts) * 1e3
+
+    logits = mlp.router(x)
+    _, groups = route_top_k(logits, 8, True)
+    e = mlp.experts[groups[0][0]]
+    print(f"one MoE layer, the same input each time: {ms(lambda: mlp.forward(x)):.3f} ms; router "
+          f"{ms(lambda: mlp.router(x)):.3f}, routing {ms(lambda: route_top_k(logits, 8, True)):.3f}, one expert "
+          f"{ms(lambda: e(x)):.3f} (its gate|up {ms(lambda: e.gate_up(x)):.3f}), the shared expert "
+          f"{ms(lambda: mlp.shared(x)):.3f}")
+
+
+if __name__ == "__main__":
+    main()
