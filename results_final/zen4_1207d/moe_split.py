@@ -1,6 +1,7 @@
 """Where a decode step of the 4-layer Qwen3.5-35B-A3B-shaped model goes (hybrid_speed.py --model 35b-a3b
 --layers 4 made the file): timers around the LM head, the layers and their mixture-of-experts MLPs,
-and one MoE layer's parts with its inputs fixed (weights then partly in cache). ms, 2 threads.
+with a layer's experts in one kernel call (kernels/grouped.py) and one call each, taking turns; and
+one MoE layer's parts with its inputs fixed (weights then partly in cache). ms, 2 threads.
 
     python results_final/zen4_1207d/moe_split.py > results_final/zen4_1207d/moe_split.txt
 """
@@ -41,12 +42,21 @@ def main() -> None:
     model.logits = timed("LM head", model.logits)
     model.run_layers = timed("layers", model.run_layers)
     hybrid.SparseMoE.__call__ = timed("MoE MLPs", hybrid.SparseMoE.forward)
-    steps, t0 = 60, time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    total = time.perf_counter() - t0
-    print(f"decode step {total / steps * 1e3:.2f} ms; per step: " +
-          ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in spent.items()))
+    moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, hybrid.SparseMoE)]
+    steps, runs = 20, {True: [], False: []}
+    for _ in range(4):  # the experts in one kernel call a layer, or one call each: taking turns
+        for grouped in (True, False):
+            for mlp in moes:
+                mlp._groupable = grouped and None
+            spent.clear()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                eng.step()
+            runs[grouped].append({"step": time.perf_counter() - t0, **spent})
+    for grouped, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) / steps * 1e3 for k in rs[0]}
+        print(f"experts {'grouped' if grouped else 'one by one'}: decode step {med.pop('step'):.2f} ms; per step "
+              "(median of 4 turns of 20 steps): " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()))
     mlp, x = model.layers[0].mlp, torch.randn(1, m.config.hidden_size)
 
     def ms(f, n=300):

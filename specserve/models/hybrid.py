@@ -21,6 +21,7 @@ from torch import nn
 
 from specserve.errors import ModelLoadError
 from specserve.kernels import ops
+from specserve.kernels.grouped import groupable, linear_group
 from specserve.models.config import ModelConfig
 from specserve.models.layers import Rope, act_mul, rms_norm, route_top_k
 from specserve.models.transformer import MLP, ForwardBatch, KVCache, LayerWeights, Transformer, attend
@@ -210,18 +211,45 @@ class SparseMoE(nn.Module):
         self.shared = (MLP(lw.part("shexp."), cfg.activation, down="row_partial")
                        if cfg.moe.shared_intermediate_size else None)
         self.shared_gate = lw.lin("shexp_gate", quant="none") if self.shared else None
+        self._groupable: bool | None = None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weight, groups = route_top_k(self.router(h), self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
         out = torch.zeros_like(h)
-        for e, rows, slot in groups:  # experts in ascending order: each row adds its experts in that order
-            out[rows] += self.experts[e](h[rows]) * weight[rows, slot, None]
+        # experts in ascending order: each row adds its experts in that order
+        for (e, rows, slot), y in zip(groups, self.expert_outputs(h, groups)):
+            out[rows] += y * weight[rows, slot, None]
         if self.shared is not None:
             shared = self.shared(h)
             out += ops.sigmoid_mul(self.shared_gate(h).expand_as(shared).contiguous(), shared)
         return out if self.reduce_group is None else self.reduce_group.all_reduce(out)
 
     __call__ = forward  # (as Linear: no hook dispatch)
+
+    def groupable(self) -> bool:
+        """Whether every expert's gate|up (and every down) can share one kernel call (asked once: all
+        experts of a layer are in one format, so any subset can then)."""
+        if self._groupable is None:
+            ups, downs = [ex.gate_up for ex in self.experts], [ex.down for ex in self.experts]
+            self._groupable = (all(u is not None and u.bias is None for u in ups) and all(d.bias is None for d in downs)
+                               and groupable([u.weight for u in ups]) and groupable([d.weight for d in downs]))
+        return self._groupable
+
+    def expert_outputs(self, h: torch.Tensor, groups) -> list[torch.Tensor]:
+        """Each routed expert's MLP on its rows, [len(rows), H] each, in ``groups``' order. On CPU all
+        their gate|up projections are one kernel call and all their down projections another
+        (kernels/grouped.py), with the same bits as one MLP call per expert."""
+        experts = [self.experts[e] for e, _, _ in groups]
+        gate_up = [ex.gate_up for ex in experts]
+        if h.device.type != "cpu" or not self.groupable():
+            return [ex(h[rows]) for ex, (_, rows, _) in zip(experts, groups)]
+        xs = [h[rows] for _, rows, _ in groups]
+        sizes = [x.shape[0] for x in xs]
+        both = linear_group(xs, [g.weight for g in gate_up], torch.empty(sum(sizes), gate_up[0].out_features))
+        act = act_mul(*both.chunk(2, dim=-1), experts[0].activation)  # [rows of all, I]
+        down = linear_group(list(act.split(sizes)), [ex.down.weight for ex in experts],
+                            torch.empty(sum(sizes), experts[0].down.out_features))
+        return list(down.split(sizes))
 
 
 class HybridLayer(nn.Module):

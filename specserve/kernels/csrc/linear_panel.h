@@ -457,6 +457,45 @@ static void pq_rows(int fmt, int R, int NP, const uint8_t *xb, const PXLay *L, c
 #include "linear_panel_scalar.h"
 #endif
 
+/* How a call of M rows walks the panels: G panels per pass (a pair shares each activation load
+   between two weight streams a panel apart; up to QP_SINGLE_ROWS rows a thread reads one panel at a
+   time, one stream, which the memory keeps up with better) and rt rows per pass (at most cap, in
+   passes as equal as can be: 16 rows as 8 + 8, not 12 + 4). Every choice gives the same bits. */
+typedef struct { int G, rt; } PanelWalk;
+
+static PanelWalk panel_walk(int fmt, int64_t M) {
+    PanelWalk w;
+    w.G = M <= QP_SINGLE_ROWS ? 1 : 2;
+    const int cap = fmt == FMT_Q4_0 || fmt == FMT_Q4_1 ? QP_R41 : w.G == 1 ? QP_R : QP_R2;
+    const int64_t passes = M > cap ? (M + cap - 1) / cap : 1;
+    w.rt = (int)((M + passes - 1) / passes);
+    return w;
+}
+
+/* pass p2 of a walk: panels [G p2, G p2 + G) of every row (quantized activations xb) -> out */
+static void panel_pass(int fmt, PanelWalk w, int64_t p2, int64_t M, int64_t K, const uint8_t *xb, const PXLay *L,
+                       const uint8_t *pw, const float *scale, const float *bias, float *out, int64_t N, int64_t ldo,
+                       float *acc) {
+    const int64_t np = panel_count(N), pstride = K / panel_act_block(fmt) * panel_block_bytes(fmt);
+    const int64_t p = w.G * p2, n0 = p * PN;
+    const int NP = p + 1 < np ? w.G : 1;
+    for (int64_t m0 = 0; m0 < M; m0 += w.rt) {
+        const int R = (int)(M - m0 < w.rt ? M - m0 : w.rt);
+        pq_rows(fmt, R, NP, xb + m0 * L->stride, L, pw + p * pstride, pstride, K, acc);
+        for (int r = 0; r < R; r++) /* panel by panel: 16 contiguous floats, no gather */
+            for (int h = 0; h < NP; h++) {
+                const float *a = acc + PN * (h * QP_R + r);
+                const int64_t c0 = n0 + PN * h;
+                const int nc = (int)(N - c0 < PN ? N - c0 : PN);
+                float *o = out + (m0 + r) * ldo + c0;
+                for (int c = 0; c < nc; c++) {
+                    const float v = fmt == FMT_I8 ? a[c] * scale[c0 + c] : a[c];
+                    o[c] = bias ? v + bias[c0 + c] : v;
+                }
+            }
+    }
+}
+
 /* out[M, N] (row stride ldo) = x[M, K] @ W^T (* scale) (+ bias) for a panel-packed W (ss_panel_pack) */
 static int linear_panel(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *pw, int fmt,
                         const float *scale, const float *bias, float *out, int64_t N, int64_t ldo, int nthreads) {
@@ -464,43 +503,65 @@ static int linear_panel(const float *x, int64_t M, int64_t K, int64_t ldx, const
     px_layout(fmt, K, &L);
     uint8_t *xb = (uint8_t *)aligned_alloc(64, (size_t)(M * L.stride));
     if (!xb) return SS_ENOMEM;
-    const int be = panel_act_block(fmt);
-    const int64_t np = panel_count(N), pstride = K / be * panel_block_bytes(fmt);
+    const int64_t np = panel_count(N);
     const int par = nthreads > 1 && (double)M * (double)N * (double)K > 200000.0 && np > 1;
-    /* panels per pass: a pair shares each activation load between two weight streams a panel
-       apart; up to QP_SINGLE_ROWS rows a thread reads one panel at a time, one stream, which the
-       memory keeps up with better (the same bits either way) */
-    const int G = M <= QP_SINGLE_ROWS ? 1 : 2;
-    /* rows per pass: at most cap, in passes as equal as can be (16 rows as 8 + 8, not 12 + 4) */
-    const int cap = fmt == FMT_Q4_0 || fmt == FMT_Q4_1 ? QP_R41 : G == 1 ? QP_R : QP_R2;
-    const int64_t passes = M > cap ? (M + cap - 1) / cap : 1;
-    const int rt = (int)((M + passes - 1) / passes);
+    const PanelWalk w = panel_walk(fmt, M);
 #pragma omp parallel num_threads(nthreads) if (par)
     {
         float acc[2 * QP_R * PN] SS_ALIGN;
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) px_row(fmt, x + m * ldx, K, xb + m * L.stride, &L);
 #pragma omp for schedule(static)
-        for (int64_t p2 = 0; p2 < (np + G - 1) / G; p2++) { /* groups of G panels */
-            const int64_t p = G * p2, n0 = p * PN;
-            const int NP = p + 1 < np ? G : 1;
-            for (int64_t m0 = 0; m0 < M; m0 += rt) {
-                const int R = (int)(M - m0 < rt ? M - m0 : rt);
-                pq_rows(fmt, R, NP, xb + m0 * L.stride, &L, pw + p * pstride, pstride, K, acc);
-                for (int r = 0; r < R; r++) /* panel by panel: 16 contiguous floats, no gather */
-                    for (int h = 0; h < NP; h++) {
-                        const float *a = acc + PN * (h * QP_R + r);
-                        const int64_t c0 = n0 + PN * h;
-                        const int nc = (int)(N - c0 < PN ? N - c0 : PN);
-                        float *o = out + (m0 + r) * ldo + c0;
-                        for (int c = 0; c < nc; c++) {
-                            const float v = fmt == FMT_I8 ? a[c] * scale[c0 + c] : a[c];
-                            o[c] = bias ? v + bias[c0 + c] : v;
-                        }
-                    }
-            }
+        for (int64_t p2 = 0; p2 < (np + w.G - 1) / w.G; p2++)
+            panel_pass(fmt, w, p2, M, K, xb, &L, pw, scale, bias, out, N, ldo, acc);
+    }
+    free(xb);
+    return SS_OK;
+}
+
+/* Several panel-packed weights of one format and shape [N, K] (a mixture's experts), each with its
+   own rows: outs[g][Ms[g], N] = xs[g][Ms[g], K] @ W_g^T (* scales[g]), rows contiguous, in one
+   parallel region over every weight's panels (one fork and join, the weights streamed back to back).
+   Each output's arithmetic is linear_panel's, so every row's bits equal one call per weight. */
+static int linear_panel_group(int ng, const float *const *xs, const int64_t *Ms, int64_t K, const uint8_t *const *ws,
+                              int fmt, const float *const *scales, float *const *outs, int64_t N, int nthreads) {
+    PXLay L;
+    px_layout(fmt, K, &L);
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * ng + 2)); /* rows, then passes */
+    if (!first) return SS_ENOMEM;
+    int64_t *pass0 = first + ng + 1;
+    const int64_t np = panel_count(N);
+    first[0] = pass0[0] = 0;
+    for (int g = 0; g < ng; g++) {
+        first[g + 1] = first[g] + Ms[g];
+        const PanelWalk w = panel_walk(fmt, Ms[g]);
+        pass0[g + 1] = pass0[g] + (Ms[g] > 0 ? (np + w.G - 1) / w.G : 0);
+    }
+    const int64_t rows = first[ng], passes = pass0[ng];
+    uint8_t *xb = (uint8_t *)aligned_alloc(64, (size_t)al64((rows > 0 ? rows : 1) * L.stride));
+    if (!xb) {
+        free(first);
+        return SS_ENOMEM;
+    }
+    const int par = nthreads > 1 && (double)rows * (double)N * (double)K > 200000.0 && passes > 1;
+#pragma omp parallel num_threads(nthreads) if (par)
+    {
+        float acc[2 * QP_R * PN] SS_ALIGN;
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < rows; m++) {
+            int g = 0;
+            while (first[g + 1] <= m) g++;
+            px_row(fmt, xs[g] + (m - first[g]) * K, K, xb + m * L.stride, &L);
+        }
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < passes; q++) {
+            int g = 0;
+            while (pass0[g + 1] <= q) g++;
+            panel_pass(fmt, panel_walk(fmt, Ms[g]), q - pass0[g], Ms[g], K, xb + first[g] * L.stride, &L, ws[g],
+                       scales ? scales[g] : NULL, NULL, outs[g], N, N, acc);
         }
     }
     free(xb);
+    free(first);
     return SS_OK;
 }

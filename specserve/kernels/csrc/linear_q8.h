@@ -328,3 +328,22 @@ SS_EXPORT int ss_linear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, co
     free(pw);
     return rc;
 }
+
+/* ss_linear_q8 over several weights at once (linear_panel_group): ng panel-packed weights of one
+   format (FMT_PANEL set) and shape [N, K], weight g times its own rows xs[g] [Ms[g], K] into
+   outs[g] [Ms[g], N] (rows contiguous; scales[g] for I8). Bit-identical to one call per weight. */
+SS_EXPORT int ss_linear_q8_group(int ng, const float *const *xs, const int64_t *Ms, int64_t K, const void *const *ws,
+                                 int fmt, const float *const *scales, float *const *outs, int64_t N, int nthreads) {
+    int be, bb;
+    if (!(fmt & FMT_PANEL)) return SS_EINVAL;
+    fmt &= ~FMT_PANEL;
+    if (!panel_fmt(fmt) || fmt_block(fmt, &be, &bb) != 0) return SS_EFORMAT;
+    if (ng < 0 || N <= 0 || K <= 0 || K % panel_act_block(fmt) != 0) return SS_EINVAL;
+    if (fmt == FMT_I8 && scales == NULL) return SS_EINVAL;
+    for (int g = 0; g < ng; g++)
+        if (Ms[g] < 0 || (Ms[g] > 0 && (!xs[g] || !ws[g] || !outs[g] || (fmt == FMT_I8 && !scales[g]))))
+            return SS_EINVAL;
+    if (ng == 0) return SS_OK;
+    return linear_panel_group(ng, xs, Ms, K, (const uint8_t *const *)ws, fmt, scales, outs, N,
+                              resolve_threads(nthreads));
+}
