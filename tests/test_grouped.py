@@ -71,3 +71,5 @@ def test_mixture_layer_grouped_equals_expert_by_expert():
     assert all(torch.equal(a, b) for a, b in zip(mlp.expert_outputs(h, groups), one_by_one))
     mlp._groupable = False  # expert by expert
     assert torch.equal(mlp.forward(h), grouped)
+    mlp._groupable = None
+    assert mlp.forward(h[:0]).shape == (0, 64)  # no rows: no expert

@@ -241,7 +241,7 @@ class SparseMoE(nn.Module):
         (kernels/grouped.py), with the same bits as one MLP call per expert."""
         experts = [self.experts[e] for e, _, _ in groups]
         gate_up = [ex.gate_up for ex in experts]
-        if h.device.type != "cpu" or not self.groupable():
+        if not groups or h.device.type != "cpu" or not self.groupable():
             return [ex(h[rows]) for ex, (_, rows, _) in zip(experts, groups)]
         xs = [h[rows] for _, rows, _ in groups]
         sizes = [x.shape[0] for x in xs]
