@@ -21,7 +21,7 @@ from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 from specserve.engine.types import SamplingParams  # noqa: E402
 from specserve.errors import ModelLoadError  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
-from specserve.models.safetensors_dir import dequantize_fp8  # noqa: E402
+from specserve.models.safetensors_dir import Fp8Weight  # noqa: E402
 from specserve.speculative.mtp_checkpoint import read_checkpoint_mtp  # noqa: E402
 
 
@@ -98,16 +98,35 @@ def test_block_grid_with_short_edge_blocks():
     exponents; stacked experts keep their leading dim."""
     w = torch.randn(5, 7).to(torch.float8_e4m3fn)
     s = torch.rand(3, 3) + 0.5
-    got = dequantize_fp8(w, s, (2, 3), "w")
+    got = Fp8Weight(w, s, (2, 3), "w").dequantize()
     want = torch.tensor([[float(w[i, j].float()) * float(s[i // 2, j // 3]) for j in range(7)] for i in range(5)])
     assert torch.equal(got, want)
-    assert torch.equal(dequantize_fp8(w, torch.tensor(0.5), (2, 3), "w"), w.float() * 0.5)
-    assert torch.equal(dequantize_fp8(w, torch.full((3, 3), 130, dtype=torch.uint8), (2, 3), "w"), w.float() * 8)
+    assert torch.equal(Fp8Weight(w, torch.tensor(0.5), (2, 3), "w").dequantize(), w.float() * 0.5)
+    assert torch.equal(Fp8Weight(w, torch.full((3, 3), 130, dtype=torch.uint8), (2, 3), "w").dequantize(), w.float() * 8)
     experts = torch.stack([w, w]).clone()
-    both = dequantize_fp8(experts, torch.stack([s, 2 * s]), (2, 3), "experts")
+    both = Fp8Weight(experts, torch.stack([s, 2 * s]), (2, 3), "experts").dequantize()
     assert torch.equal(both[0], want) and torch.equal(both[1], 2 * want)
     with pytest.raises(ModelLoadError, match=r"tensor w: scale shape \(2, 3\) .* \(expected \(3, 3\)\)"):
-        dequantize_fp8(w, torch.ones(2, 3), (2, 3), "w")
+        Fp8Weight(w, torch.ones(2, 3), (2, 3), "w").dequantize()
+
+
+def test_scales_in_another_shard(fp8_dirs, tmp_path):
+    """A sharded checkpoint whose weight and its weight_scale_inv sit in different files reads as the
+    one-file checkpoint does."""
+    import shutil
+
+    src = fp8_dirs["llama"][1]
+    d = tmp_path / "sharded"
+    shutil.copytree(src, d)
+    tensors = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    scales = {k: v for k, v in tensors.items() if k.endswith("_scale_inv")}
+    save_file(scales, str(d / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    save_file({k: v for k, v in tensors.items() if k not in scales}, str(d / "model-00001-of-00002.safetensors"),
+              metadata={"format": "pt"})
+    a, b = load_model(str(src), FP32), load_model(str(d), FP32)
+    prompt = random_prompt(20, seed=4)
+    assert torch.equal(_logits(a, prompt, 1), _logits(b, prompt, 1))
 
 
 def _edit(directory, config=None, drop=None):

@@ -85,9 +85,7 @@ class SafetensorsDir:
         if scale_key not in self._where:
             raise ModelLoadError(f"{self.directory}: tensor {key} is {t.dtype} but the checkpoint has no "
                                  f"{scale_key} to scale it")
-        weight = Fp8Weight(t, self._read(scale_key), self.block, key)
-        check_grid(weight)
-        return weight
+        return Fp8Weight(t, self._read(scale_key), self.block, key)
 
     def _read(self, key: str) -> torch.Tensor:
         try:
@@ -100,20 +98,29 @@ class SafetensorsDir:
 @dataclass(frozen=True)
 class Fp8Weight:
     """An FP8 checkpoint's weight [..., rows, cols] and its scales: one per tensor, or a grid of
-    ``block`` blocks [..., ceil(rows / bm), ceil(cols / bn)] (stacked experts keep their leading dims)."""
+    ``block`` blocks [..., ceil(rows / bm), ceil(cols / bn)] (stacked experts keep their leading dims).
+    A scale shape that fits neither is a ModelLoadError here, at load."""
 
     weight: torch.Tensor
     scale: torch.Tensor
     block: tuple[int, int]
     name: str
 
+    def __post_init__(self) -> None:
+        if self.scale.numel() == 1:
+            return
+        if self.weight.dim() < 2:
+            raise ModelLoadError(f"tensor {self.name}: an FP8 tensor of shape {tuple(self.weight.shape)} needs "
+                                 f"one scale, has {tuple(self.scale.shape)}")
+        (rows, cols), (bm, bn) = self.weight.shape[-2:], self.block
+        grid = (*self.weight.shape[:-2], -(-rows // bm), -(-cols // bn))
+        if tuple(self.scale.shape) != grid:
+            raise ModelLoadError(f"tensor {self.name}: scale shape {tuple(self.scale.shape)} does not match its "
+                                 f"weight {tuple(self.weight.shape)} in {bm} x {bn} blocks (expected {grid})")
+
     @property
     def shape(self) -> torch.Size:
         return self.weight.shape
-
-    def grid(self) -> tuple[int, ...]:
-        (rows, cols), (bm, bn) = self.weight.shape[-2:], self.block
-        return (*self.weight.shape[:-2], -(-rows // bm), -(-cols // bn))
 
     def dequantize(self) -> torch.Tensor:
         """float32 weight: fp8 times its block's scale (MXFP8's uint8 scales are exponents: 2 ** (s - 127))."""
@@ -124,22 +131,3 @@ class Fp8Weight:
             return w * s.reshape(())
         (rows, cols), (bm, bn) = w.shape[-2:], self.block
         return w * s.repeat_interleave(bm, dim=-2)[..., :rows, :].repeat_interleave(bn, dim=-1)[..., :cols]
-
-
-def check_grid(w: Fp8Weight) -> None:
-    if w.scale.numel() == 1:
-        return
-    if w.weight.dim() < 2:
-        raise ModelLoadError(f"tensor {w.name}: an FP8 tensor of shape {tuple(w.weight.shape)} needs one scale, "
-                             f"has {tuple(w.scale.shape)}")
-    if tuple(w.scale.shape) != w.grid():
-        bm, bn = w.block
-        raise ModelLoadError(f"tensor {w.name}: scale shape {tuple(w.scale.shape)} does not match its weight "
-                             f"{tuple(w.weight.shape)} in {bm} x {bn} blocks (expected {w.grid()})")
-
-
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
-    """float8 weight times its scales -> float32 (see Fp8Weight); a grid that does not fit is a ModelLoadError."""
-    w = Fp8Weight(weight, scale, block, name)
-    check_grid(w)
-    return w.dequantize()
