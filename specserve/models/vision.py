@@ -362,7 +362,7 @@ def _mmproj_name(name: str) -> str | None:
 
 
 def _read_mmproj_tensors(reader) -> dict[str, torch.Tensor]:
-    from specserve.models.weights import SUPPORTED_GGUF_TYPES, RawTensor
+    from specserve.models.weights import SUPPORTED_GGUF_TYPES, RawTensor, gguf_shape
 
     out: dict[str, torch.Tensor] = {}
     kernels: dict[int, torch.Tensor] = {}
@@ -370,7 +370,7 @@ def _read_mmproj_tensors(reader) -> dict[str, torch.Tensor]:
         qtype = t.tensor_type.name
         if qtype not in SUPPORTED_GGUF_TYPES:
             raise ModelLoadError(f"unsupported GGUF quantization type {qtype} (tensor {t.name})")
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        shape = gguf_shape(t)
         patch = _PATCH_KERNELS.fullmatch(t.name)
         name = _mmproj_name(t.name)
         if patch is None and name is None:

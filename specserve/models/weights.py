@@ -122,6 +122,19 @@ def open_gguf(path: Path):
         raise ModelLoadError(f"cannot read GGUF file {path}: corrupt or truncated ({type(exc).__name__}: {exc})") from exc
 
 
+# matrices of one row that ggml writes as vectors (it drops a trailing dimension of 1: llama-quantize's
+# files): the shared expert's gate [1, H] of Qwen3-Next / Qwen3.5-MoE
+GGUF_ONE_ROW = ("ffn_gate_inp_shexp",)
+
+
+def gguf_shape(t) -> tuple[int, ...]:
+    """A GGUF tensor's logical shape in torch order ([out, in]), its one-row matrices as matrices."""
+    shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+    if len(shape) == 1 and re.fullmatch(rf"blk\.\d+\.(?:{'|'.join(GGUF_ONE_ROW)})\.weight", t.name):
+        return (1, shape[0])
+    return shape
+
+
 def _gguf_name(name: str, fam: ModelFamily) -> str | None:
     base = name.removesuffix(".weight").removesuffix(".bias")
     suffix = "_bias" if name.endswith(".bias") else ""
@@ -152,7 +165,7 @@ def read_gguf_tensors(reader, arch: str, num_heads: int, num_kv_heads: int) -> d
         qtype = t.tensor_type.name
         if qtype not in SUPPORTED_GGUF_TYPES:
             raise ModelLoadError(f"unsupported GGUF quantization type {qtype} (tensor {t.name})")
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        shape = gguf_shape(t)
         perm = None
         if permute_qk and re.search(r"\.(q|k)(_bias)?$", name):
             perm = _unpermute_rows(shape[0], num_heads if name.endswith((".q", ".q_bias")) else num_kv_heads)

@@ -102,14 +102,14 @@ def _read_gguf_mtp(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         if not m:
             continue
         part = m.group(1)
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        shape = mweights.gguf_shape(t)
         if part in _GGUF_MOE:  # a mixture-of-experts layer (Qwen3-Next): the experts merged in 3-D tensors
             w = mweights.RawTensor(t.name, shape, t.tensor_type.name, t.data).dequantize()
             if part.endswith("_exps"):
                 for e in range(shape[0]):
                     state[f"layer.moe.experts.{e}.{_GGUF_MOE[part]}.weight"] = w[e]
-            else:  # (llama-quantize writes the shared expert's gate [1, H] as a vector [H])
-                state[f"layer.moe.{_GGUF_MOE[part]}.weight"] = w.reshape(1, -1) if w.dim() == 1 else w
+            else:
+                state[f"layer.moe.{_GGUF_MOE[part]}.weight"] = w
             continue
         if _UNSUPPORTED.search(t.name):
             raise SpecserveError(f"MTP tensor {t.name}: MLA MTP layers are not supported")

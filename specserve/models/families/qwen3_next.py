@@ -59,15 +59,10 @@ def _rewrite(tensors: dict, cfg) -> dict:
 
 
 def split_experts(tensors: dict) -> dict:
-    """GGUF's experts (3-D, all experts in one tensor) -> one tensor per expert; the shared expert's
-    gate [1, H], which llama-quantize writes as a vector [H] (ggml drops a trailing dimension of 1),
-    as the one-row matrix it is."""
+    """GGUF's experts (3-D, all experts in one tensor) -> one tensor per expert."""
     from specserve.models.weights import RawTensor
 
     out = dict(tensors)
-    for name in [n for n in out if n.endswith(".shexp_gate") and len(out[n].shape) == 1]:
-        raw = out[name]
-        out[name] = RawTensor(name, (1, raw.shape[0]), raw.qtype, raw.data.reshape(1, -1), raw.row_perm)
     for name in [n for n in out if ".experts." in n]:
         raw = out.pop(name)
         layer, part = name.split(".experts.")
