@@ -121,3 +121,22 @@ def check_lossless_with_oracle_and_mtp(ours, seed: int) -> None:
     mtp = make_engine(ours, SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False),
                       MTPDrafter.load(None, ours), max_num_seqs=4)
     assert greedy_outputs(mtp, prompts, 24) == plain and mtp.totals.draft_tokens > 0
+
+
+def llama_cpp_partings(ours, name: str, plain: list[list[int]]) -> tuple[int, list[tuple]]:
+    """Our greedy tokens ``plain`` (one list per prompt of LLAMA_CPP) against native llama-server's on
+    GGUF ``name``: the tokens equal before each prompt's paths part, summed, and per parting (the
+    tokens before it, ours, llama-server's, our logit of ours less our logit of its, our largest logit)."""
+    from engine_utils import logits_of_every_position
+
+    same, partings = 0, []
+    for prompt, got, want in zip(LLAMA_CPP["prompts"], plain, LLAMA_CPP["files"][name]):
+        i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+        same += i
+        if i < len(want):
+            eng = make_engine(ours)
+            eng.add_request("t", prompt + got[:i], SamplingParams(max_tokens=1))
+            last = logits_of_every_position(eng, "t")[0][len(prompt) + i - 1]
+            partings.append((prompt + got[:i], got[i], want[i], float(last[got[i]] - last[want[i]]),
+                             float(last.max())))
+    return same, partings

@@ -1,8 +1,10 @@
 """What the kernel test modules share: whether the C kernels are built, the row counts and
-implementations they sweep, and a thread-count setter for torch and the C kernels together."""
+implementations they sweep, a thread-count setter for torch and the C kernels together, and random
+GGUF block bytes."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,3 +42,18 @@ def attention_case(D=64, Hq=6, Hkv=2, BS=16, lengths=(37, 70), seed=0, score_sca
     pos = torch.cat([torch.arange(L, dtype=torch.int32) for L in lengths])
     q = torch.randn(len(sid), Hq, D, generator=g)
     return q, kc, vc, bt, sid, pos
+
+
+def raw_blocks(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Random bytes in qtype's layout whose f16 scales are small and finite."""
+    _, be, bb = ops.GGUF_QTYPES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // be, bb), dtype=np.uint8)
+    d = (rng.standard_normal((n, k // be, 2)) * 1e-2).astype(np.float16).view(np.uint8).reshape(n, k // be, 4)
+    if qtype == "Q6_K":
+        raw[..., 208:210] = d[..., :2]
+    elif qtype in ("Q4_1", "Q4_K"):
+        raw[..., 0:4] = d
+    else:
+        raw[..., 0:2] = d[..., :2]
+    return torch.from_numpy(raw.reshape(n, -1))

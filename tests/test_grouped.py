@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_panels import raw_blocks
+from kernel_utils import raw_blocks
 
 from specserve.kernels import ops
 from specserve.kernels.grouped import groupable, linear_group
@@ -65,7 +65,7 @@ def test_mixture_layer_grouped_equals_expert_by_expert():
     mlp = load_model(str(DATA / "tiny-qwen35moe-q8_0.gguf")).model.layers[0].mlp
     h = torch.randn(9, 64, generator=torch.Generator().manual_seed(3))
     _, groups = route_top_k(mlp.router(h), mlp.moe.num_experts_per_tok, True)
-    assert mlp.groupable()
+    assert mlp.can_group()
     grouped = mlp.forward(h)
     one_by_one = [mlp.experts[e](h[rows]) for e, rows, _ in groups]
     assert all(torch.equal(a, b) for a, b in zip(mlp.expert_outputs(h, groups), one_by_one))

@@ -9,9 +9,10 @@ arithmetic itself is checked against float64 references and across SIMD builds i
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
+
+from kernel_utils import raw_blocks
 
 from specserve.kernels import ops
 
@@ -20,21 +21,6 @@ pytestmark = needs_c
 
 QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
 SHAPES = [(1, 256), (16, 512), (37, 768), (50, 256)]  # N: one channel, one panel, odd, two panels + 2
-
-
-def raw_blocks(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """Random bytes in qtype's layout whose f16 scales are small and finite."""
-    _, be, bb = ops.GGUF_QTYPES[qtype]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // be, bb), dtype=np.uint8)
-    d = (rng.standard_normal((n, k // be, 2)) * 1e-2).astype(np.float16).view(np.uint8).reshape(n, k // be, 4)
-    if qtype == "Q6_K":
-        raw[..., 208:210] = d[..., :2]
-    elif qtype in ("Q4_1", "Q4_K"):
-        raw[..., 0:4] = d
-    else:
-        raw[..., 0:2] = d[..., :2]
-    return torch.from_numpy(raw.reshape(n, -1))
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

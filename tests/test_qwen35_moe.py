@@ -12,12 +12,10 @@ import torch
 transformers = pytest.importorskip("transformers", minversion="5.0")
 pytest.importorskip("transformers.models.qwen3_5_moe")
 
-from engine_utils import logits_of_every_position  # noqa: E402
 from hybrid_utils import (DATA, LLAMA_CPP, check_lossless_with_oracle_and_mtp, check_matches_transformers,  # noqa: E402
-                          greedy_outputs, make_engine)
+                          greedy_outputs, llama_cpp_partings, make_engine)
 from tiny_models import FP32  # noqa: E402
 
-from specserve.engine.types import SamplingParams  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
 from specserve.speculative.config import SpeculativeConfig  # noqa: E402
 from specserve.speculative.mtp import MTPDrafter  # noqa: E402
@@ -49,20 +47,12 @@ def test_gguf_greedy_equals_llama_cpp():
     assert cfg.arch == "qwen35moe" and cfg.moe.num_experts == 4 and cfg.deltanet.v_tiled and cfg.mtp_layers == 1
     prompts, n = LLAMA_CPP["prompts"], LLAMA_CPP["tokens"]
     plain = [greedy_outputs(make_engine(ours), [p], n)[0] for p in prompts]
-    ref = LLAMA_CPP["files"][name]  # llama.cpp stops at the end-of-text token
     oracle = transformers.AutoModelForCausalLM.from_pretrained(str(DATA / "moe_hf"), dtype=torch.float32).eval()
-    same = 0
-    for prompt, got, want in zip(prompts, plain, ref):
-        i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
-        same += i
-        if i < len(want):  # only where two logits nearly tie (transformers picks as we do there)
-            eng = make_engine(ours)
-            eng.add_request("t", prompt + got[:i], SamplingParams(max_tokens=1))
-            last = logits_of_every_position(eng, "t")[0][len(prompt) + i - 1]
-            assert float(last[got[i]] - last[want[i]]) < 1e-2, (i, got[i], want[i])
-            with torch.no_grad():
-                theirs = oracle(torch.tensor([prompt + got[:i]])).logits[0, -1]
-            assert int(theirs.argmax()) == got[i]
+    same, partings = llama_cpp_partings(ours, name, plain)
+    for before, mine, theirs, margin, _ in partings:  # only where two logits nearly tie
+        assert margin < 1e-2, (len(before), mine, theirs, margin)
+        with torch.no_grad():  # and transformers picks as we do there
+            assert int(oracle(torch.tensor([before])).logits[0, -1].argmax()) == mine
     assert same >= 3 * n + n // 2, same  # seen: 32 + 25 + 32 + 32 (a tie of 0.0009 at the 26th token)
     hf = load_model(str(DATA / "moe_hf"), FP32)
     assert [greedy_outputs(make_engine(hf), [p], n)[0] for p in prompts] == plain
@@ -87,15 +77,9 @@ def test_llama_quantize_q8_0_loads_keeps_the_router_float_and_stays_lossless():
     assert {lin.format for lin in linears(mlp.experts[0])} == {"Q8_0"}
     prompts, n = LLAMA_CPP["prompts"], LLAMA_CPP["tokens"]
     plain = greedy_outputs(make_engine(ours, max_num_seqs=4), prompts, n)
-    same = 0
-    for prompt, got, want in zip(prompts, plain, LLAMA_CPP["files"][name]):
-        i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
-        same += i
-        if i < len(want):
-            eng = make_engine(ours)
-            eng.add_request("t", prompt + got[:i], SamplingParams(max_tokens=1))
-            last = logits_of_every_position(eng, "t")[0][len(prompt) + i - 1]
-            assert float(last[got[i]] - last[want[i]]) < 0.05 * float(last.max()), (i, got[i], want[i])
+    same, partings = llama_cpp_partings(ours, name, plain)
+    for before, mine, theirs, margin, top in partings:
+        assert margin < 0.05 * top, (len(before), mine, theirs, margin)
     assert same >= 50, same  # seen: 3 + 10 + 32 + 14 of 123 (int8 routers: 11 + 4 + 32 + 1)
     mtp = make_engine(ours, SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False),
                       MTPDrafter.load(None, ours), max_num_seqs=4)

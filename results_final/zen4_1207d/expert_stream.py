@@ -7,7 +7,7 @@ one [8192 x 2048] matrix of the same bytes. Medians of 15 reps; ms and GB/s.
 """
 import time, statistics, torch, sys
 sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parents[2] / 'tests'))
-from test_panels import raw_blocks
+from kernel_utils import raw_blocks
 from specserve.kernels import ops
 from specserve.kernels.grouped import linear_group
 def mk(n, k, count): return [ops.GGUFBlockWeight.from_raw(raw_blocks("Q4_K", n, k, seed=s), "Q4_K", n, k) for s in range(count)]

@@ -15,14 +15,6 @@ from .linear import GGUFBlockWeight, Int8Weight
 _vp, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    if getattr(lib, "_grouped_declared", False):
-        return
-    lib.ss_linear_q8_group.argtypes = [ctypes.c_int, _vp, _vp, _i64, _vp, ctypes.c_int, _vp, _vp, _i64, ctypes.c_int]
-    lib.ss_linear_q8_group.restype = ctypes.c_int
-    lib._grouped_declared = True
-
-
 def groupable(weights: list) -> bool:
     """Whether one call can take these weights: all panel-packed on the integer-dot path, of one
     type, format and shape, and the C library loaded."""
@@ -42,7 +34,6 @@ def linear_group(xs: list[torch.Tensor], weights: list, out: torch.Tensor, *, im
     lib = _select(impl)
     if lib is None:
         raise ValueError("linear_group needs the C kernels")
-    _declare(lib)
     n, k = weights[0].shape
     ng = len(weights)
     args = [w._c_args() for w in weights]

@@ -83,6 +83,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ss_linear.restype = _i32
     lib.ss_linear_q8.argtypes = lib.ss_linear.argtypes
     lib.ss_linear_q8.restype = _i32
+    lib.ss_linear_q8_group.argtypes = [_i32, _vp, _vp, _i64, _vp, _i32, _vp, _vp, _i64, _i32]
+    lib.ss_linear_q8_group.restype = _i32
     lib.ss_panel_bytes.argtypes = [_i32, _i64, _i64]
     lib.ss_panel_bytes.restype = _i64
     lib.ss_panel_pack.argtypes = [_i32, _vp, _i64, _i64, _i64, _vp, _i32]

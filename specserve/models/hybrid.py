@@ -226,7 +226,7 @@ class SparseMoE(nn.Module):
 
     __call__ = forward  # (as Linear: no hook dispatch)
 
-    def groupable(self) -> bool:
+    def can_group(self) -> bool:
         """Whether every expert's gate|up (and every down) can share one kernel call (asked once: all
         experts of a layer are in one format, so any subset can then)."""
         if self._groupable is None:
@@ -241,7 +241,7 @@ class SparseMoE(nn.Module):
         (kernels/grouped.py), with the same bits as one MLP call per expert."""
         experts = [self.experts[e] for e, _, _ in groups]
         gate_up = [ex.gate_up for ex in experts]
-        if not groups or h.device.type != "cpu" or not self.groupable():
+        if not groups or h.device.type != "cpu" or not self.can_group():
             return [ex(h[rows]) for ex, (_, rows, _) in zip(experts, groups)]
         xs = [h[rows] for _, rows, _ in groups]
         sizes = [x.shape[0] for x in xs]
