@@ -137,6 +137,6 @@ def llama_cpp_partings(ours, name: str, plain: list[list[int]]) -> tuple[int, li
             eng = make_engine(ours)
             eng.add_request("t", prompt + got[:i], SamplingParams(max_tokens=1))
             last = logits_of_every_position(eng, "t")[0][len(prompt) + i - 1]
-            partings.append((prompt + got[:i], got[i], want[i], float(last[got[i]] - last[want[i]]),
+            partings.append((i, prompt + got[:i], got[i], want[i], float(last[got[i]] - last[want[i]]),
                              float(last.max())))
     return same, partings

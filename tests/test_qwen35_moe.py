@@ -49,7 +49,7 @@ def test_gguf_greedy_equals_llama_cpp():
     plain = [greedy_outputs(make_engine(ours), [p], n)[0] for p in prompts]
     oracle = transformers.AutoModelForCausalLM.from_pretrained(str(DATA / "moe_hf"), dtype=torch.float32).eval()
     same, partings = llama_cpp_partings(ours, name, plain)
-    for before, mine, theirs, margin, _ in partings:  # only where two logits nearly tie
+    for _, before, mine, theirs, margin, _ in partings:  # only where two logits nearly tie
         assert margin < 1e-2, (len(before), mine, theirs, margin)
         with torch.no_grad():  # and transformers picks as we do there
             assert int(oracle(torch.tensor([before])).logits[0, -1].argmax()) == mine
@@ -78,7 +78,7 @@ def test_llama_quantize_q8_0_loads_keeps_the_router_float_and_stays_lossless():
     prompts, n = LLAMA_CPP["prompts"], LLAMA_CPP["tokens"]
     plain = greedy_outputs(make_engine(ours, max_num_seqs=4), prompts, n)
     same, partings = llama_cpp_partings(ours, name, plain)
-    for before, mine, theirs, margin, top in partings:
+    for _, before, mine, theirs, margin, top in partings:
         assert margin < 0.05 * top, (len(before), mine, theirs, margin)
     assert same >= 50, same  # seen: 3 + 10 + 32 + 14 of 123 (int8 routers: 11 + 4 + 32 + 1)
     mtp = make_engine(ours, SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False),

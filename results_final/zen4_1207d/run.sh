@@ -12,3 +12,4 @@ python benchmarks/hybrid_speed.py --model 35b-a3b --layers 4 --types q4_k_m --pr
 python results_final/zen4_1207d/moe_split.py > results_final/zen4_1207d/moe_split.txt
 python results_final/zen4_1207d/moe_pages.py > results_final/zen4_1207d/moe_pages.txt
 python results_final/zen4_1207d/expert_stream.py > results_final/zen4_1207d/expert_stream.txt
+python results_final/zen4_1207d/llama_cpp_agreement.py > results_final/zen4_1207d/llama_cpp_agreement.txt
