@@ -7,7 +7,9 @@ one MoE layer's parts with its inputs fixed (weights then partly in cache). ms, 
 """
 
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -18,6 +20,9 @@ from specserve.models import hybrid
 from specserve.models.catalog import cache_root
 from specserve.models.layers import route_top_k
 from specserve.models.loader import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from weight_stream import timed as median_time  # noqa: E402  (the median of rounds after a warm-up call)
 
 GGUF = cache_root() / "bench" / "qwen35-35b-a3b-random-4l" / "qwen35-35b-a3b-random-4l-q4_k_m.gguf"
 spent: dict[str, float] = {}
@@ -59,14 +64,8 @@ def main() -> None:
               "(median of 4 turns of 20 steps): " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()))
     mlp, x = model.layers[0].mlp, torch.randn(1, m.config.hidden_size)
 
-    def ms(f, n=300):
-        f()
-        ts = []
-        for _ in range(n):
-            t = time.perf_counter()
-            f()
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts) * 1e3
+    def ms(f):
+        return median_time(f, 300) * 1e3
 
     logits = mlp.router(x)
     _, groups = route_top_k(logits, 8, True)
