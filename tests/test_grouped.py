@@ -10,7 +10,7 @@ import torch
 from kernel_utils import raw_blocks
 
 from specserve.kernels import ops
-from specserve.kernels.grouped import groupable, linear_group
+from specserve.kernels.grouped import groupable, linear_group, moe_combine
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available(), reason="C kernels unavailable (no compiler?)")
 
@@ -56,20 +56,66 @@ def test_what_one_call_cannot_take():
 
 def test_mixture_layer_grouped_equals_expert_by_expert():
     """The tiny Qwen3.5-MoE as llama-quantize's Q8_0 (the experts' blocks kept): its MoE layer's
-    output over a batch of rows is the same bits grouped and one expert at a time."""
+    output over a batch of rows is the same bits grouped and one expert at a time, and each row's
+    the same as alone."""
     from hybrid_utils import DATA
 
-    from specserve.models.layers import route_top_k
+    from specserve.models.layers import top_k_experts
     from specserve.models.loader import load_model
 
     mlp = load_model(str(DATA / "tiny-qwen35moe-q8_0.gguf")).model.layers[0].mlp
     h = torch.randn(9, 64, generator=torch.Generator().manual_seed(3))
-    _, groups = route_top_k(mlp.router(h), mlp.moe.num_experts_per_tok, True)
-    assert mlp.can_group()
+    _, chosen = top_k_experts(mlp.router(h), mlp.moe.num_experts_per_tok, True)
+    assert mlp.can_group() and not mlp._fold_shared  # its shared expert: another width and format
+    y, idx = mlp.expert_outputs(h, chosen)
+    for t in range(9):  # row t's outputs: its experts', ascending, then the shared expert's
+        want = [mlp.experts[e](h[t:t + 1])[0] for e in chosen[t].tolist()] + [mlp.shared(h[t:t + 1])[0]]
+        assert torch.equal(y[idx[t]], torch.stack(want))
     grouped = mlp.forward(h)
-    one_by_one = [mlp.experts[e](h[rows]) for e, rows, _ in groups]
-    assert all(torch.equal(a, b) for a, b in zip(mlp.expert_outputs(h, groups), one_by_one))
+    assert all(torch.equal(mlp.forward(h[t:t + 1])[0], grouped[t]) for t in range(9))
     mlp._groupable = False  # expert by expert
     assert torch.equal(mlp.forward(h), grouped)
     mlp._groupable = None
     assert mlp.forward(h[:0]).shape == (0, 64)  # no rows: no expert
+
+
+def test_shared_expert_in_the_routed_experts_call(tmp_path):
+    """A shared expert as wide as the routed ones, all int8: it joins their kernel calls, and the
+    layer's bits are those of its own calls, and of one call per expert."""
+    from tiny_models import make_tiny_qwen3_5_moe
+
+    from specserve.models.loader import LoadOptions
+
+    loaded, _ = make_tiny_qwen3_5_moe(tmp_path, options=LoadOptions(device="cpu", quantization="int8"), mtp=False,
+                                      shared_intermediate=32)
+    mlp = loaded.model.layers[0].mlp
+    assert mlp.can_group() and mlp._fold_shared
+    h = torch.randn(7, mlp.router.in_features, generator=torch.Generator().manual_seed(4))
+    folded = mlp.forward(h)
+    mlp._fold_shared = False
+    assert torch.equal(mlp.forward(h), folded)
+    mlp._groupable = False
+    assert torch.equal(mlp.forward(h), folded)
+    mlp._groupable = None
+    assert torch.equal(mlp.forward(h[2:3])[0], folded[2]) and mlp._fold_shared
+
+
+@pytest.mark.parametrize("impl", ["c", "torch"])
+def test_moe_combine(impl):
+    """Each row's experts weighted and summed in idx order, then the shared expert behind its
+    sigmoid gate: the bits of those steps in torch one expert at a time; bad indices refused."""
+    g = torch.Generator().manual_seed(5)
+    y, w, gate = torch.randn(11, 24, generator=g), torch.rand(3, 2, generator=g), torch.randn(3, generator=g)
+    idx = torch.tensor([[0, 4, 9], [1, 5, 10], [7, 2, 8]])
+    want = torch.zeros(3, 24)
+    for e in range(2):
+        want += y[idx[:, e]] * w[:, e:e + 1]
+    plain = moe_combine(y, idx[:, :2].contiguous(), w, impl=impl)
+    assert torch.equal(plain, want)
+    assert torch.equal(moe_combine(y, idx, w, gate, impl=impl), want + ops.sigmoid_mul(
+        gate[:, None].expand(3, 24).contiguous(), y[idx[:, 2]], impl=impl))
+    with pytest.raises(ValueError, match="do not fit"):
+        moe_combine(y, idx, w, impl=impl)  # a shared column without a gate
+    if impl == "c":
+        with pytest.raises(ValueError, match="invalid arguments"):
+            moe_combine(y, torch.tensor([[0, 11], [1, 2], [3, 4]]), w, impl=impl)  # row 11 of 11

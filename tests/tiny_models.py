@@ -187,10 +187,11 @@ def _save_random(model_cls, cfg, directory: Path, seed: int, options: LoadOption
     return load_model(str(directory), options), hf
 
 
-def make_tiny_qwen3_5_moe(directory: Path, seed: int = 0, options: LoadOptions = FP32, mtp: bool = True):
+def make_tiny_qwen3_5_moe(directory: Path, seed: int = 0, options: LoadOptions = FP32, mtp: bool = True,
+                          shared_intermediate: int = 48):
     """A tiny random Qwen3_5MoeForCausalLM (Qwen3.5's layers, a sparse MoE MLP with a shared expert in
     every layer, the MTP head's layer a MoE one too) saved with save_pretrained, loaded by our loader;
-    the transformers model is returned too."""
+    the transformers model is returned too. The routed experts' width is 32."""
     import transformers
 
     kw = {k: v for k, v in tiny_hybrid_config().to_dict().items()
@@ -199,7 +200,8 @@ def make_tiny_qwen3_5_moe(directory: Path, seed: int = 0, options: LoadOptions =
                    "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings", "rms_norm_eps",
                    "tie_word_embeddings", "layer_types", "rope_parameters", "eos_token_id", "pad_token_id")}
     cfg = transformers.Qwen3_5MoeTextConfig(**kw, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                            shared_expert_intermediate_size=48, bos_token_id=None)
+                                            shared_expert_intermediate_size=shared_intermediate,
+                                            bos_token_id=None)
     return _save_random(transformers.Qwen3_5MoeForCausalLM, cfg, directory, seed, options, mtp)
 
 

@@ -1,7 +1,9 @@
-"""Several weights of one format and shape, each times its own rows, in one kernel call: a mixture
-of experts' experts (ss_linear_q8_group). One fork and join of the threads for all of them, and the
-weights streamed back to back, where one call per expert paid both per expert. Every row's bits
-equal :func:`linear` per weight (the same arithmetic per output)."""
+"""A mixture of experts' kernels. ``linear_group``: several weights of one format and shape, each
+times its own rows, in one kernel call (ss_linear_q8_group). One fork and join of the threads for
+all of them, and the weights streamed back to back, where one call per expert paid both per expert.
+Every row's bits equal :func:`linear` per weight (the same arithmetic per output). ``moe_combine``:
+each row's expert outputs weighted and summed in a fixed order, and the shared expert's added
+(csrc/moe.c), in one call where torch took a few ops per expert."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import ctypes
 import torch
 
 from .library import _check, _FMT_PANEL, _select, get_num_threads
+from .recurrent import sigmoid_mul
 from .linear import GGUFBlockWeight, Int8Weight
 
 _vp, _i64 = ctypes.c_void_p, ctypes.c_int64
@@ -53,4 +56,33 @@ def linear_group(xs: list[torch.Tensor], weights: list, out: torch.Tensor, *, im
                                 get_num_threads())
     if rc:
         _check(rc, "linear_group")
+    return out
+
+
+def moe_combine(y: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate: torch.Tensor | None = None, *,
+                impl: str | None = None) -> torch.Tensor:
+    """out [M, N]: row m's experts' outputs, rows idx[m, :K] of y [R, N], times w [M, K] and summed
+    in that order; with ``gate`` [M], plus row idx[m, K] times sigmoid(gate[m]) (the shared expert).
+    y, w float32 and contiguous, idx int64 [M, K (+1)]. The torch fallback takes the same steps
+    over all rows at once (each an exactly rounded product or sum) and the sigmoid as sigmoid_mul."""
+    m, k = w.shape
+    n = y.shape[1]
+    if idx.shape != (m, k + (gate is not None)) or idx.dtype != torch.int64 or (gate is not None and gate.shape != (m,)):
+        raise ValueError(f"moe_combine: idx {tuple(idx.shape)} / gate do not fit weights {tuple(w.shape)}")
+    lib = _select(impl)
+    if lib is None:
+        rows = y[idx]  # [M, K (+1), N]
+        out = rows[:, 0] * w[:, :1]
+        for e in range(1, k):
+            out = out + rows[:, e] * w[:, e:e + 1]
+        if gate is not None:
+            out = out + sigmoid_mul(gate[:, None].expand(m, n).contiguous(), rows[:, k].contiguous(), impl=impl)
+        return out
+    y, idx, w = y.contiguous(), idx.contiguous(), w.contiguous()
+    gate = None if gate is None else gate.contiguous()
+    out = torch.empty(m, n)
+    rc = lib.ss_moe_combine(y.data_ptr(), y.shape[0], idx.data_ptr(), w.data_ptr(), m, k, n,
+                            None if gate is None else gate.data_ptr(), out.data_ptr(), get_num_threads())
+    if rc:
+        _check(rc, "moe_combine")
     return out

@@ -119,6 +119,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ss_gated_delta.restype = _i32
     lib.ss_sigmoid_mul.argtypes = [_vp, _vp, _i64, _i64, _i64, _i64, _vp, _i32]
     lib.ss_sigmoid_mul.restype = _i32
+    lib.ss_moe_combine.argtypes = [_vp, _i64, _vp, _vp, _i64, _i64, _i64, _vp, _vp, _i32]
+    lib.ss_moe_combine.restype = _i32
     return lib
 
 

@@ -21,9 +21,9 @@ from torch import nn
 
 from specserve.errors import ModelLoadError
 from specserve.kernels import ops
-from specserve.kernels.grouped import groupable, linear_group
+from specserve.kernels.grouped import groupable, linear_group, moe_combine
 from specserve.models.config import ModelConfig
-from specserve.models.layers import Rope, act_mul, rms_norm, route_top_k
+from specserve.models.layers import Rope, act_mul, expert_order, rms_norm, top_k_experts
 from specserve.models.transformer import MLP, ForwardBatch, KVCache, LayerWeights, Transformer, attend
 from specserve.models.weights import RawTensor
 
@@ -194,7 +194,8 @@ class SparseMoE(nn.Module):
     """Mixture of experts: softmax router, the top k experts of each token (weights renormalised
     with norm_topk_prob), plus a shared expert scaled by sigmoid(shared gate). Each expert runs on
     the rows routed to it through the batch-invariant linears, and a token adds its experts'
-    outputs in expert order, so a row's result does not depend on the other rows.
+    outputs in expert order, then the shared expert's (kernels/grouped.moe_combine), so a row's
+    result does not depend on the other rows.
 
     Under tensor parallelism each expert's down projection gives a partial sum, and the module
     sums its whole output over the ranks once ("row")."""
@@ -211,45 +212,61 @@ class SparseMoE(nn.Module):
         self.shared = (MLP(lw.part("shexp."), cfg.activation, down="row_partial")
                        if cfg.moe.shared_intermediate_size else None)
         self.shared_gate = lw.lin("shexp_gate", quant="none") if self.shared else None
-        self._groupable: bool | None = None
+        self._groupable: bool | None = None  # the routed experts in one call (can_group)
+        self._fold_shared = False  # and the shared expert in the same call
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        weight, groups = route_top_k(self.router(h), self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
-        out = torch.zeros_like(h)
-        # experts in ascending order: each row adds its experts in that order
-        for (e, rows, slot), y in zip(groups, self.expert_outputs(h, groups)):
-            out[rows] += y * weight[rows, slot, None]
-        if self.shared is not None:
-            shared = self.shared(h)
-            out += ops.sigmoid_mul(self.shared_gate(h).expand_as(shared).contiguous(), shared)
+        if h.shape[0] == 0:
+            return torch.zeros_like(h)
+        weight, chosen = top_k_experts(self.router(h), self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
+        y, idx = self.expert_outputs(h, chosen)  # [R, H], [T, k (+1)]
+        gate = None if self.shared is None else self.shared_gate(h).reshape(-1)
+        out = moe_combine(y, idx, weight.contiguous(), gate, impl="torch" if h.device.type != "cpu" else None)
         return out if self.reduce_group is None else self.reduce_group.all_reduce(out)
 
     __call__ = forward  # (as Linear: no hook dispatch)
 
     def can_group(self) -> bool:
-        """Whether every expert's gate|up (and every down) can share one kernel call (asked once: all
-        experts of a layer are in one format, so any subset can then)."""
+        """Whether every routed expert's gate|up (and every down) can share one kernel call (asked
+        once: all experts of a layer are in one format, so any subset can then)."""
         if self._groupable is None:
             ups, downs = [ex.gate_up for ex in self.experts], [ex.down for ex in self.experts]
             self._groupable = (all(u is not None and u.bias is None for u in ups) and all(d.bias is None for d in downs)
                                and groupable([u.weight for u in ups]) and groupable([d.weight for d in downs]))
+            sh = self.shared
+            self._fold_shared = (self._groupable and sh is not None and sh.gate_up is not None and sh.gate_up.bias is None
+                                 and sh.down.bias is None and groupable([ups[0].weight, sh.gate_up.weight])
+                                 and groupable([downs[0].weight, sh.down.weight]))
         return self._groupable
 
-    def expert_outputs(self, h: torch.Tensor, groups) -> list[torch.Tensor]:
-        """Each routed expert's MLP on its rows, [len(rows), H] each, in ``groups``' order. On CPU all
-        their gate|up projections are one kernel call and all their down projections another
-        (kernels/grouped.py), with the same bits as one MLP call per expert."""
-        experts = [self.experts[e] for e, _, _ in groups]
-        gate_up = [ex.gate_up for ex in experts]
-        if not groups or h.device.type != "cpu" or not self.can_group():
-            return [ex(h[rows]) for ex, (_, rows, _) in zip(experts, groups)]
-        xs = [h[rows] for _, rows, _ in groups]
-        sizes = [x.shape[0] for x in xs]
-        both = linear_group(xs, [g.weight for g in gate_up], torch.empty(sum(sizes), gate_up[0].out_features))
-        act = act_mul(*both.chunk(2, dim=-1), experts[0].activation)  # [rows of all, I]
-        down = linear_group(list(act.split(sizes)), [ex.down.weight for ex in experts],
-                            torch.empty(sum(sizes), experts[0].down.out_features))
-        return list(down.split(sizes))
+    def expert_outputs(self, h: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, H], chosen [T, k] (each row's experts, ascending) -> (y [R, H]: every routed expert's
+        output on its rows, then the shared expert's on all T; idx [T, k (+1)]: row t's outputs in y).
+        On CPU all their gate|up projections are one kernel call and all their down projections
+        another (kernels/grouped.py), with the same bits as one MLP call per expert."""
+        t, k = chosen.shape
+        if t == 1:  # one row: its experts in order, each on that row
+            ids, sizes, xs = chosen[0].tolist(), [1] * k, [h] * k
+            idx = torch.arange(k + (self.shared is not None)).view(1, -1)
+        else:
+            ids, sizes, order = expert_order(chosen)
+            xs = list(h[order // k].split(sizes))  # each expert's rows, experts ascending
+            idx = torch.empty_like(order)
+            idx[order] = torch.arange(t * k)  # entry (row, slot) -> its output's row in y
+            idx = idx.view(t, k)
+            if self.shared is not None:
+                idx = torch.cat([idx, torch.arange(t * k, t * k + t).view(t, 1)], dim=1)
+        mlps = [self.experts[e] for e in ids]
+        if h.device.type != "cpu" or not self.can_group():
+            y = [ex(x) for ex, x in zip(mlps, xs)]
+            return torch.cat(y if self.shared is None else [*y, self.shared(h)]), idx
+        if self._fold_shared:  # the shared expert in the same calls, on all rows
+            mlps, xs, sizes = [*mlps, self.shared], [*xs, h], [*sizes, t]
+        both = linear_group(xs, [ex.gate_up.weight for ex in mlps], torch.empty(sum(sizes), mlps[0].gate_up.out_features))
+        act = act_mul(*both.chunk(2, dim=-1), mlps[0].activation)  # [R, I]
+        y = linear_group(list(act.split(sizes)), [ex.down.weight for ex in mlps],
+                         torch.empty(sum(sizes), mlps[0].down.out_features))
+        return (y if self._fold_shared or self.shared is None else torch.cat([y, self.shared(h)])), idx
 
 
 class HybridLayer(nn.Module):

@@ -1,0 +1,93 @@
+"""The mixture-of-experts layer's forward before this commit (a few torch ops per routed expert:
+its rows gathered, its output weighted and added back; the shared expert in calls of its own)
+against this commit's (one routing plan, moe_combine, the shared expert in the routed experts'
+kernel calls), taking turns in one process on the 4-layer Qwen3.5-35B-A3B-shaped file
+(hybrid_speed.py --model 35b-a3b --layers 4). Both give the same bits: checked on every step here.
+
+    python results_final/zen4_1207e/moe_ab.py > results_final/zen4_1207e/moe_ab.txt
+"""
+
+import statistics
+import time
+
+import torch
+
+from specserve.engine.config import EngineConfig
+from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.types import SamplingParams
+from specserve.kernels import ops
+from specserve.kernels.grouped import linear_group
+from specserve.models import hybrid
+from specserve.models.catalog import cache_root
+from specserve.models.layers import act_mul, route_top_k
+from specserve.models.loader import load_model
+
+GGUF = cache_root() / "bench" / "qwen35-35b-a3b-random-4l" / "qwen35-35b-a3b-random-4l-q4_k_m.gguf"
+NEW = hybrid.SparseMoE.forward
+
+
+def old_forward(self, h: torch.Tensor) -> torch.Tensor:  # the parent commit's SparseMoE.forward
+    weight, groups = route_top_k(self.router(h), self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
+    out = torch.zeros_like(h)
+    experts = [self.experts[e] for e, _, _ in groups]
+    xs = [h[rows] for _, rows, _ in groups]
+    sizes = [x.shape[0] for x in xs]
+    gate_up = [ex.gate_up for ex in experts]
+    both = linear_group(xs, [g.weight for g in gate_up], torch.empty(sum(sizes), gate_up[0].out_features))
+    act = act_mul(*both.chunk(2, dim=-1), experts[0].activation)
+    down = linear_group(list(act.split(sizes)), [ex.down.weight for ex in experts],
+                        torch.empty(sum(sizes), experts[0].down.out_features))
+    for (e, rows, slot), y in zip(groups, down.split(sizes)):
+        out[rows] += y * weight[rows, slot, None]
+    shared = self.shared(h)
+    out += ops.sigmoid_mul(self.shared_gate(h).expand_as(shared).contiguous(), shared)
+    return out
+
+
+def main() -> None:
+    m = load_model(str(GGUF))
+    eng = LLMEngine(m, EngineConfig(max_model_len=1024, max_num_seqs=2))
+    eng.add_request("a", list(range(100, 116)), SamplingParams(max_tokens=1000, ignore_eos=True))
+    for _ in range(10):
+        eng.step()
+    moes = [layer.mlp for layer in m.model.layers]
+    same = 0
+
+    def checked(self, h):
+        nonlocal same
+        got = NEW(self, h)
+        assert torch.equal(got, old_forward(self, h))
+        same += 1
+        return got
+
+    hybrid.SparseMoE.__call__ = checked
+    for _ in range(5):
+        eng.step()
+    runs = {"before": [], "after": []}
+    for _ in range(6):  # taking turns, 20 steps each
+        for label, fwd in (("before", old_forward), ("after", NEW)):
+            hybrid.SparseMoE.__call__ = fwd
+            t0 = time.perf_counter()
+            for _ in range(20):
+                eng.step()
+            runs[label].append((time.perf_counter() - t0) / 20 * 1e3)
+    h = torch.randn(1, m.config.hidden_size)
+    layer = {label: statistics.median(_time(lambda: fwd(moes[0], h)) for _ in range(5))
+             for label, fwd in (("before", old_forward), ("after", NEW))}
+    print(f"same bits before and after on {same} layer calls")
+    for label, r in runs.items():
+        print(f"{label}: decode step {statistics.median(r):.2f} ms (median of 6 turns of 20 steps; all "
+              + ", ".join(f"{x:.2f}" for x in r) + f"); one MoE layer, one fixed row: {layer[label]:.3f} ms")
+    print(f"after / before, decode step: {statistics.median(runs['after']) / statistics.median(runs['before']):.3f}")
+
+
+def _time(fn, n: int = 200) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+if __name__ == "__main__":
+    main()
