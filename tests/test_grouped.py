@@ -10,7 +10,7 @@ import torch
 from kernel_utils import raw_blocks
 
 from specserve.kernels import ops
-from specserve.kernels.grouped import groupable, linear_group, moe_combine
+from specserve.kernels.grouped import groupable, linear_group, moe_combine, moe_route, top_k_experts
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available(), reason="C kernels unavailable (no compiler?)")
 
@@ -60,12 +60,11 @@ def test_mixture_layer_grouped_equals_expert_by_expert():
     the same as alone."""
     from hybrid_utils import DATA
 
-    from specserve.models.layers import top_k_experts
     from specserve.models.loader import load_model
 
     mlp = load_model(str(DATA / "tiny-qwen35moe-q8_0.gguf")).model.layers[0].mlp
     h = torch.randn(9, 64, generator=torch.Generator().manual_seed(3))
-    _, chosen = top_k_experts(mlp.router(h), mlp.moe.num_experts_per_tok, True)
+    _, chosen = moe_route(mlp.router(h), mlp.moe.num_experts_per_tok, True)
     assert mlp.can_group() and not mlp._fold_shared  # its shared expert: another width and format
     y, idx = mlp.expert_outputs(h, chosen)
     for t in range(9):  # row t's outputs: its experts', ascending, then the shared expert's
@@ -119,3 +118,25 @@ def test_moe_combine(impl):
     if impl == "c":
         with pytest.raises(ValueError, match="invalid arguments"):
             moe_combine(y, torch.tensor([[0, 11], [1, 2], [3, 4]]), w, impl=impl)  # row 11 of 11
+
+
+def test_moe_route_is_torchs_routing():
+    """The C routing picks torch's experts and weights (within a few ulp: another softmax sum
+    order), each row's experts ascending; a row's result does not depend on the others; ties go
+    to the lower index; bad shapes are refused."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(33, 40, generator=g) * 3
+    logits[5, [3, 17, 30]] = logits[5].max() + 1  # a three-way tie at the top
+    for renorm in (True, False):
+        w, chosen = moe_route(logits, 8, renorm, impl="c")
+        tw, tchosen = top_k_experts(logits, 8, renorm)
+        assert torch.equal(chosen, tchosen) and torch.allclose(w, tw, rtol=1e-6, atol=0)
+        assert bool((chosen.diff(dim=-1) > 0).all())
+        one = [moe_route(logits[t:t + 1], 8, renorm, impl="c") for t in range(33)]
+        assert torch.equal(torch.cat([o[0] for o in one]), w) and torch.equal(torch.cat([o[1] for o in one]), chosen)
+    w, chosen = moe_route(logits[5:6], 2, True, impl="c")
+    assert chosen.tolist() == [[3, 17]] and w.tolist() == [[0.5, 0.5]]
+    strided = torch.randn(4, 50, generator=g)[:, :40]  # rows with a stride
+    assert torch.equal(moe_route(strided, 4, True, impl="c")[1], top_k_experts(strided, 4, True)[1])
+    with pytest.raises(ValueError):
+        moe_route(logits, 41, True, impl="c")

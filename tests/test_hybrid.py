@@ -329,6 +329,22 @@ def test_memory_plan_counts_the_states(hybrid):
         make_engine(ours, spec, NgramDrafter(1, 3), max_num_seqs=3, kv_cache_memory=plan.state_bytes)
 
 
+def test_no_full_attention_layer_needs_no_kv_pool(tmp_path):
+    """Every layer a Gated DeltaNet one (no K/V per token): the engine plans no KV bytes, starts,
+    and its greedy tokens are transformers'."""
+    from tiny_models import make_tiny_hybrid
+
+    ours, hf = make_tiny_hybrid(tmp_path, mtp=False, num_hidden_layers=2, layer_types=["linear_attention"] * 2)
+    assert plan_for(ours, EngineConfig(max_model_len=256, max_num_seqs=2), None, None).kv_bytes_per_token == 0
+    ids = random_prompt(4, 12)
+    got = greedy_outputs(make_engine(ours), [ids], 10)[0]
+    want = list(ids)  # (transformers' generate needs an attention layer in its cache: greedy by hand)
+    with torch.no_grad():
+        for _ in range(10):
+            want.append(int(hf(torch.tensor([want]), use_cache=False).logits[0, -1].argmax()))
+    assert got == want[12:]
+
+
 # ---- GGUF: llama.cpp's converter and llama.cpp itself as the oracle ----------------------------
 def test_gguf_f32_greedy_equals_llama_cpp_and_the_safetensors(hybrid):
     """The F32 GGUF (converted by llama.cpp, value heads in its tiled order, norms with the 1

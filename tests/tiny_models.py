@@ -100,12 +100,12 @@ def randomize_hybrid(hf, seed: int) -> None:
                 p.copy_(r * (1.2 / p.shape[-1] ** 0.5))
 
 
-def make_tiny_hybrid(directory: Path, seed: int = 0, options: LoadOptions = FP32, **over):
+def make_tiny_hybrid(directory: Path, seed: int = 0, options: LoadOptions = FP32, mtp: bool = True, **over):
     """A tiny random Qwen3_5ForCausalLM saved with save_pretrained and loaded by our loader; the
     transformers model is returned too (the oracle)."""
     import transformers
 
-    return _save_random(transformers.Qwen3_5ForCausalLM, tiny_hybrid_config(**over), directory, seed, options, True)
+    return _save_random(transformers.Qwen3_5ForCausalLM, tiny_hybrid_config(**over), directory, seed, options, mtp)
 
 
 def mtp_shapes(hf) -> dict[str, tuple[int, ...]]:

@@ -219,7 +219,8 @@ def plan_memory(ecfg: EngineConfig, per_token: int, max_model_len: int, weight_b
         want = ecfg.max_num_seqs * blocks_one_seq * bs * per_token
         pool = min(budget, want, CPU_DEFAULT_KV_CAP if device_type == "cpu" else budget)
         source = "available"
-    num_blocks = max(pool, 0) // (bs * per_token)
+    # no growing layer (all recurrent or windowed): the blocks only count positions, at no cost
+    num_blocks = max(pool, 0) // (bs * per_token) if per_token else ecfg.max_num_seqs * blocks_one_seq
     if num_blocks < blocks_one_seq:
         have = f"the KV pool holds {num_blocks * bs} tokens ({max(pool, 0) / 2**20:.0f} MiB at {per_token} bytes/token)"
         fix_len = f"lower --max-model-len to {num_blocks * bs}" if num_blocks else "lower --max-model-len"

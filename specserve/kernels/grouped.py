@@ -59,6 +59,33 @@ def linear_group(xs: list[torch.Tensor], weights: list, out: torch.Tensor, *, im
     return out
 
 
+def top_k_experts(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture of experts' routing in torch (differentiable; any device): logits [T, E] ->
+    (weight [T, k], chosen [T, k]): softmax over the experts, the top k per row, their weights
+    renormalised to sum to 1 when ``renormalise``, then each row's experts in ascending order (the
+    order a row adds their outputs in)."""
+    weight, chosen = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)  # [T, k]
+    if renormalise:
+        weight = weight / weight.sum(-1, keepdim=True)
+    chosen, perm = chosen.sort(dim=-1)
+    return weight.gather(-1, perm), chosen
+
+
+def moe_route(logits: torch.Tensor, k: int, renormalise: bool, *, impl: str | None = None):
+    """:func:`top_k_experts` in one C call per layer (ss_moe_route, csrc/moe.c: each row on its
+    own, so batch-invariant) where the kernels are loaded and the logits are float32 on the CPU
+    with contiguous rows; torch's otherwise."""
+    lib = _select(impl) if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if lib is None or logits.dim() != 2 or logits.stride(-1) != 1 or k > 64:
+        return top_k_experts(logits, k, renormalise)
+    t, e = logits.shape
+    weight, chosen = torch.empty(t, k), torch.empty(t, k, dtype=torch.int64)
+    if t:
+        _check(lib.ss_moe_route(logits.data_ptr(), t, e, logits.stride(0) if t > 1 else e, k, int(renormalise),
+                                weight.data_ptr(), chosen.data_ptr()), "moe_route")
+    return weight, chosen
+
+
 def moe_combine(y: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate: torch.Tensor | None = None, *,
                 impl: str | None = None) -> torch.Tensor:
     """out [M, N]: row m's experts' outputs, rows idx[m, :K] of y [R, N], times w [M, K] and summed

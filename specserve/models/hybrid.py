@@ -21,9 +21,9 @@ from torch import nn
 
 from specserve.errors import ModelLoadError
 from specserve.kernels import ops
-from specserve.kernels.grouped import groupable, linear_group, moe_combine
+from specserve.kernels.grouped import groupable, linear_group, moe_combine, moe_route
 from specserve.models.config import ModelConfig
-from specserve.models.layers import Rope, act_mul, expert_order, rms_norm, top_k_experts
+from specserve.models.layers import Rope, act_mul, expert_order, rms_norm
 from specserve.models.transformer import MLP, ForwardBatch, KVCache, LayerWeights, Transformer, attend
 from specserve.models.weights import RawTensor
 
@@ -218,7 +218,7 @@ class SparseMoE(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         if h.shape[0] == 0:
             return torch.zeros_like(h)
-        weight, chosen = top_k_experts(self.router(h), self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
+        weight, chosen = moe_route(self.router(h), self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
         y, idx = self.expert_outputs(h, chosen)  # [R, H], [T, k (+1)]
         gate = None if self.shared is None else self.shared_gate(h).reshape(-1)
         out = moe_combine(y, idx, weight.contiguous(), gate, impl="torch" if h.device.type != "cpu" else None)

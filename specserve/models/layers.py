@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.kernels import ops
+from specserve.kernels.grouped import top_k_experts
 from specserve.models import device_attention
 from specserve.models.weights import RawTensor
 
@@ -259,17 +260,6 @@ def torch_act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torc
     return F.silu(gate) * up
 
 
-def top_k_experts(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A mixture of experts' routing: logits [T, E] -> (weight [T, k], chosen [T, k]): softmax over
-    the experts, the top k per row, their weights renormalised to sum to 1 when ``renormalise``,
-    then each row's experts in ascending order (the order a row adds their outputs in)."""
-    weight, chosen = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)  # [T, k]
-    if renormalise:
-        weight = weight / weight.sum(-1, keepdim=True)
-    chosen, perm = chosen.sort(dim=-1)
-    return weight.gather(-1, perm), chosen
-
-
 def expert_order(chosen: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
     """chosen [T, k] -> (the experts used, ascending; how many rows each; order [T*k]: the flat
     (row, slot) entries by expert, rows ascending within one), found with one stable sort, not a
@@ -283,6 +273,6 @@ def expert_order(chosen: torch.Tensor) -> tuple[list[int], list[int], torch.Tens
 def route_top_k(logits: torch.Tensor, k: int, renormalise: bool):
     """:func:`top_k_experts` as (weight [T, k], groups), groups a list of (expert, rows, slot) in
     ascending expert order, rows ascending within one."""
-    weight, chosen = top_k_experts(logits, k, renormalise)
+    weight, chosen = top_k_experts(logits, k, renormalise)  # (torch: differentiable)
     experts, counts, order = expert_order(chosen)
     return weight, [(e, idx // k, idx % k) for e, idx in zip(experts, order.split(counts))]
