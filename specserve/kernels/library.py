@@ -123,6 +123,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ss_moe_combine.restype = _i32
     lib.ss_moe_route.argtypes = [_vp, _i64, _i64, _i64, _i64, _i32, _vp, _vp]
     lib.ss_moe_route.restype = _i32
+    lib.ss_argmax_rows.argtypes = [_vp, _i64, _i64, _i64, _vp]
+    lib.ss_argmax_rows.restype = _i32
     return lib
 
 

@@ -115,6 +115,7 @@ from .pointwise import (  # noqa: F401
     _rms_row_torch,
     act_mul,
     add_rms_norm,
+    argmax_rows,
     rms_norm,
     rope,
 )
@@ -153,6 +154,7 @@ __all__ = [
     "add_rms_norm",
     "rope",
     "act_mul",
+    "argmax_rows",
     "gated_delta",
     "sigmoid_mul",
     "ACTIVATIONS",

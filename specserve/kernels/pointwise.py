@@ -149,3 +149,20 @@ def act_mul(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", *,
         _check(lib.ss_act_mul(gate.data_ptr(), up.data_ptr(), T, N, gate.stride(0), up.stride(0),
                               ACTIVATIONS[activation], out.data_ptr(), N, get_num_threads()), "act_mul")
     return out
+
+
+# --------------------------------------------------------------------------
+# argmax
+# --------------------------------------------------------------------------
+
+def argmax_rows(x: torch.Tensor, *, impl: str | None = None) -> list[int]:
+    """Each row's argmax as torch.argmax(x, -1) gives it (the first of the largest; a NaN counts as
+    the largest), x [M, N]: greedy decoding's token. In C (one vector pass a row) for float32 rows
+    on the CPU, where torch's argmax over a 150-250K vocabulary takes a fifth of a millisecond."""
+    lib = _select(impl) if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 else None
+    if lib is None or x.shape[1] == 0 or x.stride(1) != 1:
+        return x.argmax(dim=-1).tolist()
+    m, n = x.shape
+    out = torch.empty(m, dtype=torch.int64)
+    _check(lib.ss_argmax_rows(x.data_ptr(), m, n, x.stride(0) if m > 1 else n, out.data_ptr()), "argmax_rows")
+    return out.tolist()

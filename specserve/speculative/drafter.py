@@ -17,6 +17,7 @@ import torch
 
 from specserve.engine import sampler
 from specserve.engine.sequence import Sequence
+from specserve.kernels.ops import argmax_rows
 
 
 @dataclass
@@ -111,7 +112,7 @@ def pick_tokens(seq: Sequence, logits: torch.Tensor, generator: torch.Generator 
     A seeded request's drafts are picked with the noise of their positions (sampler.PositionNoise)."""
     p = seq.params
     if p.greedy and not p.modifies_logits and seq.constraint is None:  # every row at once: the argmax per row
-        drafts = logits.argmax(dim=-1).tolist()
+        drafts = argmax_rows(logits)
         if p_min:
             sure = (torch.softmax(logits.float(), -1).amax(-1) >= p_min).long().cumprod(0)
             drafts = drafts[:int(sure.sum())]

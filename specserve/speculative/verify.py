@@ -24,11 +24,12 @@ from __future__ import annotations
 import torch
 
 from specserve.engine.sampler import PositionNoise, sample_at, sample_from
+from specserve.kernels.ops import argmax_rows
 
 
 def verify_greedy(target_logits: torch.Tensor, drafts: list[int]) -> tuple[int, list[int]]:
     """target_logits: [k + 1, V] (penalized) -> (num accepted, accepted + recovered/bonus token)."""
-    argmax = target_logits.argmax(dim=-1).tolist()  # [k + 1]
+    argmax = argmax_rows(target_logits)  # [k + 1]
     n = 0
     while n < len(drafts) and drafts[n] == argmax[n]:
         n += 1

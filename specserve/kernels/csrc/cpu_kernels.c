@@ -271,6 +271,66 @@ SS_EXPORT int ss_uniform_noise(uint64_t key, int64_t n, float *out) {
     return 0;
 }
 
+/* The index of a row's largest value, as torch.argmax: the first one of the largest; a NaN counts
+ * as the largest (the first NaN). One vector pass for the maximum (and whether there is a NaN),
+ * one for its first index. */
+static int64_t argmax_row(const float *x, int64_t n) {
+    float m = -INFINITY;
+    int nan = 0;
+    int64_t i = 0;
+#if defined(SS_AVX512)
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    __mmask16 un = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        un |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        mv = _mm512_max_ps(mv, v);
+    }
+    m = _mm512_reduce_max_ps(mv), nan = un != 0;
+#elif defined(SS_AVX2)
+    __m256 mv = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        mv = _mm256_max_ps(mv, v);
+    }
+    float lane[8];
+    _mm256_storeu_ps(lane, mv);
+    for (int j = 0; j < 8; j++) m = lane[j] > m ? lane[j] : m;
+    nan = _mm256_movemask_ps(un) != 0;
+#endif
+    for (; i < n; i++) {
+        nan |= isnan(x[i]);
+        m = x[i] > m ? x[i] : m;
+    }
+    i = 0;
+    if (!nan) {
+#if defined(SS_AVX512)
+        const __m512 b = _mm512_set1_ps(m);
+        for (; i + 16 <= n; i += 16) {
+            const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), b, _CMP_EQ_OQ);
+            if (eq) return i + __builtin_ctz(eq);
+        }
+#elif defined(SS_AVX2)
+        const __m256 b = _mm256_set1_ps(m);
+        for (; i + 8 <= n; i += 8) {
+            const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), b, _CMP_EQ_OQ));
+            if (eq) return i + __builtin_ctz(eq);
+        }
+#endif
+    }
+    for (; i < n; i++)
+        if (nan ? isnan(x[i]) : x[i] == m) return i;
+    return 0;
+}
+
+/* out[m] = argmax of row m of x [M, N] (row stride ldx) */
+SS_EXPORT int ss_argmax_rows(const float *x, int64_t M, int64_t N, int64_t ldx, int64_t *out) {
+    if (M < 0 || N <= 0 || ldx < N) return SS_EINVAL;
+    for (int64_t m = 0; m < M; m++) out[m] = argmax_row(x + m * ldx, N);
+    return SS_OK;
+}
+
 /* out = rmsnorm(x) * (w or 1 + w); rows of length K, strides ldx / ldo */
 SS_EXPORT int ss_rms_norm(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, float eps,
                           int unit_offset, float *out, int64_t ldo, int nthreads) {
