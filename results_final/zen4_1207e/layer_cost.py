@@ -4,7 +4,7 @@ DeltaNet layers and a gated-attention one, each with its MoE MLP), decode of 64 
 16-token prompt. The 8-layer time less the 4-layer time is four layers; the 4-layer time less that
 is the LM head and the step's fixed costs. (A 2-layer file has no attention layer, which
 llama.cpp refuses.) Native llama.cpp (llama-bench tg64, 2 threads) and ours (the engine's
-step loop) take turns, 3 turns.
+step loop) take turns, 5 turns.
 
     python results_final/zen4_1207e/layer_cost.py > results_final/zen4_1207e/layer_cost.txt
 """
@@ -23,6 +23,7 @@ from specserve.models.loader import load_model
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from native_llamacpp import build_native, llama_bench_rows  # noqa: E402
 
+TURNS = 5
 FILES = {n: cache_root() / "bench" / f"qwen35-35b-a3b-random-{n}l" / f"qwen35-35b-a3b-random-{n}l-q4_k_m.gguf"
          for n in (4, 8)}
 
@@ -41,13 +42,13 @@ def main() -> None:
     bench = build_native() / "llama-bench"
     engines = {n: LLMEngine(load_model(str(f)), EngineConfig(max_model_len=512, max_num_seqs=2)) for n, f in FILES.items()}
     ms = {(who, n): [] for who in ("llama.cpp", "specserve") for n in FILES}
-    for turn in range(3):
+    for turn in range(TURNS):
         for n, f in FILES.items():
             row = llama_bench_rows(bench, f, "-p", "0", "-n", "64")[0]
             ms[("llama.cpp", n)].append(1e3 / row["avg_ts"])
             ours(engines[n], f"w{turn}", 8)  # warm
             ms[("specserve", n)].append(ours(engines[n], f"t{turn}"))
-    print("ms per token (3 turns; median)")
+    print(f"ms per token ({TURNS} turns; median)")
     med = {}
     for (who, n), v in ms.items():
         med[(who, n)] = statistics.median(v)
