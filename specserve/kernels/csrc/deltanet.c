@@ -54,20 +54,41 @@ static void SS_NOCONTRACT dn_l2norm(float *x, int64_t d, float scale) {
     for (int64_t i = 0; i < d; i++) x[i] = (x[i] * inv) * scale;
 }
 
-/* one value head through n rows; S [dk, dv] in place */
-static void SS_NOCONTRACT dn_head(float *S, const float *y, int64_t C, int64_t n, int64_t dk, int64_t dv,
+/* dst = src (n floats): a state read again only at a later step, after every other layer's weights
+   have gone through the caches, so stored past them (streaming stores: no read of dst's lines first)
+   where dst is aligned; the caller fences (_mm_sfence) before the states are read. */
+#ifndef DN_STREAM
+#define DN_STREAM 1
+#endif
+static void dn_store(float *dst, const float *src, int64_t n) {
+    int64_t i = 0;
+#if !DN_STREAM
+#elif defined(SS_AVX512)
+    if (((uintptr_t)dst & 63) == 0)
+        for (; i + 16 <= n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+#elif defined(SS_AVX2)
+    if (((uintptr_t)dst & 31) == 0)
+        for (; i + 8 <= n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+#endif
+    if (i < n) memcpy(dst + i, src + i, (size_t)(n - i) * sizeof(float));
+}
+
+/* one value head through n rows; S [dk, dv] in place, starting from S0 (read by the first row's
+   decay pass, not copied first) or, with S0 NULL, from S as it is */
+static void SS_NOCONTRACT dn_head(float *S, const float *S0, const float *y, int64_t C, int64_t n, int64_t dk, int64_t dv,
                                   int64_t qoff, int64_t koff, int64_t voff, const float *decay, const float *beta,
                                   int64_t ldg, float *out, int64_t ldo, float *const *state_out, int64_t soff,
                                   float *mem) {
     for (int64_t t = 0; t < n; t++) {
         const float *q = y + t * C + qoff, *k = y + t * C + koff, *v = y + t * C + voff;
         const float dec = decay[t * ldg], b = beta[t * ldg];
+        const float *from = t == 0 && S0 ? S0 : S;
         for (int64_t j = 0; j < dv; j++) mem[j] = 0.0f;
         for (int64_t i = 0; i < dk; i++) {
             float *row = S + i * dv;
-            const float ki = k[i];
+            const float *src = from + i * dv, ki = k[i];
             for (int64_t j = 0; j < dv; j++) {
-                row[j] = row[j] * dec;
+                row[j] = src[j] * dec;
                 mem[j] += row[j] * ki;
             }
         }
@@ -82,7 +103,7 @@ static void SS_NOCONTRACT dn_head(float *S, const float *y, int64_t C, int64_t n
                 o[j] += row[j] * qi;
             }
         }
-        if (state_out && state_out[t]) memcpy(state_out[t] + soff, S, (size_t)(dk * dv) * sizeof(float));
+        if (state_out && state_out[t]) dn_store(state_out[t] + soff, S, dk * dv);
     }
 }
 
@@ -142,14 +163,16 @@ SS_EXPORT int SS_NOCONTRACT ss_gated_delta(int64_t n, int64_t Hk, int64_t Hv, in
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < Hv; h++) {
             if (!S) continue;
-            if (state_in) memcpy(S, state_in + h * S_len, (size_t)S_len * sizeof(float));
-            else memset(S, 0, (size_t)S_len * sizeof(float));
+            if (!state_in) memset(S, 0, (size_t)S_len * sizeof(float));
             const int64_t kh = v_tiled ? h % Hk : h / rep; /* llama.cpp's order / the checkpoint's */
-            dn_head(S, y, C, n, dk, dv, kh * dk, (Hk + kh) * dk, 2 * Hk * dk + h * dv, decay + h, beta + h, Hv,
+            dn_head(S, state_in ? state_in + h * S_len : NULL, y, C, n, dk, dv, kh * dk, (Hk + kh) * dk, 2 * Hk * dk + h * dv, decay + h, beta + h, Hv,
                     out + h * dv, Hv * dv, state_out, h * S_len, S + S_len);
         }
         free(S);
     }
+#if defined(SS_AVX2)
+    _mm_sfence(); /* the streaming stores of dn_store, before anyone reads the states */
+#endif
     free(xx), free(y), free(g);
     return rc;
 }
