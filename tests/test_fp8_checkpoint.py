@@ -1,6 +1,8 @@
-"""FP8 checkpoints (quantization_config quant_method "fp8", block-wise weight_scale_inv): read
-dequantized, against transformers' own FP8 loader (which dequantizes on a CPU) on tiny random
-models; other quantization methods and broken FP8 tensors are refused at load, naming what is wrong."""
+"""FP8 checkpoints (quantization_config quant_method "fp8", block-wise weight_scale_inv; and
+compressed-tensors' FP8, weight_scale per tensor, channel, group or block): read dequantized, against
+transformers' own loaders (FP8: its FineGrainedFP8, which dequantizes on a CPU; compressed-tensors:
+the compressed-tensors package decompressing) on tiny random models; other quantization methods and
+broken FP8 tensors are refused at load, naming what is wrong."""
 
 from __future__ import annotations
 
@@ -139,6 +141,74 @@ def _edit(directory, config=None, drop=None):
         tensors = load_file(str(f))
         del tensors[drop]
         save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+CT_STRATEGIES = {"tensor": "tensor", "channel": "channel", "group": ("group", 32), "block": (32, 16)}
+
+
+@pytest.fixture(scope="module")
+def ct_dirs(fp8_dirs, tmp_path_factory):
+    """strategy -> a compressed-tensors FP8 copy of the tiny Llama (and "qwen3_5": of the hybrid,
+    per channel, as RedHat's FP8-dynamic releases)."""
+    root = tmp_path_factory.mktemp("ct")
+    out = {}
+    for name, block in CT_STRATEGIES.items():
+        write_fp8_copy(fp8_dirs["llama"][0], root / name, block, layout="compressed-tensors")
+        out[name] = root / name
+    write_fp8_copy(fp8_dirs["qwen3_5"][0], root / "qwen3_5", "channel", layout="compressed-tensors")
+    out["qwen3_5"] = root / "qwen3_5"
+    return out
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("strategy", [*CT_STRATEGIES, "qwen3_5"])
+def test_compressed_tensors_fp8_matches_transformers(strategy, ct_dirs, fp8_dirs):
+    """Our model from a compressed-tensors FP8 directory computes what transformers' model computes
+    from it, decompressed by the compressed-tensors package (its activation scales skipped by both),
+    and not what the unquantized model computes."""
+    pytest.importorskip("compressed_tensors")
+    d = ct_dirs[strategy]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(d), dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True)).eval()
+    prompt = random_prompt(40, seed=4)
+    logits = _logits(load_model(str(d), FP32), prompt, 6)
+    tokens = prompt + logits.argmax(-1)[len(prompt) - 1:].tolist()
+    ref = hf(torch.tensor([tokens[:-1]])).logits[0]
+    assert logits.shape == ref.shape and float(ref.abs().max()) > 1.0
+    assert float((logits - ref).abs().max()) < 1e-4
+    plain = _logits(load_model(str(fp8_dirs["qwen3_5" if strategy == "qwen3_5" else "llama"][0]), FP32), prompt, 1)
+    assert float((plain[:len(prompt)] - ref[:len(prompt)]).abs().max()) > 1e-2  # FP8 rounding shows
+
+
+@pytest.mark.parametrize("case", ["int4", "asymmetric", "strategy", "no_scale"])
+def test_compressed_tensors_we_cannot_read_fails_at_load(case, ct_dirs, tmp_path):
+    """int4 weights (pack-quantized), an asymmetric or unknown FP8 scheme and a missing weight_scale
+    fail at load, naming what is wrong."""
+    import shutil
+
+    from tiny_models import compressed_tensors_config
+
+    d = tmp_path / case
+    shutil.copytree(ct_dirs["channel"], d)
+    cfg = compressed_tensors_config("channel")
+    weights = cfg["config_groups"]["group_0"]["weights"]
+    name = "model.layers.0.self_attn.q_proj.weight"
+    if case == "int4":
+        cfg["format"], weights["type"], weights["num_bits"] = "pack-quantized", "int", 4
+        match = "compressed-tensors format 'pack-quantized' is not supported"
+    elif case == "asymmetric":
+        weights["symmetric"] = False
+        match = "asymmetric FP8 weights"
+    elif case == "strategy":
+        weights["strategy"] = "tensor_group"
+        match = "FP8 weight strategy 'tensor_group' is not supported"
+    else:
+        _edit(d, drop=name + "_scale")
+        match = f"tensor {name} is torch.float8_e4m3fn but the checkpoint has no {name}_scale"
+    if case != "no_scale":
+        _edit(d, config=cfg)
+    with pytest.raises(ModelLoadError, match=match):
+        load_model(str(d), FP32)
 
 
 @pytest.mark.parametrize("case", ["awq", "no_scale", "bad_block"])

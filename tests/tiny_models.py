@@ -253,12 +253,14 @@ def make_tiny_vl(directory: Path, seed: int = 0, mtp: bool = True, **text_over):
     return hf
 
 
-def write_fp8_copy(src: Path, dst: Path, block: tuple[int, int], skip: tuple[str, ...] = ("norm", "embed", "lm_head"),
-                   scale_dtype: torch.dtype = torch.float32) -> list[str]:
-    """Copy a transformers checkpoint as an FP8 one, as Qwen's -FP8 releases are written: every 2-D
-    weight (names in ``skip`` aside) as float8_e4m3fn with a ``weight_scale_inv`` per ``block`` block
-    (amax / 448; a ceil(rows / bm) x ceil(cols / bn) grid), and quantization_config in config.json. Returns the
-    names quantized."""
+def write_fp8_copy(src: Path, dst: Path, block: tuple[int, int] | str, skip: tuple[str, ...] = ("norm", "embed", "lm_head"),
+                   scale_dtype: torch.dtype = torch.float32, layout: str = "fp8") -> list[str]:
+    """Copy a transformers checkpoint as an FP8 one: every 2-D weight (names in ``skip`` aside) as
+    float8_e4m3fn with a scale per ``block`` block (amax / 448; a ceil(rows / bm) x ceil(cols / bn)
+    grid), and quantization_config in config.json. layout "fp8": as Qwen's -FP8 releases are written
+    (``weight_scale_inv``); "compressed-tensors": as llm-compressor writes FP8 (``weight_scale``, a
+    static ``input_scale`` beside it), with ``block`` a (bm, bn) block or "tensor", "channel", or
+    ("group", size). Returns the names quantized."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -271,18 +273,49 @@ def write_fp8_copy(src: Path, dst: Path, block: tuple[int, int], skip: tuple[str
             if w.dim() != 2 or not key.endswith(".weight") or any(s in key for s in skip):
                 out[key] = w
                 continue
-            (r, c), (bm, bn) = w.shape, block
+            (r, c), (bm, bn) = w.shape, _fp8_block(block, *w.shape)
             gr, gc = -(-r // bm), -(-c // bn)  # edge blocks may be short: pad them with zeros
             padded = torch.nn.functional.pad(w.float(), (0, gc * bn - c, 0, gr * bm - r))
             blocks = padded.reshape(gr, bm, gc, bn)
             scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12).to(scale_dtype)
             q = (blocks / scale.float()[:, None, :, None]).reshape(gr * bm, gc * bn)[:r, :c]
             out[key] = q.to(torch.float8_e4m3fn)
-            out[key + "_scale_inv"] = scale
+            if layout == "fp8":
+                out[key + "_scale_inv"] = scale
+            else:
+                out[key + "_scale"] = scale.reshape(1) if block == "tensor" else scale
+                out[key[:-len("weight")] + "input_scale"] = torch.tensor([0.05])
             done.append(key)
         save_file(out, str(f), metadata={"format": "pt"})
     cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(block), "fmt": "e4m3"}
+    cfg["quantization_config"] = ({"quant_method": "fp8", "activation_scheme": "dynamic",
+                                   "weight_block_size": list(block), "fmt": "e4m3"} if layout == "fp8" else
+                                  compressed_tensors_config(block))
     (dst / "config.json").write_text(json.dumps(cfg))
     return done
+
+
+def _fp8_block(block, rows: int, cols: int) -> tuple[int, int]:
+    if block == "tensor":
+        return rows, cols
+    if block == "channel":
+        return 1, cols
+    if block[0] == "group":
+        return 1, block[1]
+    return block
+
+
+def compressed_tensors_config(block) -> dict:
+    """llm-compressor's quantization_config for FP8 weights (static FP8 activations beside them)."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "observer": "minmax"}
+    if block in ("tensor", "channel"):
+        weights["strategy"] = block
+    elif block[0] == "group":
+        weights.update(strategy="group", group_size=block[1])
+    else:
+        weights.update(strategy="block", block_structure=list(block))
+    acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "ignore": ["lm_head"], "kv_cache_scheme": None,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
+                                          "output_activations": None}}}
