@@ -1,5 +1,6 @@
 """Images through the engine (tests/tiny_models.make_tiny_vl: a tiny random Qwen3.5 image-text
-model): logits and greedy tokens against transformers' Qwen3_5ForConditionalGeneration, image
+model): logits and greedy tokens against transformers' Qwen3_5ForConditionalGeneration (and its
+MoE form, Qwen3_5MoeForConditionalGeneration), image
 spans cut by chunked prefill, image keys in the prefix cache, and every drafter lossless and
 deterministic on image prompts, alone and in a mixed batch of 8."""
 
@@ -31,6 +32,14 @@ def vl(tmp_path_factory):
     """(directory, our model, transformers' model) over the same tiny checkpoint."""
     d = tmp_path_factory.mktemp("tiny_vl")
     hf = make_tiny_vl(d)
+    return d, load_model(str(d), FP32), hf
+
+
+@pytest.fixture(scope="module")
+def vl_moe(tmp_path_factory):
+    """The same with Qwen3.5-MoE's text model (Qwen3_5MoeForConditionalGeneration)."""
+    d = tmp_path_factory.mktemp("tiny_vl_moe")
+    hf = make_tiny_vl(d, moe=True)
     return d, load_model(str(d), FP32), hf
 
 
@@ -127,8 +136,9 @@ def test_positions_follow_transformers_rope_index(vl):
 
 
 # ---- against transformers --------------------------------------------------------------------
-def test_logits_match_transformers_with_two_images(vl):
-    _, ours, hf = vl
+@pytest.mark.parametrize("which", ["vl", "vl_moe"])
+def test_logits_match_transformers_with_two_images(which, request):
+    _, ours, hf = request.getfixturevalue(which)
     ids, images = build(ours, ["look: ", picture(3, (64, 40)), " and ", picture(4, (24, 72)), " so"])
     eng = engine(ours)
     eng.add_request("a", ids, SamplingParams(max_tokens=17, ignore_eos=True), images)
@@ -141,8 +151,9 @@ def test_logits_match_transformers_with_two_images(vl):
     assert (got - ref).abs().max() <= RTOL * scale, float((got - ref).abs().max() / scale)
 
 
-def test_greedy_equals_transformers_generate_with_images(vl):
-    _, ours, hf = vl
+@pytest.mark.parametrize("which", ["vl", "vl_moe"])
+def test_greedy_equals_transformers_generate_with_images(which, request):
+    _, ours, hf = request.getfixturevalue(which)
     for s in range(3):
         ids, images = build(ours, [f"q{s} ", picture(10 + s), " ok"] + ([picture(20 + s), "!"] if s else []))
         with torch.no_grad():

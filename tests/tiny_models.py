@@ -194,15 +194,21 @@ def make_tiny_qwen3_5_moe(directory: Path, seed: int = 0, options: LoadOptions =
     the transformers model is returned too. The routed experts' width is 32."""
     import transformers
 
+    cfg = tiny_moe_text_config(shared_intermediate)
+    return _save_random(transformers.Qwen3_5MoeForCausalLM, cfg, directory, seed, options, mtp)
+
+
+def tiny_moe_text_config(shared_intermediate: int = 48):
+    """The tiny hybrid's text config with a MoE MLP in every layer: 4 experts of 32, 2 a token."""
+    import transformers
+
     kw = {k: v for k, v in tiny_hybrid_config().to_dict().items()
           if k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                    "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                    "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings", "rms_norm_eps",
                    "tie_word_embeddings", "layer_types", "rope_parameters", "eos_token_id", "pad_token_id")}
-    cfg = transformers.Qwen3_5MoeTextConfig(**kw, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                            shared_expert_intermediate_size=shared_intermediate,
-                                            bos_token_id=None)
-    return _save_random(transformers.Qwen3_5MoeForCausalLM, cfg, directory, seed, options, mtp)
+    return transformers.Qwen3_5MoeTextConfig(**kw, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=shared_intermediate, bos_token_id=None)
 
 
 # vision: specials after the chat ones (<|im_start|> 257, <|im_end|> 258)
@@ -214,14 +220,17 @@ VL_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size"
                    "size": {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}}
 
 
-def tiny_vl_config(**text_over):
-    """A tiny Qwen3.5 image-text config: the tiny hybrid text model and a 2-block vision tower
-    with 8-pixel patches and a 6 x 6 learned position grid."""
+def tiny_vl_config(moe: bool = False, **text_over):
+    """A tiny Qwen3.5 image-text config: the tiny hybrid text model (``moe``: its MoE form) and a
+    2-block vision tower with 8-pixel patches and a 6 x 6 learned position grid."""
     import transformers
 
     vision = dict(depth=2, hidden_size=32, hidden_act="gelu_pytorch_tanh", intermediate_size=48, num_heads=2,
                   in_channels=3, patch_size=8, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
                   num_position_embeddings=36)
+    if moe:
+        return transformers.Qwen3_5MoeConfig(text_config=tiny_moe_text_config().to_dict(), vision_config=vision,
+                                             tie_word_embeddings=False, **VL_IDS)
     return transformers.Qwen3_5Config(text_config=tiny_hybrid_config(**text_over).to_dict(),
                                       vision_config=vision, tie_word_embeddings=False, **VL_IDS)
 
@@ -236,14 +245,16 @@ def write_vl_tokenizer(directory: Path) -> None:
     (directory / "preprocessor_config.json").write_text(json.dumps(VL_PREPROCESSOR, indent=1))
 
 
-def make_tiny_vl(directory: Path, seed: int = 0, mtp: bool = True, **text_over):
-    """A tiny random Qwen3_5ForConditionalGeneration (model.visual.* + model.language_model.*),
-    saved with save_pretrained beside a byte tokenizer with the vision specials and a
-    preprocessor_config.json; returns the transformers model (the oracle)."""
+def make_tiny_vl(directory: Path, seed: int = 0, mtp: bool = True, moe: bool = False, **text_over):
+    """A tiny random Qwen3_5ForConditionalGeneration (model.visual.* + model.language_model.*;
+    ``moe``: Qwen3_5MoeForConditionalGeneration, as Qwen3.5-35B-A3B), saved with save_pretrained
+    beside a byte tokenizer with the vision specials and a preprocessor_config.json; returns the
+    transformers model (the oracle)."""
     import transformers
 
     torch.manual_seed(seed)
-    hf = transformers.Qwen3_5ForConditionalGeneration(tiny_vl_config(**text_over)).eval()
+    cls = transformers.Qwen3_5MoeForConditionalGeneration if moe else transformers.Qwen3_5ForConditionalGeneration
+    hf = cls(tiny_vl_config(moe, **text_over)).eval()
     randomize_hybrid(hf, seed + 1)
     directory.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(directory, safe_serialization=True)
