@@ -30,19 +30,27 @@ static inline float dn_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 static inline float dn_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); } /* torch's threshold */
 
-/* conv + SiLU over rows 0..n-1: xx [W + n, C] (window then rows), wt [K, C] -> y [n, C] */
+/* conv + SiLU over rows 0..n-1: xx [W + n, C] (window then rows), wt [K, C] -> y [n, C]; the threads
+   split rows and channels in pieces of DN_CONV_CHANNELS (a one-row decode step's SiLU is thousands of
+   expf calls) */
+#ifndef DN_CONV_CHANNELS
+#define DN_CONV_CHANNELS 1024
+#endif
 static void SS_NOCONTRACT dn_conv(const float *xx, const float *wt, int64_t n, int64_t C, int64_t K, float *y,
                                   int nthreads) {
-    const int par = nthreads > 1 && n * C > 32768;
+    const int64_t pieces = (C + DN_CONV_CHANNELS - 1) / DN_CONV_CHANNELS;
+    const int par = nthreads > 1 && n * C > 4096;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
-    for (int64_t t = 0; t < n; t++) {
+    for (int64_t tp = 0; tp < n * pieces; tp++) {
+        const int64_t t = tp / pieces, c0 = tp % pieces * DN_CONV_CHANNELS;
+        const int64_t c1 = c0 + DN_CONV_CHANNELS < C ? c0 + DN_CONV_CHANNELS : C;
         float *yr = y + t * C;
-        for (int64_t c = 0; c < C; c++) yr[c] = 0.0f;
+        for (int64_t c = c0; c < c1; c++) yr[c] = 0.0f;
         for (int64_t j = 0; j < K; j++) {
             const float *xr = xx + (t + j) * C, *wr = wt + j * C;
-            for (int64_t c = 0; c < C; c++) yr[c] += wr[c] * xr[c];
+            for (int64_t c = c0; c < c1; c++) yr[c] += wr[c] * xr[c];
         }
-        for (int64_t c = 0; c < C; c++) yr[c] = yr[c] * dn_sigmoid(yr[c]);
+        for (int64_t c = c0; c < c1; c++) yr[c] = yr[c] * dn_sigmoid(yr[c]);
     }
 }
 

@@ -1,10 +1,12 @@
 """The Gated DeltaNet kernel's one-row step at Qwen3.5-35B-A3B's shapes (16 key / 32 value heads of
-128; a 2 MB state read and a 2 MB state written a layer), with the state written by streaming stores
-(this build) against plain stores (-DDN_STREAM=0), the two builds taking turns in one process: 16
-layers' states cycled so each call finds its state out of cache, as in a model's step. Also checks
-that both builds give the same bits.
+128; a 2 MB state read and a 2 MB state written a layer): this build against builds without one of
+its changes, taking turns in one process: the state written by plain stores (-DDN_STREAM=0, as
+before 514faeb), and a row's conv + SiLU on one thread (-DDN_CONV_CHANNELS=2^30, as before the
+commit after 514faeb that split it in pieces of channels). 16 layers' states cycled so each call
+finds its state out of cache, as in a model's step. Also checks that every build gives the same bits.
 
-    python results_final/zen4_1207e/deltanet_store.py > results_final/zen4_1207e/deltanet_store.txt
+    python results_final/zen4_1207e/deltanet_ab.py > results_final/zen4_1207e/deltanet_ab.txt
+(deltanet_store_run1.txt: an earlier form of this script with the first two builds only.)
 """
 
 import statistics
@@ -30,21 +32,23 @@ def main() -> None:
         return [ops.gated_delta(qkv, a, b, conv, A, dt, (HK, HV, DK, DV), ci, si, [co], [so])
                 for ci, si, co, so in planes]
 
-    libs = {"streaming stores": library.build_with_flags(""), "plain stores": library.build_with_flags("-DDN_STREAM=0")}
+    libs = {"this build": library.build_with_flags(""), "plain stores": library.build_with_flags("-DDN_STREAM=0"),
+            "conv on one thread": library.build_with_flags(f"-DDN_CONV_CHANNELS={1 << 30}")}
     outs = {}
     for label, lib in libs.items():
         with library.using(lib):
-            outs[label] = (run(), [p[3].clone() for p in planes])
-    a_out, b_out = outs.values()
-    same = all(torch.equal(x, y) for x, y in zip(a_out[0] + a_out[1], b_out[0] + b_out[1]))
+            out = run()
+            outs[label] = out + [p[3].clone() for p in planes]
+    first = next(iter(outs.values()))
+    same = all(torch.equal(x, y) for o in outs.values() for x, y in zip(first, o))
     times = {label: [] for label in libs}
     for r in range(20):
-        for label in (list(libs) if r % 2 else list(libs)[::-1]):
+        for label in (list(libs) if r % 2 else list(libs)[::-1]):  # turns, the order alternating
             with library.using(libs[label]):
                 t = time.perf_counter()
                 run()
                 times[label].append((time.perf_counter() - t) / LAYERS * 1e3)
-    print(f"same outputs and states in both builds: {same}")
+    print(f"same outputs and states in every build: {same}")
     for label, ts in times.items():
         print(f"{label}: {statistics.median(ts):.3f} ms a layer (median of 20 rounds of {LAYERS} layers; "
               f"min {min(ts):.3f})")
