@@ -17,3 +17,4 @@ python results_final/zen4_1207e/moe_ab.py > results_final/zen4_1207e/moe_ab.txt
 python results_final/zen4_1207e/step_parts.py > results_final/zen4_1207e/step_parts.txt
 python results_final/zen4_1207e/linear_parts.py > results_final/zen4_1207e/linear_parts.txt
 python results_final/zen4_1207e/layer_cost.py > results_final/zen4_1207e/layer_cost_run$n.txt
+python results_final/zen4_1207e/deltanet_ab.py > results_final/zen4_1207e/deltanet_ab.txt
