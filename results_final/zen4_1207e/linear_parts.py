@@ -12,16 +12,11 @@ import time
 
 import torch
 
-from specserve.engine.config import EngineConfig
-from specserve.engine.llm_engine import LLMEngine
-from specserve.engine.types import SamplingParams
 from specserve.kernels import grouped
 from specserve.models import hybrid
 from specserve.models import layers as L
-from specserve.models.catalog import cache_root
-from specserve.models.loader import load_model
 
-GGUF = cache_root() / "bench" / "qwen35-35b-a3b-random-4l" / "qwen35-35b-a3b-random-4l-q4_k_m.gguf"
+from moe_model import decoding_engine
 
 
 def nbytes(w) -> int:
@@ -31,11 +26,7 @@ def nbytes(w) -> int:
 
 
 def main() -> None:
-    m = load_model(str(GGUF))
-    eng = LLMEngine(m, EngineConfig(max_model_len=1024, max_num_seqs=2))
-    eng.add_request("a", list(range(100, 116)), SamplingParams(max_tokens=1000, ignore_eos=True))
-    for _ in range(10):
-        eng.step()
+    m, eng = decoding_engine()
     spent, calls, size = collections.defaultdict(float), collections.Counter(), {}
     lin_forward, group = L.Linear.forward, grouped.linear_group
 

@@ -14,17 +14,13 @@ import time
 
 import torch
 
-from specserve.engine.config import EngineConfig
-from specserve.engine.llm_engine import LLMEngine
-from specserve.engine.types import SamplingParams
 from specserve.kernels import ops
 from specserve.kernels.grouped import linear_group
 from specserve.models import hybrid
-from specserve.models.catalog import cache_root
 from specserve.models.layers import act_mul, route_top_k
-from specserve.models.loader import load_model
 
-GGUF = cache_root() / "bench" / "qwen35-35b-a3b-random-4l" / "qwen35-35b-a3b-random-4l-q4_k_m.gguf"
+from moe_model import decoding_engine
+
 NEW = hybrid.SparseMoE.forward
 
 
@@ -47,11 +43,7 @@ def old_forward(self, h: torch.Tensor) -> torch.Tensor:  # the parent commit's S
 
 
 def main() -> None:
-    m = load_model(str(GGUF))
-    eng = LLMEngine(m, EngineConfig(max_model_len=1024, max_num_seqs=2))
-    eng.add_request("a", list(range(100, 116)), SamplingParams(max_tokens=1000, ignore_eos=True))
-    for _ in range(10):
-        eng.step()
+    m, eng = decoding_engine()
     moes = [layer.mlp for layer in m.model.layers]
     same = 0
 

@@ -10,21 +10,11 @@ import time
 
 from torch.profiler import ProfilerActivity, profile
 
-from specserve.engine.config import EngineConfig
-from specserve.engine.llm_engine import LLMEngine
-from specserve.engine.types import SamplingParams
-from specserve.models.catalog import cache_root
-from specserve.models.loader import load_model
-
-GGUF = cache_root() / "bench" / "qwen35-35b-a3b-random-4l" / "qwen35-35b-a3b-random-4l-q4_k_m.gguf"
+from moe_model import decoding_engine
 
 
 def main() -> None:
-    m = load_model(str(GGUF))
-    eng = LLMEngine(m, EngineConfig(max_model_len=512, max_num_seqs=2))
-    eng.add_request("a", list(range(100, 116)), SamplingParams(max_tokens=400, ignore_eos=True))
-    for _ in range(10):
-        eng.step()
+    _, eng = decoding_engine(max_model_len=512, max_tokens=400)
     steps = []
     for _ in range(5):  # wall time: medians of 5 turns of 20 steps
         t0 = time.perf_counter()

@@ -13,7 +13,7 @@ python benchmarks/hybrid_speed.py --model 35b-a3b --layers 4 --types q4_k_m --pr
 # the rest of the section (each prints to its .txt; layer_cost.py needs hybrid_speed.py's 8-layer file too:
 # --model 35b-a3b --layers 8 --types q4_k_m)
 python results_final/zen4_1207e/moe_ops.py > results_final/zen4_1207e/moe_ops_after.txt
-python results_final/zen4_1207e/moe_ab.py > results_final/zen4_1207e/moe_ab.txt
+python results_final/zen4_1207e/moe_ab.py > results_final/zen4_1207e/moe_ab_run$n.txt
 python results_final/zen4_1207e/step_parts.py > results_final/zen4_1207e/step_parts.txt
 python results_final/zen4_1207e/linear_parts.py > results_final/zen4_1207e/linear_parts.txt
 python results_final/zen4_1207e/layer_cost.py > results_final/zen4_1207e/layer_cost_run$n.txt

@@ -9,24 +9,11 @@ written) take, so each part's time reads as a speed: timers around the LM head, 
 import statistics
 import time
 
-from specserve.engine.config import EngineConfig
-from specserve.engine.llm_engine import LLMEngine
-from specserve.engine.types import SamplingParams
 from specserve.models import hybrid
-from specserve.models.catalog import cache_root
-from specserve.models.loader import load_model
 
-GGUF = cache_root() / "bench" / "qwen35-35b-a3b-random-4l" / "qwen35-35b-a3b-random-4l-q4_k_m.gguf"
+from moe_model import decoding_engine, timed
+
 spent: dict[str, float] = {}
-
-
-def timed(label, fn):
-    def wrapper(*a, **kw):
-        t = time.perf_counter()
-        out = fn(*a, **kw)
-        spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
-        return out
-    return wrapper
 
 
 def weight_bytes(module) -> int:
@@ -46,17 +33,13 @@ def _lin_bytes(lin) -> int:
 
 
 def main() -> None:
-    m = load_model(str(GGUF))
+    m, eng = decoding_engine()
     model = m.model
-    eng = LLMEngine(m, EngineConfig(max_model_len=1024, max_num_seqs=2))
-    eng.add_request("a", list(range(100, 116)), SamplingParams(max_tokens=1000, ignore_eos=True))
-    for _ in range(10):
-        eng.step()
-    model.logits = timed("LM head", model.logits)
+    model.logits = timed(spent, "LM head", model.logits)
     kinds = {hybrid.GatedDeltaNet: "DeltaNet mixers", hybrid.GatedAttention: "attention mixer",
              hybrid.SparseMoE: "MoE MLPs"}
     for cls, label in kinds.items():
-        cls.__call__ = timed(label, cls.forward)
+        cls.__call__ = timed(spent, label, cls.forward)
     size = {label: 0 for label in kinds.values()}
     for layer in model.layers:
         for mod in (layer.mixer, layer.mlp):
