@@ -113,7 +113,7 @@ def build_native(version: str = LLAMACPP_VERSION, isa: str = "native") -> Path:
     log = top / ("build.log" if isa == "native" else f"build-{isa}.log")
     print(f"building ({isa}) {', '.join(TARGETS)} from {src} (minutes on 2 cores; log: {log})",
           file=sys.stderr, flush=True)
-    jobs = os.environ.get("BUILD_JOBS", str(len(os.sched_getaffinity(0))))
+    jobs = build_jobs()
     configure = ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
                  *ISA_FLAGS[isa], "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF",
                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
@@ -133,9 +133,14 @@ def native_tool(name: str, version: str = LLAMACPP_VERSION) -> Path:
     """Another program of the native build (llama-quantize, ...), built into it when first asked for."""
     bindir = build_native(version)
     if not (bindir / name).exists():
-        subprocess.run(["cmake", "--build", str(bindir.parent), "-j", "2", "--target", name], check=True,
+        subprocess.run(["cmake", "--build", str(bindir.parent), "-j", build_jobs(), "--target", name], check=True,
                        stdout=subprocess.DEVNULL)
     return bindir / name
+
+
+def build_jobs() -> str:
+    """cmake's -j: BUILD_JOBS, else the CPUs this process may use."""
+    return os.environ.get("BUILD_JOBS", str(len(os.sched_getaffinity(0))))
 
 
 def _extract_vendor(sdist: Path, dest: Path) -> None:

@@ -111,8 +111,8 @@ class SafetensorsDir:
         if not files:
             raise ModelLoadError(f"no *.safetensors files in {directory}")
         config = directory / "config.json"
-        raw_cfg = json.loads(config.read_text()) if config.is_file() else {}
-        self.layout = quantization_layout(raw_cfg, directory) or Fp8Layout(SCALE_SUFFIX, DEFAULT_BLOCK)
+        self.config: dict = json.loads(config.read_text()) if config.is_file() else {}  # (config.json as read)
+        self.layout = quantization_layout(self.config, directory) or Fp8Layout(SCALE_SUFFIX, DEFAULT_BLOCK)
         self._where: dict[str, object] = {}  # tensor name -> its open file
         for f in files:
             try:

@@ -5,7 +5,6 @@ parameters, and the head's config from their shapes and the target's config."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -68,11 +67,10 @@ def _map_hf_name(key: str, n_layers: int | None) -> str | None:
 def _read_hf_mtp(directory: Path) -> tuple[dict[str, torch.Tensor], dict]:
     from specserve.models.safetensors_dir import SafetensorsDir
 
-    raw_cfg = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
-    text = raw_cfg.get("text_config", raw_cfg)
+    files = SafetensorsDir(directory)
+    text = files.config.get("text_config", files.config)
     n_layers = text.get("num_hidden_layers")
     state: dict[str, torch.Tensor] = {}
-    files = SafetensorsDir(directory)
     for key in files.keys():
         name = _map_hf_name(key, n_layers)
         if name is not None:
