@@ -329,6 +329,36 @@ def test_memory_plan_counts_the_states(hybrid):
         make_engine(ours, spec, NgramDrafter(1, 3), max_num_seqs=3, kv_cache_memory=plan.state_bytes)
 
 
+def test_input_projections_fused_or_not_give_the_same_bits(monkeypatch):
+    """llama-quantize gives some layers' q|k|v another format than z / b / a, so the input
+    projection cannot be one call there: z | b | a are then one call, else three. Each way gives
+    the same logits, bit for bit (every output is reduced on its own)."""
+    from specserve.models import layers as L
+    from specserve.models.hybrid import GatedDeltaNet
+
+    fused = L.Linear.fused.__func__
+
+    def refuse(n):  # Linear.fused refusing n weights at once, as for weights in two formats
+        return classmethod(lambda cls, raws, *a, **kw: None if len(raws) >= n else fused(cls, raws, *a, **kw))
+
+    path = str(DATA / "tiny-qwen35-q8_0.gguf")
+    ids = random_prompt(5, 24)
+    outs = []
+    for n in (9, 4, 3):  # all four in one call; z | b | a; all apart
+        monkeypatch.setattr(L.Linear, "fused", refuse(n))
+        model = load_model(path)
+        mixers = [m for m in model.model.modules() if isinstance(m, GatedDeltaNet)]
+        assert all((m.in_proj is not None, m.zba is not None) == (n == 9, n == 4) for m in mixers)
+        outs.append(logits_of_every_position_in(model, ids))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def logits_of_every_position_in(model, ids: list[int]) -> torch.Tensor:
+    eng = make_engine(model)
+    eng.add_request("a", ids, SamplingParams(max_tokens=4, ignore_eos=True))
+    return logits_of_every_position(eng, "a")[0]
+
+
 def test_no_full_attention_layer_needs_no_kv_pool(tmp_path):
     """Every layer a Gated DeltaNet one (no K/V per token): the engine plans no KV bytes, starts,
     and its greedy tokens are transformers'."""

@@ -1,9 +1,10 @@
-"""A mixture of experts' kernels. ``linear_group``: several weights of one format and shape, each
-times its own rows, in one kernel call (ss_linear_q8_group). One fork and join of the threads for
-all of them, and the weights streamed back to back, where one call per expert paid both per expert.
-Every row's bits equal :func:`linear` per weight (the same arithmetic per output). ``moe_combine``:
-each row's expert outputs weighted and summed in a fixed order, and the shared expert's added
-(csrc/moe.c), in one call where torch took a few ops per expert."""
+"""A mixture of experts' kernels, one call each per layer where torch took a few ops per expert.
+``moe_route``: each row's top k experts and their weights (ss_moe_route). ``linear_group``: several
+weights of one format and shape, each times its own rows, in one kernel call (ss_linear_q8_group):
+one fork and join of the threads for all of them, and the weights streamed back to back; every
+row's bits equal :func:`linear` per weight (the same arithmetic per output). ``moe_combine``: each
+row's expert outputs weighted and summed in a fixed order, and the shared expert's added
+(ss_moe_combine; csrc/moe.c)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import ctypes
 import torch
 
 from .library import _check, _FMT_PANEL, _select, get_num_threads
-from .recurrent import sigmoid_mul
 from .linear import GGUFBlockWeight, Int8Weight
+from .recurrent import sigmoid_mul
 
 _vp, _i64 = ctypes.c_void_p, ctypes.c_int64
 

@@ -132,8 +132,12 @@ class GatedDeltaNet(nn.Module):
         dn = self.dn = cfg.deltanet
         ins = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")
         self.in_proj = lw.fuse(*ins, parallel="column")  # [C | z | b | a]
-        if self.in_proj is None:
-            self.qkv, self.z, self.b, self.a = (lw.lin(n, "column") for n in ins)
+        self.zba = None
+        if self.in_proj is None:  # q|k|v in another format (llama-quantize's mixes): z | b | a one call if they can be
+            self.qkv = lw.lin(ins[0], "column")
+            self.zba = lw.fuse(*ins[1:], parallel="column")
+            if self.zba is None:
+                self.z, self.b, self.a = (lw.lin(n, "column") for n in ins[1:])
         self.split = (dn.conv_dim, dn.value_dim, dn.num_v_heads, dn.num_v_heads)
         conv = lw.vec("ssm_conv1d").reshape(dn.conv_dim, -1)  # [C, 1, K] in the file
         if conv.shape[1] != dn.conv_kernel:
@@ -168,6 +172,8 @@ class GatedDeltaNet(nn.Module):
     def project(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.in_proj is not None:
             return self.in_proj(h).split(self.split, dim=-1)
+        if self.zba is not None:
+            return (self.qkv(h), *self.zba(h).split(self.split[1:], dim=-1))
         return self.qkv(h), self.z(h), self.b(h), self.a(h)
 
     def forward(self, model: "HybridTransformer", i: int, h: torch.Tensor, batch: ForwardBatch, kv: KVCache,
@@ -234,8 +240,9 @@ class SparseMoE(nn.Module):
             self._groupable = (all(u is not None and u.bias is None for u in ups) and all(d.bias is None for d in downs)
                                and groupable([u.weight for u in ups]) and groupable([d.weight for d in downs]))
             sh = self.shared
-            self._fold_shared = (self._groupable and sh is not None and sh.gate_up is not None and sh.gate_up.bias is None
-                                 and sh.down.bias is None and groupable([ups[0].weight, sh.gate_up.weight])
+            self._fold_shared = (self._groupable and sh is not None and sh.gate_up is not None
+                                 and sh.gate_up.bias is None and sh.down.bias is None
+                                 and groupable([ups[0].weight, sh.gate_up.weight])
                                  and groupable([downs[0].weight, sh.down.weight]))
         return self._groupable
 
@@ -262,7 +269,8 @@ class SparseMoE(nn.Module):
             return torch.cat(y if self.shared is None else [*y, self.shared(h)]), idx
         if self._fold_shared:  # the shared expert in the same calls, on all rows
             mlps, xs, sizes = [*mlps, self.shared], [*xs, h], [*sizes, t]
-        both = linear_group(xs, [ex.gate_up.weight for ex in mlps], torch.empty(sum(sizes), mlps[0].gate_up.out_features))
+        both = linear_group(xs, [ex.gate_up.weight for ex in mlps],
+                            torch.empty(sum(sizes), mlps[0].gate_up.out_features))
         act = act_mul(*both.chunk(2, dim=-1), mlps[0].activation)  # [R, I]
         y = linear_group(list(act.split(sizes)), [ex.down.weight for ex in mlps],
                          torch.empty(sum(sizes), mlps[0].down.out_features))
