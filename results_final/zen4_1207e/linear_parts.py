@@ -5,9 +5,12 @@ then the LM head alone on a random row against the head inside the step, taking 
 20), which shows how far this VM's memory speed moves within minutes.
 
     python results_final/zen4_1207e/linear_parts.py > results_final/zen4_1207e/linear_parts.txt
+    python results_final/zen4_1207e/linear_parts.py ~/.cache/specserve/bench/qwen35-0.8b-random/\
+qwen35-0.8b-random-q4_k_m.gguf > results_final/zen4_1207e/linear_parts_08b.txt  (another file: hybrid_speed.py's)
 """
 
 import collections
+import sys
 import time
 
 import torch
@@ -16,7 +19,7 @@ from specserve.kernels import grouped
 from specserve.models import hybrid
 from specserve.models import layers as L
 
-from moe_model import decoding_engine
+from moe_model import GGUF, decoding_engine
 
 
 def nbytes(w) -> int:
@@ -26,7 +29,7 @@ def nbytes(w) -> int:
 
 
 def main() -> None:
-    m, eng = decoding_engine()
+    m, eng = decoding_engine(path=sys.argv[1] if len(sys.argv) > 1 else GGUF)
     spent, calls, size = collections.defaultdict(float), collections.Counter(), {}
     lin_forward, group = L.Linear.forward, grouped.linear_group
 

@@ -12,9 +12,9 @@ from specserve.models.loader import load_model
 GGUF = cache_root() / "bench" / "qwen35-35b-a3b-random-4l" / "qwen35-35b-a3b-random-4l-q4_k_m.gguf"
 
 
-def decoding_engine(max_model_len: int = 1024, max_tokens: int = 1000):
+def decoding_engine(max_model_len: int = 1024, max_tokens: int = 1000, path=GGUF):
     """(the loaded model, an engine with one request decoding, 10 steps in)."""
-    m = load_model(str(GGUF))
+    m = load_model(str(path))
     eng = LLMEngine(m, EngineConfig(max_model_len=max_model_len, max_num_seqs=2))
     eng.add_request("a", list(range(100, 116)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     for _ in range(10):
