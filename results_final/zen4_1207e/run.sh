@@ -19,3 +19,4 @@ python results_final/zen4_1207e/linear_parts.py > results_final/zen4_1207e/linea
 python results_final/zen4_1207e/layer_cost.py > results_final/zen4_1207e/layer_cost_run$n.txt
 python results_final/zen4_1207e/deltanet_ab.py > results_final/zen4_1207e/deltanet_ab.txt
 for i in 1 2; do python results_final/zen4_1207e/bimodal.py default; OMP_WAIT_POLICY=active python results_final/zen4_1207e/bimodal.py active; done > results_final/zen4_1207e/bimodal.txt
+python results_final/zen4_1207e/bandwidth_modes.py > results_final/zen4_1207e/bandwidth_modes.txt
