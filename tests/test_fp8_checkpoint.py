@@ -48,13 +48,19 @@ def test_fp8_checkpoint_matches_transformers(kind, fp8_dirs):
     _, fp8, names = fp8_dirs[kind]
     assert len(names) >= 10
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(fp8), dtype=torch.float32).eval()
-    prompt = random_prompt(40, seed=3)
-    logits = _logits(load_model(str(fp8), FP32), prompt, 8)
+    _check_against(hf, fp8, fp8_dirs[kind][0], seed=3, steps=8)
+
+
+def _check_against(hf, quantized, plain_dir, seed: int, steps: int) -> None:
+    """Our model from ``quantized`` gives ``hf``'s logits over a prompt and ``steps - 1`` of our greedy
+    tokens (within 1e-4), and the unquantized model's differ (the weights really are FP8)."""
+    prompt = random_prompt(40, seed=seed)
+    logits = _logits(load_model(str(quantized), FP32), prompt, steps)
     tokens = prompt + logits.argmax(-1)[len(prompt) - 1:].tolist()
     ref = hf(torch.tensor([tokens[:-1]])).logits[0]
     assert logits.shape == ref.shape and float(ref.abs().max()) > 1.0
     assert float((logits - ref).abs().max()) < 1e-4
-    plain = _logits(load_model(str(fp8_dirs[kind][0]), FP32), prompt, 1)
+    plain = _logits(load_model(str(plain_dir), FP32), prompt, 1)
     assert float((plain[:len(prompt)] - ref[:len(prompt)]).abs().max()) > 1e-2  # FP8 rounding shows
 
 
@@ -166,18 +172,10 @@ def test_compressed_tensors_fp8_matches_transformers(strategy, ct_dirs, fp8_dirs
     """Our model from a compressed-tensors FP8 directory computes what transformers' model computes
     from it, decompressed by the compressed-tensors package (its activation scales skipped by both),
     and not what the unquantized model computes."""
-    pytest.importorskip("compressed_tensors")
-    d = ct_dirs[strategy]
+    d = ct_dirs[strategy]  # (transformers decompresses with the compressed-tensors package, a test dependency)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(d), dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True)).eval()
-    prompt = random_prompt(40, seed=4)
-    logits = _logits(load_model(str(d), FP32), prompt, 6)
-    tokens = prompt + logits.argmax(-1)[len(prompt) - 1:].tolist()
-    ref = hf(torch.tensor([tokens[:-1]])).logits[0]
-    assert logits.shape == ref.shape and float(ref.abs().max()) > 1.0
-    assert float((logits - ref).abs().max()) < 1e-4
-    plain = _logits(load_model(str(fp8_dirs["qwen3_5" if strategy == "qwen3_5" else "llama"][0]), FP32), prompt, 1)
-    assert float((plain[:len(prompt)] - ref[:len(prompt)]).abs().max()) > 1e-2  # FP8 rounding shows
+    _check_against(hf, d, fp8_dirs["qwen3_5" if strategy == "qwen3_5" else "llama"][0], seed=4, steps=6)
 
 
 @pytest.mark.parametrize("case", ["int4", "asymmetric", "strategy", "no_scale"])

@@ -227,7 +227,7 @@ class SparseMoE(nn.Module):
         weight, chosen = moe_route(self.router(h), self.moe.num_experts_per_tok, self.moe.norm_topk_prob)
         y, idx = self.expert_outputs(h, chosen)  # [R, H], [T, k (+1)]
         gate = None if self.shared is None else self.shared_gate(h).reshape(-1)
-        out = moe_combine(y, idx, weight.contiguous(), gate, impl="torch" if h.device.type != "cpu" else None)
+        out = moe_combine(y, idx, weight, gate, impl="torch" if h.device.type != "cpu" else None)
         return out if self.reduce_group is None else self.reduce_group.all_reduce(out)
 
     __call__ = forward  # (as Linear: no hook dispatch)

@@ -83,10 +83,8 @@ def _compressed_tensors_layout(qc: dict, where: Path) -> Fp8Layout:
             raise ModelLoadError(f"{where}: config group {name!r}: asymmetric FP8 weights (a zero point) are not "
                                  "supported")
         strategy = w.get("strategy")
-        if strategy == "tensor":
-            blocks.add(CHANNEL)  # (one element: any block)
-        elif strategy == "channel":
-            blocks.add(CHANNEL)
+        if strategy in ("tensor", "channel"):
+            blocks.add(CHANNEL)  # (a per-tensor scale is one element: any block takes it)
         elif strategy == "group":
             blocks.add((1, _block([1, w.get("group_size")], "group_size", where)[1]))
         elif strategy == "block":
