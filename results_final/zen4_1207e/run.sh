@@ -20,3 +20,4 @@ python results_final/zen4_1207e/layer_cost.py > results_final/zen4_1207e/layer_c
 python results_final/zen4_1207e/deltanet_ab.py > results_final/zen4_1207e/deltanet_ab.txt
 for i in 1 2; do python results_final/zen4_1207e/bimodal.py default; OMP_WAIT_POLICY=active python results_final/zen4_1207e/bimodal.py active; done > results_final/zen4_1207e/bimodal.txt
 python results_final/zen4_1207e/bandwidth_modes.py > results_final/zen4_1207e/bandwidth_modes.txt
+python results_final/zen4_1207e/argmax_time.py > results_final/zen4_1207e/argmax_time.txt
