@@ -87,3 +87,38 @@ def decoder_layers(lib: ctypes.CDLL, model: SSModel, layers: ctypes.Array, pools
     _check(lib.ss_decoder_layers(ctypes.byref(model), layers, pools, l0, l1, ctypes.byref(rows),
                                  None if window_rows is None else ctypes.byref(window_rows), x.data_ptr(),
                                  get_num_threads()), "decoder_layers")
+
+
+# --------------------------------------------------------------------------
+# a stack of hybrid (Gated DeltaNet / gated attention) layers in one call (csrc/hybrid.h)
+# --------------------------------------------------------------------------
+
+# SSHybridLayer.lin slots: a DeltaNet layer's q|k|v, z, b, a (side by side; absent ones skipped)
+# and out; an attention layer's q (query | gate per head), k, v and o; the MLP's gate, up, down
+HYBRID_SLOTS = 8
+HL_IN, HL_OUT, HL_GATE, HL_DOWN = 0, 4, 5, 7
+
+
+class SSHybridLayer(ctypes.Structure):
+    _fields_ = [("lin", SSLin * HYBRID_SLOTS), ("attn_norm", _vp), ("ffn_norm", _vp), ("q_norm", _vp),
+                ("k_norm", _vp), ("conv_wt", _vp), ("A", _vp), ("dt_bias", _vp), ("gnorm", _vp), ("conv", _vp),
+                ("ssm", _vp), ("conv_ckpt", _vp), ("ssm_ckpt", _vp), ("slots", _i64), ("planes", _i64),
+                ("ckpts", _i64), ("linear", ctypes.c_int32)]
+
+
+class SSHybridModel(ctypes.Structure):
+    _fields_ = [("m", SSModel), ("rot", _i64), ("Hk", _i64), ("Hv", _i64), ("dk", _i64), ("dv", _i64),
+                ("conv_k", _i64), ("v_tiled", ctypes.c_int32)]
+
+
+class SSStateRows(ctypes.Structure):
+    _fields_ = [("slots", _vp), ("read", _vp), ("ckpt_read", _vp), ("write", _vp), ("ckpt_write", _vp),
+                ("rope_pos", _vp)]
+
+
+def hybrid_layers(lib: ctypes.CDLL, model: SSHybridModel, layers: ctypes.Array, pools: ctypes.Array, l0: int,
+                  l1: int, rows: SSRows, states: SSStateRows, x: torch.Tensor) -> None:
+    """Run hybrid layers l0 .. l1 - 1 on x [T, hidden] in place (csrc/hybrid.h: ss_hybrid_layers).
+    The caller (models/hybrid_fused.py) validates the descriptors and the batch."""
+    _check(lib.ss_hybrid_layers(ctypes.byref(model), layers, pools, l0, l1, ctypes.byref(rows),
+                                ctypes.byref(states), x.data_ptr(), get_num_threads()), "hybrid_layers")

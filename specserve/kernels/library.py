@@ -115,6 +115,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ss_act_mul.restype = _i32
     lib.ss_decoder_layers.argtypes = [_vp, _vp, _vp, _i64, _i64, _vp, _vp, _vp, _i32]
     lib.ss_decoder_layers.restype = _i32
+    lib.ss_hybrid_layers.argtypes = [_vp, _vp, _vp, _i64, _i64, _vp, _vp, _vp, _i32]
+    lib.ss_hybrid_layers.restype = _i32
     lib.ss_gated_delta.argtypes = [_i64] * 6 + [_vp, _i64, _vp, _vp, _i64] + [_vp] * 7 + [_vp, _i32, _i32]
     lib.ss_gated_delta.restype = _i32
     lib.ss_sigmoid_mul.argtypes = [_vp, _vp, _i64, _i64, _i64, _i64, _vp, _i32]

@@ -127,9 +127,13 @@ from .decoder_abi import (  # noqa: F401
     SSLayer,
     SSLin,
     SSModel,
+    SSHybridLayer,
+    SSHybridModel,
     SSRows,
+    SSStateRows,
     decoder_layers,
     decoder_library,
+    hybrid_layers,
     lin_struct,
 )
 

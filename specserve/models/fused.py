@@ -184,17 +184,22 @@ class FusedStack:
         layers in batch.hidden_layers (the stack runs in segments that end at those layers)."""
         if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[1:] == (self.hidden,)):
             raise ValueError(f"fused layers: x must be a contiguous float32 [T, {self.hidden}] tensor")
-        layers, pools = self._layer_array(), self._pool_array(kv)
-        rows = _rows(batch, batch.paging[0])
-        wrows = _rows(batch, batch.paging[1]) if len(batch.paging) > 1 else None  # the sliding layers' pool
+        call = self._prepare(batch, kv, x)
         hidden: dict[int, torch.Tensor] = {}
         start = 0
         for end in sorted({i + 1 for i in batch.hidden_layers if 0 <= i < self.num_layers}):
-            self._layers_call(layers, pools, start, end, rows, wrows, x)
+            call(start, end)
             hidden[end - 1] = x.clone()
             start = end
-        self._layers_call(layers, pools, start, self.num_layers, rows, wrows, x)
+        call(start, self.num_layers)
         return hidden
+
+    def _prepare(self, batch: ForwardBatch, kv: KVCache, x: torch.Tensor):
+        """fn(l0, l1) running layers l0 .. l1 - 1 of this forward on x."""
+        layers, pools = self._layer_array(), self._pool_array(kv)
+        rows = _rows(batch, batch.paging[0])
+        wrows = _rows(batch, batch.paging[1]) if len(batch.paging) > 1 else None  # the sliding layers' pool
+        return lambda l0, l1: self._layers_call(layers, pools, l0, l1, rows, wrows, x)
 
     def _layers_call(self, layers, pools, l0: int, l1: int, rows, wrows, x: torch.Tensor) -> None:
         try:
@@ -216,3 +221,7 @@ def _reduce_callback(tp, errors: list):
             errors.append(exc)
             return 1
     return reduce
+
+
+FusedStack.unsupported = staticmethod(unsupported)
+FusedStack.batch_supported = staticmethod(batch_supported)

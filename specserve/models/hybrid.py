@@ -23,6 +23,7 @@ from specserve.errors import ModelLoadError
 from specserve.kernels import ops
 from specserve.kernels.grouped import groupable, linear_group, moe_combine, moe_route
 from specserve.models.config import ModelConfig
+from specserve.models.hybrid_fused import HybridStack
 from specserve.models.layers import Rope, act_mul, expert_order, rms_norm
 from specserve.models.transformer import MLP, ForwardBatch, KVCache, LayerWeights, Transformer, attend
 from specserve.models.weights import RawTensor
@@ -295,7 +296,14 @@ class HybridLayer(nn.Module):
 
 
 class HybridTransformer(Transformer):
-    """A decoder whose layers are Gated DeltaNet or gated full attention (``cfg.layer_types``)."""
+    """A decoder whose layers are Gated DeltaNet or gated full attention (``cfg.layer_types``).
+    On the CPU its layers run in one C call per forward where they can (models/hybrid_fused.py,
+    bit-identical to ``run_layers``' Python path; ``fused = False`` keeps the Python path)."""
+
+    STACK = HybridStack
+
+    def fusable_layers(self) -> bool:
+        return all(isinstance(layer.mlp, MLP) for layer in self.layers)  # (not SparseMoE)
 
     @staticmethod
     def required_tensors(cfg: ModelConfig) -> list[str]:
@@ -336,6 +344,9 @@ class HybridTransformer(Transformer):
         eps, hidden = self.cfg.rms_eps, {}
         if kv.states is None:
             raise RuntimeError("a hybrid model's forward needs recurrent-state storage (KVCache.states)")
+        stack = self.fused_stack(batch, kv)
+        if stack is not None:
+            return x, stack.run(x, batch, kv)  # x updated in place
         seqs = SeqState.of(batch)
         for i, layer in enumerate(self.layers):
             x = x + layer.mixer(self, i, rms_norm(x, layer.attn_norm, eps), batch, kv, seqs)  # summed over ranks

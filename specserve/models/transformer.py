@@ -18,8 +18,6 @@ from specserve.kernels import ops
 from specserve.models.config import ModelConfig
 from specserve.models.embedding import TokenEmbedding
 from specserve.models.fused import FusedStack
-from specserve.models.fused import batch_supported as fused_batch_supported
-from specserve.models.fused import unsupported as fused_unsupported
 from specserve.models.kv_cache import KVCache  # noqa: F401  (re-exported: the paged KV cache)
 from specserve.models.layers import Linear, Rope, act_mul, linears, paged_attention, rms_norm
 from specserve.models.weights import RawTensor
@@ -279,8 +277,8 @@ class Transformer(nn.Module):
         self.rope_local = (Rope(rotary, cfg.rope_theta_local, max_pos, device)
                            if cfg.rope_theta_local else self.rope_global)
         self.layers = nn.ModuleList(self.build_layers(cfg, tensors, quant, device, dtype))
-        # layers the C stack cannot run (a hybrid model's): no fused check on each forward
-        self.fused = fused and all(hasattr(layer, "fused_parts") for layer in self.layers)
+        # layers the C stack cannot run: no fused check on each forward
+        self.fused = fused and self.fusable_layers()
         embed = tensors["embed"]
         head = tensors.get("lm_head") if not cfg.tie_embeddings or "lm_head" in tensors else None
         self.lm_head = Linear(head or embed, None, quant, device, dtype, "vocab")
@@ -293,6 +291,12 @@ class Transformer(nn.Module):
     def required_tensors(cfg: ModelConfig) -> list[str]:
         return ["embed", "norm"] + [f"layers.{i}.{n}" for i in range(cfg.num_layers)
                                     for n in ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down")]
+
+    STACK = FusedStack  # the fused C path's class: its unsupported(model), batch_supported(batch, kv)
+
+    def fusable_layers(self) -> bool:
+        """Whether the fused C path knows this model's kind of layers."""
+        return all(hasattr(layer, "fused_parts") for layer in self.layers)
 
     def build_layers(self, cfg: ModelConfig, tensors: dict[str, RawTensor], quant: str, device: torch.device,
                      dtype: torch.dtype) -> list:
@@ -425,15 +429,15 @@ class Transformer(nn.Module):
 
     def fused_stack(self, batch: ForwardBatch, kv: KVCache) -> FusedStack | None:
         """The fused layer stack when this forward can use it, else None (Python path)."""
-        if not self.fused or not fused_batch_supported(batch, kv):
+        if not self.fused or not self.STACK.batch_supported(batch, kv):
             return None
         lib = ops.decoder_library()  # None: the torch kernels are selected (or no compiler)
         if lib is None:
             return None
         if self._stack is None or self._stack.lib is not lib:
-            if fused_unsupported(self) is not None:
+            if self.STACK.unsupported(self) is not None:
                 return None
-            self._stack = FusedStack(self, lib)
+            self._stack = self.STACK(self, lib)
         return self._stack
 
 

@@ -383,3 +383,4 @@ SS_EXPORT int ss_add_rms_norm(const float *x, const float *residual, int64_t M, 
 
 #include "deltanet.c"
 #include "moe.c" /* after deltanet.c: its sigmoid */
+#include "hybrid.h" /* a stack of hybrid layers: after decoder.h and deltanet.c, whose kernels it chains */
