@@ -77,6 +77,31 @@ def test_fused_layers_equal_the_python_path_chunked_batched_speculating(monkeypa
     assert_same_bits(monkeypatch, ours, run)
 
 
+def test_mixture_of_experts_runs_between_c_calls(monkeypatch, qwen3_5_moe):
+    """Qwen3.5-MoE: each layer's mixer in C, the call ending there, its experts in Python; chunked,
+    batched, speculating with an oracle and with the checkpoint's MoE MTP head."""
+    from specserve.speculative.mtp import MTPDrafter
+
+    ours, _ = qwen3_5_moe
+    layers_call = ops.hybrid_layers
+    prompts = [random_prompt(70 + s, 25 + 11 * s) for s in range(3)]
+    truth = dict(zip(map(tuple, prompts), greedy_outputs(make_engine(ours, max_num_seqs=3), prompts, 16)))
+
+    def run():
+        spec = SpeculativeConfig("ngram", num_speculative_tokens=4, adaptive=False)
+        eng = make_engine(ours, spec, OracleDrafter(truth), max_num_seqs=3, max_num_batched_tokens=16, max_step_ms=0)
+        mtp = make_engine(ours, SpeculativeConfig("mtp", num_speculative_tokens=3, adaptive=False),
+                          MTPDrafter.load(None, ours), max_num_seqs=3)
+        return greedy_outputs(eng, prompts, 16), greedy_outputs(mtp, prompts, 16)
+
+    oracle, mtp = assert_same_bits(monkeypatch, ours, run)
+    assert oracle == mtp == list(truth.values())
+    spans = []
+    monkeypatch.setattr(ops, "hybrid_layers", lambda *a: spans.append(a[4:6]) or layers_call(*a))
+    greedy_outputs(make_engine(ours), prompts[:1], 1)  # one forward: a call per layer
+    assert spans == [(i, i + 1) for i in range(ours.config.num_layers)]
+
+
 @pytest.mark.parametrize("method", ["dflash", "mtp"])
 def test_drafters_reading_hidden_states_see_the_same_bits(monkeypatch, hybrid, method):
     """dflash reads hidden layers (the stack runs in segments ending at them), MTP the final one."""

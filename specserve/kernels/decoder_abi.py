@@ -103,7 +103,7 @@ class SSHybridLayer(ctypes.Structure):
     _fields_ = [("lin", SSLin * HYBRID_SLOTS), ("attn_norm", _vp), ("ffn_norm", _vp), ("q_norm", _vp),
                 ("k_norm", _vp), ("conv_wt", _vp), ("A", _vp), ("dt_bias", _vp), ("gnorm", _vp), ("conv", _vp),
                 ("ssm", _vp), ("conv_ckpt", _vp), ("ssm_ckpt", _vp), ("slots", _i64), ("planes", _i64),
-                ("ckpts", _i64), ("linear", ctypes.c_int32)]
+                ("ckpts", _i64), ("linear", ctypes.c_int32), ("mlp_outside", ctypes.c_int32)]
 
 
 class SSHybridModel(ctypes.Structure):

@@ -181,18 +181,27 @@ class FusedStack:
 
     def run(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> dict[int, torch.Tensor]:
         """Layers 0 .. num_layers - 1 on x [T, H] (in place). Returns {layer: [T, H] copy} for the
-        layers in batch.hidden_layers (the stack runs in segments that end at those layers)."""
+        layers in batch.hidden_layers (the stack runs in segments that end at those layers, and at
+        the layers in self.breaks)."""
         if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[1:] == (self.hidden,)):
             raise ValueError(f"fused layers: x must be a contiguous float32 [T, {self.hidden}] tensor")
         call = self._prepare(batch, kv, x)
         hidden: dict[int, torch.Tensor] = {}
+        wanted = {i for i in batch.hidden_layers if 0 <= i < self.num_layers}
         start = 0
-        for end in sorted({i + 1 for i in batch.hidden_layers if 0 <= i < self.num_layers}):
-            call(start, end)
-            hidden[end - 1] = x.clone()
-            start = end
-        call(start, self.num_layers)
+        for last in sorted(wanted | self.breaks | {self.num_layers - 1}):
+            call(start, last + 1)
+            if last in self.breaks:
+                self._after(last, x)
+            if last in wanted:
+                hidden[last] = x.clone()
+            start = last + 1
         return hidden
+
+    breaks: frozenset[int] = frozenset()  # layers after which the stack returns to Python (_after)
+
+    def _after(self, layer: int, x: torch.Tensor) -> None:
+        """What Python adds to x after layer ``layer`` (in self.breaks) ran in C: nothing here."""
 
     def _prepare(self, batch: ForwardBatch, kv: KVCache, x: torch.Tensor):
         """fn(l0, l1) running layers l0 .. l1 - 1 of this forward on x."""

@@ -10,9 +10,10 @@ to it (tests/test_hybrid_fused.py).
 
 Covered: Qwen3.5 / Qwen3-Next layers with a dense MLP, any weight format, the DeltaNet's input
 projections fused or apart, partial rotary, text rows (a 1-D ``rope_positions`` too), every KV
-cache dtype, the prefix cache's state checkpoints. Falls back to the Python path for mixtures of
-experts, rows with images (a per-row M-RoPE table), tensor parallelism, CUDA and the torch
-kernel fallback.
+cache dtype, the prefix cache's state checkpoints. A mixture-of-experts layer's mixer runs in the
+C call, which then ends; its experts run in Python (``SparseMoE``, itself a few C calls) and the
+next call goes on from the next layer. Falls back to the Python path for rows with images (a
+per-row M-RoPE table), tensor parallelism, CUDA and the torch kernel fallback.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from specserve.kernels import ops
 from specserve.kernels.decoder_abi import HL_DOWN, HL_GATE, HL_IN, HL_OUT
 from specserve.models.fused import FusedStack, _norm_ptr, _rows
 from specserve.models.fused import batch_supported as dense_batch_supported
-from specserve.models.layers import linears
+from specserve.models.layers import linears, rms_norm
+from specserve.models.transformer import MLP
 
 if TYPE_CHECKING:
     from specserve.models.hybrid import HybridTransformer
@@ -37,8 +39,6 @@ if TYPE_CHECKING:
 def unsupported(model: HybridTransformer) -> str | None:
     """Why the model's layers cannot run fused (None: they can)."""
     cfg = model.cfg
-    if not model.fusable_layers():
-        return "layers the C stack does not know (a mixture of experts)"
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "CPU float32 only"
     if model.tp is not None:
@@ -96,6 +96,13 @@ class HybridStack(FusedStack):
                              if hasattr(lin.weight, "int_dot")]
         self._cfg, self._layers, self._layers_key = cfg, None, None
         self._kv_ref, self._pools, self._reduce_errors = None, None, []
+        # mixtures of experts run in Python (SparseMoE: routing and grouped experts in their own C calls)
+        self.breaks = frozenset(i for i, layer in enumerate(self._modules) if not isinstance(layer.mlp, MLP))
+
+    def _after(self, layer: int, x: torch.Tensor) -> None:
+        """Layer ``layer``'s mixture of experts on x, in place (run_layers' residual)."""
+        mod = self._modules[layer]
+        x += mod.mlp(rms_norm(x, mod.ffn_norm, self._cfg.rms_eps))
 
     def _layer_struct(self, i: int, layer, states) -> ops.SSHybridLayer:
         cfg, s = self._cfg, ops.SSHybridLayer()
@@ -118,8 +125,11 @@ class HybridStack(FusedStack):
         else:
             lins = {0: mixer.q, 1: mixer.k, 2: mixer.v, HL_OUT: mixer.o}
             s.q_norm, s.k_norm = _norm_ptr(mixer.q_norm, cfg.head_dim), _norm_ptr(mixer.k_norm, cfg.head_dim)
-        gate_up = [mlp.gate_up] if mlp.gate_up is not None else [mlp.gate, mlp.up]
-        lins |= {HL_GATE + j: lin for j, lin in enumerate(gate_up)} | {HL_DOWN: mlp.down}
+        if i in self.breaks:
+            s.mlp_outside = 1
+        else:
+            gate_up = [mlp.gate_up] if mlp.gate_up is not None else [mlp.gate, mlp.up]
+            lins |= {HL_GATE + j: lin for j, lin in enumerate(gate_up)} | {HL_DOWN: mlp.down}
         for j, lin in lins.items():
             s.lin[j] = ops.lin_struct(lin.weight, lin.bias)
         return s

@@ -1,7 +1,8 @@
 /*
  * A stack of hybrid decoder layers in one call (included at the end of
  * cpu_kernels.c, after deltanet.c): Qwen3.5 / Qwen3-Next's Gated DeltaNet
- * layers and gated full-attention layers, each followed by a dense gated MLP.
+ * layers and gated full-attention layers, each followed by a dense gated MLP
+ * (or by a mixture of experts that the caller runs: the call ends there).
  *
  *   ss_hybrid_layers  layers l0 .. l1 - 1 on x [T, hidden] in place
  *
@@ -36,7 +37,8 @@ typedef struct {
     const float *conv_wt, *A, *dt_bias, *gnorm;
     float *conv, *ssm, *conv_ckpt, *ssm_ckpt; /* state pools (above) */
     int64_t slots, planes, ckpts;
-    int32_t linear; /* 1: Gated DeltaNet, 0: gated attention */
+    int32_t linear;      /* 1: Gated DeltaNet, 0: gated attention */
+    int32_t mlp_outside; /* 1: the layer's MLP (a mixture of experts) runs outside: the call ends after its mixer */
 } SSHybridLayer;
 
 typedef struct {
@@ -208,18 +210,19 @@ static int hybrid_layer(const SSHybridModel *hm, const SSHybridLayer *L, const S
     rc = L->linear ? dn_mixer(hm, L, r, st, s, nthreads) : attn_mixer(hm, L, kv, r, st, s, nthreads);
     if (rc) return rc;
     add_rows(x, s->o, T * H);
-    return mlp_block(m, L, T, x, s, nthreads);
+    return L->mlp_outside ? SS_OK : mlp_block(m, L, T, x, s, nthreads);
 }
 
 /*
  * Layers l0 .. l1 - 1 of a hybrid model on x [T, hidden] in place. layers / pools: arrays over
- * all layers (a DeltaNet layer's pool is not read). Scratch is allocated per call (one block).
+ * all layers (a DeltaNet layer's pool is not read). A layer whose MLP runs outside ends the call
+ * (l1 - 1) after its mixer's residual. Scratch is allocated per call (one block).
  */
 SS_EXPORT int ss_hybrid_layers(const SSHybridModel *hm, const SSHybridLayer *layers, const SSKVPool *pools, int64_t l0,
                                int64_t l1, const SSRows *r, const SSStateRows *st, float *x, int nthreads) {
     const SSModel *m = &hm->m;
     const int64_t T = r->T, H = m->hidden, I = m->inter, D = m->head_dim;
-    if (T < 0 || H <= 0 || I <= 0 || D <= 0 || m->n_heads <= 0 || m->n_kv_heads <= 0 || l0 < 0 || l1 < l0)
+    if (T < 0 || H <= 0 || I < 0 || D <= 0 || m->n_heads <= 0 || m->n_kv_heads <= 0 || l0 < 0 || l1 < l0)
         return SS_EINVAL;
     if (hm->rot <= 0 || hm->rot % 2 || hm->rot > D || hm->Hk <= 0 || hm->Hv <= 0 || hm->Hv % hm->Hk || hm->dk <= 0
         || hm->dv <= 0 || hm->conv_k < 1)
@@ -242,7 +245,7 @@ SS_EXPORT int ss_hybrid_layers(const SSHybridModel *hm, const SSHybridLayer *lay
     int rc = SS_OK;
     for (int64_t i = l0; i < l1 && rc == SS_OK; i++) {
         const SSHybridLayer *L = layers + i;
-        if (!L->linear && !pool_ok(pools + i, D)) rc = SS_EINVAL;
+        if ((!L->linear && !pool_ok(pools + i, D)) || (L->mlp_outside && i != l1 - 1)) rc = SS_EINVAL;
         else rc = hybrid_layer(hm, L, pools + i, r, st, x, &s, nthreads);
     }
     free(buf);
