@@ -77,13 +77,31 @@ def test_fused_layers_equal_the_python_path_chunked_batched_speculating(monkeypa
     assert_same_bits(monkeypatch, ours, run)
 
 
-def test_mixture_of_experts_runs_between_c_calls(monkeypatch, qwen3_5_moe):
-    """Qwen3.5-MoE: each layer's mixer in C, the call ending there, its experts in Python; chunked,
-    batched, speculating with an oracle and with the checkpoint's MoE MTP head."""
+@pytest.fixture(scope="module")
+def moe_models(qwen3_5_moe, tmp_path_factory):
+    """Qwen3.5-MoE three ways: llama-quantize's Q8_0 file (experts grouped in C, the shared expert,
+    wider than the routed ones, apart); int8 weights with the shared expert as wide as the routed
+    ones (folded into their grouped calls); float32 weights (experts that cannot be grouped: in
+    Python between C calls)."""
+    from tiny_models import make_tiny_qwen3_5_moe
+
+    from specserve.models.loader import LoadOptions
+
+    folded, _ = make_tiny_qwen3_5_moe(tmp_path_factory.mktemp("moe_folded"), seed=3, shared_intermediate=32,
+                                      options=LoadOptions(quantization="int8"))
+    return {"q8_0": load_model(str(DATA / "tiny-qwen35moe-q8_0.gguf")), "int8_folded": folded,
+            "fp32": qwen3_5_moe[0]}
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "int8_folded", "fp32"])
+def test_mixture_of_experts_fused(monkeypatch, moe_models, kind):
+    """Each way the same bits as the Python path: chunked, batched, speculating with an oracle and with
+    the checkpoint's MoE MTP head; one C call a forward where the experts are grouped, one a layer
+    (ending at its mixer) where they run in Python."""
     from specserve.speculative.mtp import MTPDrafter
 
-    ours, _ = qwen3_5_moe
-    layers_call = ops.hybrid_layers
+    ours = moe_models[kind]
+    layers_call, n = ops.hybrid_layers, ours.config.num_layers
     prompts = [random_prompt(70 + s, 25 + 11 * s) for s in range(3)]
     truth = dict(zip(map(tuple, prompts), greedy_outputs(make_engine(ours, max_num_seqs=3), prompts, 16)))
 
@@ -96,10 +114,11 @@ def test_mixture_of_experts_runs_between_c_calls(monkeypatch, qwen3_5_moe):
 
     oracle, mtp = assert_same_bits(monkeypatch, ours, run)
     assert oracle == mtp == list(truth.values())
+    assert {layer.mlp._fold_shared for layer in ours.model.layers} == {kind == "int8_folded"}
     spans = []
     monkeypatch.setattr(ops, "hybrid_layers", lambda *a: spans.append(a[4:6]) or layers_call(*a))
-    greedy_outputs(make_engine(ours), prompts[:1], 1)  # one forward: a call per layer
-    assert spans == [(i, i + 1) for i in range(ours.config.num_layers)]
+    greedy_outputs(make_engine(ours), prompts[:1], 1)  # one forward
+    assert spans == ([(i, i + 1) for i in range(n)] if kind == "fp32" else [(0, n)])
 
 
 @pytest.mark.parametrize("method", ["dflash", "mtp"])

@@ -99,11 +99,22 @@ HYBRID_SLOTS = 8
 HL_IN, HL_OUT, HL_GATE, HL_DOWN = 0, 4, 5, 7
 
 
+class SSMoE(ctypes.Structure):
+    """One layer's mixture of experts (csrc/moe_layer.h): gate_up / down point at arrays of E (+1:
+    the shared expert folded in) weight pointers, gu_scales / down_scales at their int8 scales."""
+
+    _fields_ = [("router", SSLin), ("shared_gate", SSLin), ("shared_gu", SSLin), ("shared_down", SSLin),
+                ("gate_up", _vp), ("down", _vp), ("gu_scales", _vp), ("down_scales", _vp),
+                ("gu_fmt", ctypes.c_int32), ("down_fmt", ctypes.c_int32), ("E", _i64), ("k", _i64), ("width", _i64),
+                ("shared_width", _i64), ("renorm", ctypes.c_int32), ("fold_shared", ctypes.c_int32)]
+
+
 class SSHybridLayer(ctypes.Structure):
     _fields_ = [("lin", SSLin * HYBRID_SLOTS), ("attn_norm", _vp), ("ffn_norm", _vp), ("q_norm", _vp),
                 ("k_norm", _vp), ("conv_wt", _vp), ("A", _vp), ("dt_bias", _vp), ("gnorm", _vp), ("conv", _vp),
                 ("ssm", _vp), ("conv_ckpt", _vp), ("ssm_ckpt", _vp), ("slots", _i64), ("planes", _i64),
-                ("ckpts", _i64), ("linear", ctypes.c_int32), ("mlp_outside", ctypes.c_int32)]
+                ("ckpts", _i64), ("linear", ctypes.c_int32), ("mlp_outside", ctypes.c_int32),
+                ("moe", _vp)]
 
 
 class SSHybridModel(ctypes.Structure):

@@ -125,6 +125,7 @@ from .decoder_abi import (  # noqa: F401
     REDUCE_FN,
     SSKVPool,
     SSLayer,
+    SSMoE,
     SSLin,
     SSModel,
     SSHybridLayer,

@@ -10,14 +10,15 @@ to it (tests/test_hybrid_fused.py).
 
 Covered: Qwen3.5 / Qwen3-Next layers with a dense MLP, any weight format, the DeltaNet's input
 projections fused or apart, partial rotary, text rows (a 1-D ``rope_positions`` too), every KV
-cache dtype, the prefix cache's state checkpoints. A mixture-of-experts layer's mixer runs in the
-C call, which then ends; its experts run in Python (``SparseMoE``, itself a few C calls) and the
-next call goes on from the next layer. Falls back to the Python path for rows with images (a
+cache dtype, the prefix cache's state checkpoints, mixtures of experts whose experts share grouped
+kernel calls (csrc/moe_layer.h). Any other mixture of experts ends the C call after its layer's
+mixer and runs in Python (``SparseMoE``); the next call goes on from the next layer. Falls back to the Python path for rows with images (a
 per-row M-RoPE table), tensor parallelism, CUDA and the torch kernel fallback.
 """
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from typing import TYPE_CHECKING
 
@@ -78,6 +79,40 @@ def _vec(t: torch.Tensor, n: int, what: str) -> int:
     return t.data_ptr()
 
 
+def _array(ctype, items: list):
+    return (ctype * len(items))(*items)
+
+
+def moe_struct(moe, cfg) -> tuple | None:
+    """(SSMoE, the pointer arrays it holds) of a SparseMoE whose experts share grouped kernel calls,
+    or None: it runs in Python (experts that cannot be grouped, a shared expert apart with gate and
+    up apart, more than 64 experts a token)."""
+    sh = moe.shared
+    if not moe.can_group() or moe.moe.num_experts_per_tok > 64 or (
+            sh is not None and not moe._fold_shared and sh.gate_up is None):
+        return None
+    mlps = [*moe.experts, sh] if moe._fold_shared else list(moe.experts)
+    ups, downs = [m.gate_up.weight._c_args() for m in mlps], [m.down.weight._c_args() for m in mlps]
+    keep = [_array(ctypes.c_void_p, [a[0] for a in ups]), _array(ctypes.c_void_p, [a[0] for a in downs])]
+    if ups[0][3]:  # int8 weights: their per-row scales
+        keep += [_array(ctypes.c_void_p, [a[3] for a in ups]), _array(ctypes.c_void_p, [a[3] for a in downs])]
+    s = ops.SSMoE()
+    s.router = ops.lin_struct(moe.router.weight, moe.router.bias)
+    if sh is not None:
+        s.shared_gate = ops.lin_struct(moe.shared_gate.weight, moe.shared_gate.bias)
+        if not moe._fold_shared:
+            s.shared_gu, s.shared_down = (ops.lin_struct(lin.weight, lin.bias) for lin in (sh.gate_up, sh.down))
+    s.gate_up, s.down = (ctypes.addressof(a) for a in keep[:2])
+    if len(keep) > 2:
+        s.gu_scales, s.down_scales = (ctypes.addressof(a) for a in keep[2:])
+    s.gu_fmt, s.down_fmt, s.E, s.k = ups[0][1], downs[0][1], moe.moe.num_experts, moe.moe.num_experts_per_tok
+    s.width, s.renorm, s.fold_shared = moe.moe.intermediate_size, int(moe.moe.norm_topk_prob), int(moe._fold_shared)
+    s.shared_width = moe.moe.shared_intermediate_size
+    if moe.experts[0].gate_up.out_features != 2 * s.width:
+        return None
+    return s, keep
+
+
 class HybridStack(FusedStack):
     """C descriptors of one hybrid model's layers and their state pools, and the call that runs them."""
 
@@ -96,8 +131,11 @@ class HybridStack(FusedStack):
                              if hasattr(lin.weight, "int_dot")]
         self._cfg, self._layers, self._layers_key = cfg, None, None
         self._kv_ref, self._pools, self._reduce_errors = None, None, []
-        # mixtures of experts run in Python (SparseMoE: routing and grouped experts in their own C calls)
-        self.breaks = frozenset(i for i, layer in enumerate(self._modules) if not isinstance(layer.mlp, MLP))
+        # mixtures of experts run in C where their experts can share a grouped call, else in Python
+        # between calls (SparseMoE: routing and grouped experts in C calls of their own)
+        self._moe = {i: moe_struct(layer.mlp, cfg) for i, layer in enumerate(self._modules)
+                     if not isinstance(layer.mlp, MLP)}
+        self.breaks = frozenset(i for i, m in self._moe.items() if m is None)
 
     def _after(self, layer: int, x: torch.Tensor) -> None:
         """Layer ``layer``'s mixture of experts on x, in place (run_layers' residual)."""
@@ -127,6 +165,8 @@ class HybridStack(FusedStack):
             s.q_norm, s.k_norm = _norm_ptr(mixer.q_norm, cfg.head_dim), _norm_ptr(mixer.k_norm, cfg.head_dim)
         if i in self.breaks:
             s.mlp_outside = 1
+        elif i in self._moe:
+            s.moe = ctypes.addressof(self._moe[i][0])
         else:
             gate_up = [mlp.gate_up] if mlp.gate_up is not None else [mlp.gate, mlp.up]
             lins |= {HL_GATE + j: lin for j, lin in enumerate(gate_up)} | {HL_DOWN: mlp.down}

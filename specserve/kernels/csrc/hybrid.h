@@ -23,6 +23,8 @@
  * GatedDeltaNet.state_io does.
  */
 
+#include "moe_layer.h"
+
 /* SSHybridLayer.lin slots: a DeltaNet layer's input projections side by side
    (q|k|v, z, b, a; a fused weight in the first slot and the rest absent) and its
    output projection; an attention layer's q (query | gate per head), k, v and o;
@@ -39,6 +41,7 @@ typedef struct {
     int64_t slots, planes, ckpts;
     int32_t linear;      /* 1: Gated DeltaNet, 0: gated attention */
     int32_t mlp_outside; /* 1: the layer's MLP (a mixture of experts) runs outside: the call ends after its mixer */
+    const SSMoE *moe;    /* the layer's mixture of experts (moe_layer.h), or NULL: the dense MLP of lin[] */
 } SSHybridLayer;
 
 typedef struct {
@@ -58,6 +61,7 @@ typedef struct {
 typedef struct {
     float *h, *proj, *core, *normed, *gated, *q, *k, *kr, *o, *gu, *act;
     float **conv_out, **ssm_out; /* [T] each */
+    float *moe;                  /* moe_carve's scratch for the largest mixture of experts */
 } HScratch;
 
 /* the present linears of lin[first .. first + parts) side by side into out [T, ldo] */
@@ -210,7 +214,12 @@ static int hybrid_layer(const SSHybridModel *hm, const SSHybridLayer *L, const S
     rc = L->linear ? dn_mixer(hm, L, r, st, s, nthreads) : attn_mixer(hm, L, kv, r, st, s, nthreads);
     if (rc) return rc;
     add_rows(x, s->o, T * H);
-    return L->mlp_outside ? SS_OK : mlp_block(m, L, T, x, s, nthreads);
+    if (L->mlp_outside) return SS_OK;
+    if (!L->moe) return mlp_block(m, L, T, x, s, nthreads);
+    if ((rc = ss_rms_norm(x, T, H, H, L->ffn_norm, m->eps, 0, s->h, H, nthreads))) return rc;
+    if ((rc = moe_block(L->moe, m->act, s->h, T, H, s->o, s->moe, nthreads))) return rc;
+    add_rows(x, s->o, T * H);
+    return SS_OK;
 }
 
 /*
@@ -232,16 +241,22 @@ SS_EXPORT int ss_hybrid_layers(const SSHybridModel *hm, const SSHybridLayer *lay
     const int64_t C = 2 * hm->Hk * hm->dk + vd, Pd = C + vd + 2 * hm->Hv, Pa = 2 * qs + 2 * kvs;
     const int64_t wide = vd > qs ? vd : qs, proj = Pd > Pa ? Pd : Pa;
     /* HScratch's buffers in order, in floats (a pointer takes two) */
-    const int64_t sizes[13] = {T * H, T * proj, T * wide, T * vd > qs ? T * vd : qs, T * wide, T * qs, kvs, kvs,
-                               T * H, T * 2 * I, T * I, 2 * T, 2 * T};
+    int64_t moe = 0;
+    for (int64_t i = l0; i < l1; i++)
+        if (layers[i].moe) {
+            const int64_t n = moe_carve(layers[i].moe, T, H, NULL, NULL);
+            moe = n > moe ? n : moe;
+        }
+    const int64_t sizes[14] = {T * H, T * proj, T * wide, T * vd > qs ? T * vd : qs, T * wide, T * qs, kvs, kvs,
+                               T * H, T * 2 * I, T * I, 2 * T, 2 * T, moe};
     int64_t total = 0;
-    for (int j = 0; j < 13; j++) total += al64(sizes[j]);
+    for (int j = 0; j < 14; j++) total += al64(sizes[j]);
     float *buf = (float *)aligned_alloc(64, sizeof(float) * (size_t)total);
     if (!buf) return SS_ENOMEM;
-    float *p[13];
-    for (int64_t j = 0, off = 0; j < 13; off += al64(sizes[j]), j++) p[j] = buf + off;
+    float *p[14];
+    for (int64_t j = 0, off = 0; j < 14; off += al64(sizes[j]), j++) p[j] = buf + off;
     const HScratch s = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], (float **)p[11],
-                        (float **)p[12]};
+                        (float **)p[12], p[13]};
     int rc = SS_OK;
     for (int64_t i = l0; i < l1 && rc == SS_OK; i++) {
         const SSHybridLayer *L = layers + i;
