@@ -8,3 +8,11 @@ n=${1:-1}
 python benchmarks/hybrid_speed.py --model 0.8b --types q4_k_m --prefill 2048 --decode 64 \
   --out results_final/zen4_1208/hybrid_08b_run$n.json --markdown results_final/zen4_1208/hybrid_08b_run$n.md
 python results_final/zen4_1208/fused_ab.py > results_final/zen4_1208/fused_ab_run$n.txt
+# the MoE shapes (needs hybrid_speed.py's 4- and 8-layer 35b-a3b files): fused against the Python path in one
+# process, four layers' cost in one process, against llama.cpp (zen4_1207e's script), hybrid_speed's table
+python results_final/zen4_1208/fused_ab.py ~/.cache/specserve/bench/qwen35-35b-a3b-random-8l/qwen35-35b-a3b-random-8l-q4_k_m.gguf \
+  > results_final/zen4_1208/fused_ab_moe8_run$n.txt
+python results_final/zen4_1208/layer_cost_1p.py > results_final/zen4_1208/layer_cost_1p_run$n.txt
+python results_final/zen4_1207e/layer_cost.py > results_final/zen4_1208/layer_cost_run$n.txt
+python benchmarks/hybrid_speed.py --model 35b-a3b --layers 4 --types q4_k_m --prefill 2048 --decode 32 \
+  --widths 1-9 --out results_final/zen4_1208/hybrid_moe_run$n.json --markdown results_final/zen4_1208/hybrid_moe_run$n.md

@@ -10,9 +10,9 @@ to it (tests/test_hybrid_fused.py).
 
 Covered: Qwen3.5 / Qwen3-Next layers with a dense MLP, any weight format, the DeltaNet's input
 projections fused or apart, partial rotary, text rows (a 1-D ``rope_positions`` too), every KV
-cache dtype, the prefix cache's state checkpoints, mixtures of experts whose experts share grouped
-kernel calls (csrc/moe_layer.h). Any other mixture of experts ends the C call after its layer's
-mixer and runs in Python (``SparseMoE``); the next call goes on from the next layer. Falls back to the Python path for rows with images (a
+cache dtype, the prefix cache's state checkpoints, mixtures of experts whose experts share
+grouped kernel calls (csrc/moe_layer.h). Any other mixture of experts ends the C call after its
+layer's mixer and runs in Python (``SparseMoE``); the next call goes on from the next layer. Falls back to the Python path for rows with images (a
 per-row M-RoPE table), tensor parallelism, CUDA and the torch kernel fallback.
 """
 
