@@ -190,14 +190,19 @@ def test_fused_layers_same_bits_in_every_build(monkeypatch, hybrid, variant):
 
 
 def test_what_falls_back_to_the_python_path(monkeypatch, hybrid):
-    """Tensor parallel and the torch kernels go the Python way and name why, or run no C at all."""
+    """Rows with images (a per-row M-RoPE table) and the torch kernels go the Python way."""
+    from specserve.models.hybrid_fused import batch_supported
+
     ours, _ = hybrid
     assert unsupported(ours.model) is None
-    ours.model.tp = object()
-    try:
-        assert unsupported(ours.model) == "tensor parallel"
-    finally:
-        ours.model.tp = None
+    eng = make_engine(ours)
+    eng.add_request("a", repetitive(1), SamplingParams(max_tokens=1))
+    eng.scheduler.admit()
+    batch = eng.runner.batch(eng.scheduler.schedule(drafting=False))
+    assert batch_supported(batch, eng.kv)
+    t = batch.positions.shape[0]
+    batch.rope_positions = batch.positions.view(t, 1).expand(t, 3).contiguous()  # [T, 3]: image rows' form
+    assert not batch_supported(batch, eng.kv)
     ops.set_default_impl("torch")
     try:
         _, _, stacked = traced(monkeypatch, ours, True, lambda: greedy_outputs(make_engine(ours), [repetitive(1)], 4))

@@ -318,10 +318,15 @@ def hybrid_tp2(hybrid_dir):
 
 
 def test_hybrid_logits_agree_with_one_rank(hybrid_dir, hybrid_tp2):
+    """Each rank's layers in one C call (models/hybrid_fused.py), the row-parallel outputs summed
+    over the ranks from inside it."""
+    from specserve.models.hybrid_fused import HybridStack
+
     one = load_model(str(hybrid_dir), FP32)
     assert hybrid_tp2.model.cfg.deltanet.num_v_heads * 2 == one.config.deltanet.num_v_heads
     ids = prompts(1)[0]
     torch.testing.assert_close(run_logits(hybrid_tp2, ids), run_logits(one, ids), rtol=1e-4, atol=1e-4)
+    assert isinstance(hybrid_tp2.model._stack, HybridStack) and hybrid_tp2.model._stack.model_desc.m.reduce
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix", "mtp"])

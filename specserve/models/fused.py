@@ -211,8 +211,12 @@ class FusedStack:
         return lambda l0, l1: self._layers_call(layers, pools, l0, l1, rows, wrows, x)
 
     def _layers_call(self, layers, pools, l0: int, l1: int, rows, wrows, x: torch.Tensor) -> None:
+        self._reduced(ops.decoder_layers, self.lib, self.model_desc, layers, pools, l0, l1, rows, wrows, x)
+
+    def _reduced(self, call, *args) -> None:
+        """call(*args), a failed tensor-parallel reduce inside it raised as itself."""
         try:
-            ops.decoder_layers(self.lib, self.model_desc, layers, pools, l0, l1, rows, wrows, x)
+            call(*args)
         except RuntimeError:
             if self._reduce_errors:
                 raise self._reduce_errors.pop() from None

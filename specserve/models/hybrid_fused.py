@@ -13,7 +13,8 @@ projections fused or apart, partial rotary, text rows (a 1-D ``rope_positions`` 
 cache dtype, the prefix cache's state checkpoints, mixtures of experts whose experts share
 grouped kernel calls (csrc/moe_layer.h). Any other mixture of experts ends the C call after its
 layer's mixer and runs in Python (``SparseMoE``); the next call goes on from the next layer. Falls back to the Python path for rows with images (a
-per-row M-RoPE table), tensor parallelism, CUDA and the torch kernel fallback.
+per-row M-RoPE table), CUDA and the torch kernel fallback. Under tensor parallelism the C call sums
+the row-parallel outputs over the ranks through the group's callback, as the dense stack does.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from specserve.kernels import ops
 from specserve.kernels.decoder_abi import HL_DOWN, HL_GATE, HL_IN, HL_OUT
-from specserve.models.fused import FusedStack, _norm_ptr, _rows
+from specserve.models.fused import FusedStack, _norm_ptr, _reduce_callback, _rows
 from specserve.models.fused import batch_supported as dense_batch_supported
 from specserve.models.layers import linears, rms_norm
 from specserve.models.transformer import MLP
@@ -42,8 +43,6 @@ def unsupported(model: HybridTransformer) -> str | None:
     cfg = model.cfg
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "CPU float32 only"
-    if model.tp is not None:
-        return "tensor parallel"
     if cfg.activation not in ops.ACTIVATIONS:
         return f"activation {cfg.activation}"
     rot = 2 * model.rope_global.cos.shape[1]
@@ -108,7 +107,8 @@ def moe_struct(moe, cfg) -> tuple | None:
     s.gu_fmt, s.down_fmt, s.E, s.k = ups[0][1], downs[0][1], moe.moe.num_experts, moe.moe.num_experts_per_tok
     s.width, s.renorm, s.fold_shared = moe.moe.intermediate_size, int(moe.moe.norm_topk_prob), int(moe._fold_shared)
     s.shared_width = moe.moe.shared_intermediate_size
-    if moe.experts[0].gate_up.out_features != 2 * s.width:
+    if moe.experts[0].gate_up.out_features != 2 * s.width or (
+            s.shared_gu.n and sh.gate_up.out_features != 2 * s.shared_width):
         return None
     return s, keep
 
@@ -131,6 +131,9 @@ class HybridStack(FusedStack):
                              if hasattr(lin.weight, "int_dot")]
         self._cfg, self._layers, self._layers_key = cfg, None, None
         self._kv_ref, self._pools, self._reduce_errors = None, None, []
+        if model.tp is not None:  # the row-parallel partial sums, summed over the ranks inside the call
+            self._reduce = ops.REDUCE_FN(_reduce_callback(model.tp, self._reduce_errors))
+            self.model_desc.m.reduce = self._reduce
         # mixtures of experts run in C where their experts can share a grouped call, else in Python
         # between calls (SparseMoE: routing and grouped experts in C calls of their own)
         self._moe = {i: moe_struct(layer.mlp, cfg) for i, layer in enumerate(self._modules)
@@ -193,7 +196,8 @@ class HybridStack(FusedStack):
         rope = batch.rope_positions if batch.rope_positions is not None else batch.positions
         states = ops.SSStateRows(*(t.data_ptr() for t in (batch.state_slots, batch.state_read, batch.state_ckpt_read,
                                                           batch.state_write, batch.state_ckpt_write, rope)))
-        return lambda l0, l1: ops.hybrid_layers(self.lib, self.model_desc, layers, pools, l0, l1, rows, states, x)
+        return lambda l0, l1: self._reduced(ops.hybrid_layers, self.lib, self.model_desc, layers, pools, l0, l1, rows,
+                                            states, x)
 
 
 HybridStack.unsupported = staticmethod(unsupported)

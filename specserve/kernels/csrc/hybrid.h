@@ -201,6 +201,7 @@ static int mlp_block(const SSModel *m, const SSHybridLayer *L, int64_t T, float 
     if ((rc = run_side(L, HL_GATE, 2, s->h, T, H, s->gu, 2 * I, nthreads))) return rc;
     if ((rc = ss_act_mul(s->gu, s->gu + I, T, I, 2 * I, 2 * I, m->act, s->act, I, nthreads))) return rc;
     if ((rc = run_lin(&L->lin[HL_DOWN], s->act, T, I, I, s->o, H, nthreads))) return rc;
+    if (m->reduce && m->reduce(s->o, T * H, m->reduce_ctx)) return SS_EREDUCE;
     add_rows(x, s->o, T * H);
     return SS_OK;
 }
@@ -213,11 +214,14 @@ static int hybrid_layer(const SSHybridModel *hm, const SSHybridLayer *L, const S
     if ((rc = ss_rms_norm(x, T, H, H, L->attn_norm, m->eps, 0, s->h, H, nthreads))) return rc;
     rc = L->linear ? dn_mixer(hm, L, r, st, s, nthreads) : attn_mixer(hm, L, kv, r, st, s, nthreads);
     if (rc) return rc;
+    /* tensor parallel: the row-parallel output projection's partial sums over the ranks */
+    if (m->reduce && m->reduce(s->o, T * H, m->reduce_ctx)) return SS_EREDUCE;
     add_rows(x, s->o, T * H);
     if (L->mlp_outside) return SS_OK;
     if (!L->moe) return mlp_block(m, L, T, x, s, nthreads);
     if ((rc = ss_rms_norm(x, T, H, H, L->ffn_norm, m->eps, 0, s->h, H, nthreads))) return rc;
     if ((rc = moe_block(L->moe, m->act, s->h, T, H, s->o, s->moe, nthreads))) return rc;
+    if (m->reduce && m->reduce(s->o, T * H, m->reduce_ctx)) return SS_EREDUCE; /* the experts' partial sums */
     add_rows(x, s->o, T * H);
     return SS_OK;
 }
