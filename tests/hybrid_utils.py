@@ -18,6 +18,7 @@ from specserve.engine.types import SamplingParams
 from specserve.models.loader import load_model
 from specserve.speculative.config import SpeculativeConfig
 from specserve.speculative.drafter import Drafter, Proposal
+from specserve.kernels import ops
 from tiny_models import FP32
 
 RTOL = 1e-4
@@ -140,3 +141,40 @@ def llama_cpp_partings(ours, name: str, plain: list[list[int]]) -> tuple[int, li
             partings.append((i, prompt + got[:i], got[i], want[i], float(last[got[i]] - last[want[i]]),
                              float(last.max())))
     return same, partings
+
+
+# ---- the fused C path of hybrid models against their per-op Python path ----------------------
+def traced(monkeypatch, lm, fused: bool, run) -> tuple[list[torch.Tensor], object, int]:
+    """run() with the model's fused path on or off -> (every forward's logits, run's result, how
+    many forwards ran their layers through the C stack)."""
+    model, forwards, stacked = lm.model, [], []
+    forward, layers_call = model.forward, ops.hybrid_layers
+
+    def record(batch, kv):
+        out = forward(batch, kv)
+        forwards.append(out.logits.clone())
+        return out
+
+    def count(*a):
+        stacked.append(len(forwards))
+        return layers_call(*a)
+
+    monkeypatch.setattr(model, "forward", record)
+    monkeypatch.setattr(ops, "hybrid_layers", count)
+    model.fused = fused
+    try:
+        result = run()
+    finally:
+        model.fused = True
+        monkeypatch.undo()
+    return forwards, result, len(set(stacked))
+
+
+def assert_same_bits(monkeypatch, lm, run) -> object:
+    """run() fused and on the Python path: the same logits in every forward, every forward fused."""
+    py, want, none = traced(monkeypatch, lm, False, run)
+    fused, got, stacked = traced(monkeypatch, lm, True, run)
+    assert none == 0 and stacked == len(fused) == len(py) > 0
+    assert all(torch.equal(a, b) for a, b in zip(py, fused))
+    assert got == want
+    return got

@@ -19,45 +19,10 @@ from specserve.models.hybrid_fused import unsupported  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
 from specserve.speculative.config import SpeculativeConfig  # noqa: E402
 from engine_utils import drafter_makers  # noqa: E402
-from hybrid_utils import DATA, OracleDrafter, greedy_outputs, make_engine, random_prompt, repetitive  # noqa: E402
+from hybrid_utils import (DATA, OracleDrafter, assert_same_bits, greedy_outputs, make_engine,  # noqa: E402
+                          random_prompt, repetitive, traced)
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available(), reason="no C compiler")
-
-
-def traced(monkeypatch, lm, fused: bool, run) -> tuple[list[torch.Tensor], object, int]:
-    """run() with the model's fused path on or off -> (every forward's logits, run's result, how
-    many forwards ran their layers through the C stack)."""
-    model, forwards, stacked = lm.model, [], []
-    forward, layers_call = model.forward, ops.hybrid_layers
-
-    def record(batch, kv):
-        out = forward(batch, kv)
-        forwards.append(out.logits.clone())
-        return out
-
-    def count(*a):
-        stacked.append(len(forwards))
-        return layers_call(*a)
-
-    monkeypatch.setattr(model, "forward", record)
-    monkeypatch.setattr(ops, "hybrid_layers", count)
-    model.fused = fused
-    try:
-        result = run()
-    finally:
-        model.fused = True
-        monkeypatch.undo()
-    return forwards, result, len(set(stacked))
-
-
-def assert_same_bits(monkeypatch, lm, run) -> object:
-    """run() fused and on the Python path: the same logits in every forward, every forward fused."""
-    py, want, none = traced(monkeypatch, lm, False, run)
-    fused, got, stacked = traced(monkeypatch, lm, True, run)
-    assert none == 0 and stacked == len(fused) == len(py) > 0
-    assert all(torch.equal(a, b) for a, b in zip(py, fused))
-    assert got == want
-    return got
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "int4"])
@@ -190,7 +155,8 @@ def test_fused_layers_same_bits_in_every_build(monkeypatch, hybrid, variant):
 
 
 def test_what_falls_back_to_the_python_path(monkeypatch, hybrid):
-    """Rows with images (a per-row M-RoPE table) and the torch kernels go the Python way."""
+    """A batch the C call cannot read (state indices of another dtype) and the torch kernels go the
+    Python way."""
     from specserve.models.hybrid_fused import batch_supported
 
     ours, _ = hybrid
@@ -200,8 +166,7 @@ def test_what_falls_back_to_the_python_path(monkeypatch, hybrid):
     eng.scheduler.admit()
     batch = eng.runner.batch(eng.scheduler.schedule(drafting=False))
     assert batch_supported(batch, eng.kv)
-    t = batch.positions.shape[0]
-    batch.rope_positions = batch.positions.view(t, 1).expand(t, 3).contiguous()  # [T, 3]: image rows' form
+    batch.state_write = batch.state_write.int()
     assert not batch_supported(batch, eng.kv)
     ops.set_default_impl("torch")
     try:

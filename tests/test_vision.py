@@ -21,6 +21,7 @@ from specserve.engine.types import SamplingParams
 from specserve.errors import ModelLoadError, RequestError
 from specserve.models.loader import load_model
 from engine_utils import drafter_makers, logits_of_every_position
+from hybrid_utils import assert_same_bits
 from tiny_models import FP32, VL_IDS, make_tiny_target, make_tiny_vl
 
 RTOL = 1e-4
@@ -163,6 +164,17 @@ def test_greedy_equals_transformers_generate_with_images(which, request):
 
 
 # ---- the engine ------------------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["vl", "vl_moe"])
+def test_fused_layers_take_image_rows_with_the_python_path_bits(monkeypatch, which, request):
+    """Forwards with image rows run the layers in one C call with their per-row M-RoPE table, and give
+    the Python path's bits: prompts with images prefilled in chunks beside decoding rows."""
+    ours = request.getfixturevalue(which)[1]
+    prompts = image_prompts(ours)[:3]
+    got = assert_same_bits(monkeypatch, ours, lambda: greedy(engine(ours, max_num_seqs=3, max_num_batched_tokens=48,
+                                                                       max_step_ms=0), prompts, 8))
+    assert len(got) == 3
+
+
 def test_chunk_boundaries_inside_images_change_nothing(vl):
     _, ours, _ = vl
     prompts = image_prompts(ours)[:3] + image_prompts(ours)[14:15]

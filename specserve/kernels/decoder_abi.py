@@ -124,7 +124,7 @@ class SSHybridModel(ctypes.Structure):
 
 class SSStateRows(ctypes.Structure):
     _fields_ = [("slots", _vp), ("read", _vp), ("ckpt_read", _vp), ("write", _vp), ("ckpt_write", _vp),
-                ("rope_pos", _vp)]
+                ("rope_pos", _vp), ("rope_cos", _vp), ("rope_sin", _vp), ("rope_rows", _i64)]
 
 
 def hybrid_layers(lib: ctypes.CDLL, model: SSHybridModel, layers: ctypes.Array, pools: ctypes.Array, l0: int,

@@ -330,15 +330,9 @@ class HybridTransformer(Transformer):
         return [HybridLayer(cfg, i, tensors, quant, device, dtype) for i in range(cfg.num_layers)]
 
     def rope_of(self, batch: ForwardBatch) -> tuple[Rope, torch.Tensor]:
-        """The rotary table and positions of this forward: with images, a per-row M-RoPE table
-        (rows 0..T-1), built once per forward (``batch.rope_table``)."""
-        if batch.rope_positions is None:
-            return self.rope_global, batch.positions
-        if batch.rope_positions.dim() == 1:  # text rows only (past an image: index + delta)
-            return self.rope_global, batch.rope_positions
-        if batch.rope_table is None:
-            batch.rope_table = self.rope_global.rows(batch.rope_positions, self.cfg.mrope_section)
-        return batch.rope_table, torch.arange(batch.rope_positions.shape[0], dtype=torch.int32)
+        """The rotary table and positions of this forward (Rope.for_batch: with images, a per-row
+        M-RoPE table)."""
+        return self.rope_global.for_batch(batch, self.cfg.mrope_section)
 
     def run_layers(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, dict]:
         eps, hidden = self.cfg.rms_eps, {}

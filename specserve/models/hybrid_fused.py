@@ -9,12 +9,13 @@ one by one (``HybridTransformer.run_layers``), on the same rows, so the result i
 to it (tests/test_hybrid_fused.py).
 
 Covered: Qwen3.5 / Qwen3-Next layers with a dense MLP, any weight format, the DeltaNet's input
-projections fused or apart, partial rotary, text rows (a 1-D ``rope_positions`` too), every KV
-cache dtype, the prefix cache's state checkpoints, mixtures of experts whose experts share
-grouped kernel calls (csrc/moe_layer.h). Any other mixture of experts ends the C call after its
-layer's mixer and runs in Python (``SparseMoE``); the next call goes on from the next layer. Falls back to the Python path for rows with images (a
-per-row M-RoPE table), CUDA and the torch kernel fallback. Under tensor parallelism the C call sums
-the row-parallel outputs over the ranks through the group's callback, as the dense stack does.
+projections fused or apart, partial rotary, text rows and rows with images (their per-row M-RoPE
+table), every KV cache dtype, the prefix cache's state checkpoints, mixtures of experts whose
+experts share grouped kernel calls (csrc/moe_layer.h). Any other mixture of experts ends the C
+call after its layer's mixer and runs in Python (``SparseMoE``); the next call goes on from the
+next layer. Under tensor parallelism the C call sums the row-parallel outputs over the ranks
+through the group's callback, as the dense stack does. CUDA and the torch kernel fallback take the
+Python path.
 """
 
 from __future__ import annotations
@@ -58,14 +59,14 @@ def _index_ok(t: torch.Tensor | None, n: int) -> bool:
 
 def batch_supported(batch: ForwardBatch, kv: KVCache) -> bool:
     """Whether this batch and cache can run fused: the dense checks, one paging group, the
-    recurrent-state indices, and text rows only (a per-row M-RoPE table goes the Python way)."""
+    recurrent-state indices, int32 rope positions when they are 1-D."""
     if not (dense_batch_supported(batch, kv) and len(batch.paging) == 1 and kv.states is not None):
         return False
     t, s = batch.positions.shape[0], batch.paging[0].block_tables.shape[0]
     rp = batch.rope_positions
     return (all(_index_ok(x, s) for x in (batch.state_slots, batch.state_read, batch.state_ckpt_read))
             and all(_index_ok(x, t) for x in (batch.state_write, batch.state_ckpt_write))
-            and (rp is None or (rp.dtype == torch.int32 and rp.shape == (t,) and rp.is_contiguous())))
+            and (rp is None or rp.dim() == 2 or (rp.dtype == torch.int32 and rp.shape == (t,) and rp.is_contiguous())))
 
 
 def _ptr(t: torch.Tensor) -> int | None:
@@ -120,6 +121,7 @@ class HybridStack(FusedStack):
         cfg, dn = model.cfg, model.cfg.deltanet
         self.lib, self.num_layers, self.hidden = lib, cfg.num_layers, cfg.hidden_size
         self._modules = list(model.layers)
+        self._rope = model.rope_global
         cos, sin = model.rope_global.cos.contiguous(), model.rope_global.sin.contiguous()  # [max_pos, rot / 2]
         self._keep = [cos, sin]
         base = ops.SSModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
@@ -193,11 +195,17 @@ class HybridStack(FusedStack):
         pools = self._pool_array(kv)
         self._kv_ref = weakref.ref(kv)
         rows = _rows(batch, batch.paging[0])
-        rope = batch.rope_positions if batch.rope_positions is not None else batch.positions
+        table, pos = self._rope.for_batch(batch, self._cfg.mrope_section)  # with images: per-row M-RoPE
         states = ops.SSStateRows(*(t.data_ptr() for t in (batch.state_slots, batch.state_read, batch.state_ckpt_read,
-                                                          batch.state_write, batch.state_ckpt_write, rope)))
-        return lambda l0, l1: self._reduced(ops.hybrid_layers, self.lib, self.model_desc, layers, pools, l0, l1, rows,
-                                            states, x)
+                                                          batch.state_write, batch.state_ckpt_write, pos)))
+        if table is not self._rope:
+            cos, sin = table.cos.contiguous(), table.sin.contiguous()
+            states.rope_cos, states.rope_sin, states.rope_rows = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
+            keep = (cos, sin, pos)  # alive for the calls
+        else:
+            keep = (pos,)
+        return lambda l0, l1, keep=keep: self._reduced(ops.hybrid_layers, self.lib, self.model_desc, layers, pools,
+                                                       l0, l1, rows, states, x)
 
 
 HybridStack.unsupported = staticmethod(unsupported)

@@ -205,6 +205,18 @@ class Rope(nn.Module):
         out.cos, out.sin = self.cos[pos, col].contiguous(), self.sin[pos, col].contiguous()  # [T, D/2]
         return out
 
+    def for_batch(self, batch, section: tuple[int, ...]) -> tuple["Rope", torch.Tensor]:
+        """The table and positions of a forward batch's rows (ForwardBatch.rope_positions): this
+        table at batch.positions, at a 1-D rope_positions (text past an image: index + delta), or
+        with images a per-row M-RoPE table (rows 0..T-1), built once per forward (batch.rope_table)."""
+        if batch.rope_positions is None:
+            return self, batch.positions
+        if batch.rope_positions.dim() == 1:
+            return self, batch.rope_positions
+        if batch.rope_table is None:
+            batch.rope_table = self.rows(batch.rope_positions, section)
+        return batch.rope_table, torch.arange(batch.rope_positions.shape[0], dtype=torch.int32)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D]; positions: [T] -> rotated x (new tensor). A table narrower than D is
         partial rotary (Qwen3.5): the first dims of each head rotate, the rest pass.

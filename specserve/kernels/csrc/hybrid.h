@@ -55,7 +55,11 @@ typedef struct {
 typedef struct {
     const int64_t *slots, *read, *ckpt_read; /* [S], by seq id; read / ckpt_read -1: none */
     const int64_t *write, *ckpt_write;       /* [T]; -1: none */
-    const int32_t *rope_pos;                 /* [T] */
+    const int32_t *rope_pos;                 /* [T]: rows of the rope table */
+    /* the forward's own rope table [rope_rows, rot / 2] (rows with images: one M-RoPE row per token,
+       rope_pos = 0 .. T-1), or NULL: the model's */
+    const float *rope_cos, *rope_sin;
+    int64_t rope_rows;
 } SSStateRows;
 
 typedef struct {
@@ -77,12 +81,14 @@ static int run_side(const SSHybridLayer *L, int first, int parts, const float *x
     return col == ldo ? SS_OK : SS_EINVAL;
 }
 
-/* the first rot dims of each of H heads of D values rotated at pos, the rest copied */
-static int rope_heads(const SSHybridModel *hm, const float *x, int64_t H, int32_t pos, float *out) {
+/* the first rot dims of each of H heads of D values rotated by row pos of the table, the rest copied */
+static int rope_heads(const SSHybridModel *hm, const SSStateRows *st, const float *x, int64_t H, int32_t pos,
+                      float *out) {
     const SSModel *m = &hm->m;
     const int64_t D = m->head_dim, half = hm->rot / 2;
-    if (pos < 0 || pos >= m->rope_max_pos) return SS_EROPE;
-    const float *c = m->rope_cos + pos * half, *s = m->rope_sin + pos * half;
+    const float *cos_t = st->rope_cos ? st->rope_cos : m->rope_cos, *sin_t = st->rope_cos ? st->rope_sin : m->rope_sin;
+    if (pos < 0 || pos >= (st->rope_cos ? st->rope_rows : m->rope_max_pos)) return SS_EROPE;
+    const float *c = cos_t + pos * half, *s = sin_t + pos * half;
     for (int64_t h = 0; h < H; h++) {
         rope_row(x + h * D, c, s, half, out + h * D);
         memcpy(out + h * D + hm->rot, x + h * D + hm->rot, (size_t)(D - hm->rot) * sizeof(float));
@@ -105,9 +111,9 @@ static int attn_mixer(const SSHybridModel *hm, const SSHybridLayer *L, const SSK
         if (slot < 0 || slot >= nslots) return SS_ESLOT;
         /* q: each head's first D of 2 D, normed then roped; k normed, roped, stored with v */
         if ((rc = ss_rms_norm(row, Hq, D, 2 * D, L->q_norm, m->eps, 0, s->normed, D, 1))) return rc;
-        if ((rc = rope_heads(hm, s->normed, Hq, st->rope_pos[t], s->q + t * qs))) return rc;
+        if ((rc = rope_heads(hm, st, s->normed, Hq, st->rope_pos[t], s->q + t * qs))) return rc;
         if ((rc = ss_rms_norm(row + 2 * qs, Hkv, D, D, L->k_norm, m->eps, 0, s->k, D, 1))) return rc;
-        if ((rc = rope_heads(hm, s->k, Hkv, st->rope_pos[t], s->kr))) return rc;
+        if ((rc = rope_heads(hm, st, s->k, Hkv, st->rope_pos[t], s->kr))) return rc;
         for (int64_t h = 0; h < Hkv; h++) {
             kv_quant_row(kv->fmt, s->kr + h * D, (int)D, kv->group, kv->k, kv->k_scales, slot * Hkv + h);
             kv_quant_row(kv->fmt, row + 2 * qs + kvs + h * D, (int)D, kv->group, kv->v, kv->v_scales, slot * Hkv + h);
