@@ -138,9 +138,12 @@ class HybridStack(FusedStack):
             self.model_desc.m.reduce = self._reduce
         # mixtures of experts run in C where their experts can share a grouped call, else in Python
         # between calls (SparseMoE: routing and grouped experts in C calls of their own)
-        self._moe = {i: moe_struct(layer.mlp, cfg) for i, layer in enumerate(self._modules)
-                     if not isinstance(layer.mlp, MLP)}
+        self._moe = self._moe_structs()  # (rebuilt with the layers: the shared expert's int_dot is in them)
         self.breaks = frozenset(i for i, m in self._moe.items() if m is None)
+
+    def _moe_structs(self) -> dict:
+        return {i: moe_struct(layer.mlp, self._cfg) for i, layer in enumerate(self._modules)
+                if not isinstance(layer.mlp, MLP)}
 
     def _after(self, layer: int, x: torch.Tensor) -> None:
         """Layer ``layer``'s mixture of experts on x, in place (run_layers' residual)."""
@@ -184,6 +187,7 @@ class HybridStack(FusedStack):
         key = (self._act_key(), id(kv.states))
         if key != self._layers_key or self._kv_ref is None or self._kv_ref() is not kv:
             arr = (ops.SSHybridLayer * self.num_layers)()
+            self._moe = self._moe_structs()
             for i, layer in enumerate(self._modules):
                 arr[i] = self._layer_struct(i, layer, kv.states)
             self._layers, self._layers_key = arr, key
