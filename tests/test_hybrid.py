@@ -332,9 +332,10 @@ def test_memory_plan_counts_the_states(hybrid):
 def test_input_projections_fused_or_not_give_the_same_bits(monkeypatch):
     """llama-quantize gives some layers' q|k|v another format than z / b / a, so the input
     projection cannot be one call there: z | b | a are then one call, else three. Each way gives
-    the same logits, bit for bit (every output is reduced on its own)."""
+    the same logits, bit for bit (every output is reduced on its own); so does gated attention's
+    q | k | v as one call or three."""
     from specserve.models import layers as L
-    from specserve.models.hybrid import GatedDeltaNet
+    from specserve.models.hybrid import GatedAttention, GatedDeltaNet
 
     fused = L.Linear.fused.__func__
 
@@ -349,6 +350,8 @@ def test_input_projections_fused_or_not_give_the_same_bits(monkeypatch):
         model = load_model(path)
         mixers = [m for m in model.model.modules() if isinstance(m, GatedDeltaNet)]
         assert all((m.in_proj is not None, m.zba is not None) == (n == 9, n == 4) for m in mixers)
+        attention = [m for m in model.model.modules() if isinstance(m, GatedAttention)]
+        assert attention and all((m.qkv is not None) == (n > 3) for m in attention)  # q | k | v one call or three
         outs.append(logits_of_every_position_in(model, ids))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 

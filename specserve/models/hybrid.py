@@ -95,9 +95,12 @@ class GatedAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, lw: LayerWeights):
         super().__init__()
-        self.q, self.k, self.v = lw.lin("q", "column"), lw.lin("k", "column"), lw.lin("v", "column")
+        self.qkv = lw.fuse("q", "k", "v", parallel="column")  # one call where their formats allow
+        if self.qkv is None:
+            self.q, self.k, self.v = lw.lin("q", "column"), lw.lin("k", "column"), lw.lin("v", "column")
         self.o = lw.lin("o", "row")
-        if self.q.out_features != 2 * cfg.q_size:
+        q_rows = self.qkv.out_features - 2 * cfg.kv_size if self.qkv is not None else self.q.out_features
+        if q_rows != 2 * cfg.q_size:
             raise ModelLoadError(f"layer {lw.i}: gated attention wants a q projection of {2 * cfg.q_size} rows "
                                  f"(query and gate per head), the checkpoint has {self.q.out_features}")
         self.q_norm, self.k_norm = lw.vec("q_norm"), lw.vec("k_norm")
@@ -113,11 +116,15 @@ class GatedAttention(nn.Module):
         """h [T, H] (normed) -> [T, H], with attention(q [T, Hq, D], k, v [T, Hkv, D]) -> [T, Hq, D]
         given: the paged cache (``forward``) or a drafter's own rows (speculative/family_layer.py)."""
         t_len, d = h.shape[0], cfg.head_dim
-        qg = self.q(h).view(t_len, cfg.num_heads, 2 * d)
+        if self.qkv is not None:  # [T, 2 q_size | kv_size | kv_size], views of one output
+            qg, k, v = self.qkv(h).split((2 * cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+        else:
+            qg, k, v = self.q(h), self.k(h), self.v(h)
+        qg = qg.view(t_len, cfg.num_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(t_len, cfg.q_size)
         q = rms_norm(q.reshape(-1, d).contiguous(), self.q_norm, cfg.rms_eps).view(t_len, cfg.num_heads, d)
-        k = rms_norm(self.k(h).reshape(-1, d), self.k_norm, cfg.rms_eps).view(t_len, cfg.num_kv_heads, d)
-        v = self.v(h).view(t_len, cfg.num_kv_heads, d)
+        k = rms_norm(k.reshape(-1, d), self.k_norm, cfg.rms_eps).view(t_len, cfg.num_kv_heads, d)
+        v = v.view(t_len, cfg.num_kv_heads, d)
         attn = attention(rope(q, positions), rope(k, positions), v)  # [T, Hq, D]
         return self.o(ops.sigmoid_mul(gate, attn.reshape(t_len, cfg.q_size)))
 

@@ -169,7 +169,8 @@ class HybridStack(FusedStack):
             s.conv, s.ssm, s.conv_ckpt, s.ssm_ckpt = map(_ptr, (conv, ssm, conv_ck, ssm_ck))
             s.slots, s.planes, s.ckpts = conv.shape[0], conv.shape[1], conv_ck.shape[0]
         else:
-            lins = {0: mixer.q, 1: mixer.k, 2: mixer.v, HL_OUT: mixer.o}
+            qkv = [mixer.qkv] if mixer.qkv is not None else [mixer.q, mixer.k, mixer.v]
+            lins = {j: lin for j, lin in enumerate(qkv)} | {HL_OUT: mixer.o}
             s.q_norm, s.k_norm = _norm_ptr(mixer.q_norm, cfg.head_dim), _norm_ptr(mixer.k_norm, cfg.head_dim)
         if i in self.breaks:
             s.mlp_outside = 1
