@@ -16,3 +16,10 @@ python results_final/zen4_1208/layer_cost_1p.py > results_final/zen4_1208/layer_
 python results_final/zen4_1207e/layer_cost.py > results_final/zen4_1208/layer_cost_run$n.txt
 python benchmarks/hybrid_speed.py --model 35b-a3b --layers 4 --types q4_k_m --prefill 2048 --decode 32 \
   --widths 1-9 --out results_final/zen4_1208/hybrid_moe_run$n.json --markdown results_final/zen4_1208/hybrid_moe_run$n.md
+# once (outputs without a run number): the Python path's step by parts, the first fused A/B, a step outside
+# its forward
+# python results_final/zen4_1208/step_parts_08b.py > results_final/zen4_1208/step_parts_08b.txt
+# python results_final/zen4_1208/fused_ab.py > results_final/zen4_1208/fused_ab.txt
+# python results_final/zen4_1208/step_overhead.py > results_final/zen4_1208/step_overhead.txt
+# (fused_ab_moe8.txt, layer_cost_1p.txt: the MoE A/B and four layers' cost while the experts still ran in
+# Python between calls, at the commit before 4b14684; fused_ab_moe8_c.txt, layer_cost_1p_c.txt: after it)
