@@ -46,8 +46,9 @@ def unsupported(model: HybridTransformer) -> str | None:
         return "CPU float32 only"
     if cfg.activation not in ops.ACTIVATIONS:
         return f"activation {cfg.activation}"
-    rot = 2 * model.rope_global.cos.shape[1]
-    if rot > cfg.head_dim or cfg.deltanet is None:
+    if cfg.deltanet is None:
+        return "no Gated DeltaNet shapes in the config"
+    if 2 * model.rope_global.cos.shape[1] > cfg.head_dim:
         return "rotary table wider than a head"
     return None
 
