@@ -24,3 +24,4 @@ python benchmarks/hybrid_speed.py --model 35b-a3b --layers 4 --types q4_k_m --pr
 # (fused_ab_moe8.txt, layer_cost_1p.txt: the MoE A/B and four layers' cost while the experts still ran in
 # Python between calls, at the commit before 4b14684; fused_ab_moe8_c.txt, layer_cost_1p_c.txt: after it)
 # python results_final/zen4_1208/mtp_step.py > results_final/zen4_1208/mtp_step.txt
+# python results_final/zen4_1208/deltanet_silu_ab.py > results_final/zen4_1208/deltanet_silu_ab.txt

@@ -30,6 +30,31 @@ static inline float dn_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 static inline float dn_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); } /* torch's threshold */
 
+/* y = y / (1 + exp(-y)) over n values with the kernels' Cephes exp (exp_avx2 and its scalar mirror
+   exp_scalar, as act_mul's silu): the same bits in every build, a vector pass instead of libm's expf
+   one value at a time */
+#ifndef DN_SILU_LIBM
+#define DN_SILU_LIBM 0 /* 1: libm's expf one value at a time (before 2026-12-08; results_final/zen4_1208) */
+#endif
+static void SS_NOCONTRACT dn_silu(float *y, int64_t n) {
+    int64_t i = 0;
+    if (DN_SILU_LIBM) {
+        for (; i < n; i++) y[i] = y[i] * dn_sigmoid(y[i]);
+        return;
+    }
+#ifdef SS_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(y + i);
+        _mm256_storeu_ps(y + i, _mm256_div_ps(v, _mm256_add_ps(one, exp_avx2(_mm256_xor_ps(v, neg)))));
+    }
+#endif
+    for (; i < n; i++) {
+        const float v = y[i], den = 1.0f + exp_scalar(-v);
+        y[i] = v / den;
+    }
+}
+
 /* conv + SiLU over rows 0..n-1: xx [W + n, C] (window then rows), wt [K, C] -> y [n, C]; the threads
    split rows and channels in pieces of DN_CONV_CHANNELS (a one-row decode step's SiLU is thousands of
    expf calls) */
@@ -50,7 +75,7 @@ static void SS_NOCONTRACT dn_conv(const float *xx, const float *wt, int64_t n, i
             const float *xr = xx + (t + j) * C, *wr = wt + j * C;
             for (int64_t c = c0; c < c1; c++) yr[c] += wr[c] * xr[c];
         }
-        for (int64_t c = c0; c < c1; c++) yr[c] = yr[c] * dn_sigmoid(yr[c]);
+        dn_silu(yr + c0, c1 - c0);
     }
 }
 
