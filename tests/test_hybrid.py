@@ -435,6 +435,27 @@ def test_unknown_layer_type_fails_at_load(hybrid, tmp_path):
         load_model(str(dst), FP32)
 
 
+@pytest.mark.parametrize("apart", [False, True])
+def test_a_q_projection_without_its_gate_fails_at_load(hybrid, tmp_path, monkeypatch, apart):
+    """Gated attention's q projection holds query and gate per head (twice q_size rows): one with
+    the query only is named at load, whether q | k | v load as one linear or three."""
+    from safetensors.torch import load_file, save_file
+
+    from specserve.models import layers as L
+
+    dst, cfg = copy_checkpoint(hybrid, tmp_path)
+    i = cfg["layer_types"].index("full_attention")
+    f = next(dst.glob("*.safetensors"))
+    tensors = load_file(str(f))
+    name = f"model.layers.{i}.self_attn.q_proj.weight"
+    tensors[name] = tensors[name][: tensors[name].shape[0] // 2].contiguous()
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    if apart:
+        monkeypatch.setattr(L.Linear, "fused", classmethod(lambda cls, raws, *a, **kw: None))
+    with pytest.raises(ModelLoadError, match="gated attention wants a q projection"):
+        load_model(str(dst), FP32)
+
+
 def test_missing_tensor_fails_at_load(hybrid, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -102,7 +102,7 @@ class GatedAttention(nn.Module):
         q_rows = self.qkv.out_features - 2 * cfg.kv_size if self.qkv is not None else self.q.out_features
         if q_rows != 2 * cfg.q_size:
             raise ModelLoadError(f"layer {lw.i}: gated attention wants a q projection of {2 * cfg.q_size} rows "
-                                 f"(query and gate per head), the checkpoint has {self.q.out_features}")
+                                 f"(query and gate per head), the checkpoint has {q_rows}")
         self.q_norm, self.k_norm = lw.vec("q_norm"), lw.vec("k_norm")
 
     def forward(self, model: "HybridTransformer", i: int, h: torch.Tensor, batch: ForwardBatch, kv: KVCache,
