@@ -16,6 +16,7 @@ pytest.importorskip("transformers.models.qwen3_5")
 from specserve.engine.types import SamplingParams  # noqa: E402
 from specserve.kernels import ops  # noqa: E402
 from specserve.models.hybrid_fused import unsupported  # noqa: E402
+from specserve.models.layers import linears  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
 from specserve.speculative.config import SpeculativeConfig  # noqa: E402
 from engine_utils import drafter_makers  # noqa: E402
@@ -131,7 +132,30 @@ def test_quantized_weights_with_input_projections_fused_or_apart(monkeypatch, ap
     lm = load_model(str(DATA / "tiny-qwen35-q8_0.gguf"))
     monkeypatch.undo()
     prompts = [random_prompt(5, 24), repetitive(2)]
-    assert_same_bits(monkeypatch, lm, lambda: greedy_outputs(make_engine(lm, max_num_seqs=2), prompts, 12))
+    run = lambda: greedy_outputs(make_engine(lm, max_num_seqs=2), prompts, 12)  # noqa: E731
+    assert_same_bits(monkeypatch, lm, run)
+    if apart == 9:  # weights switched to float32 activations mid-run: the C call's descriptors follow
+        weights = [lin.weight for lin in linears(lm.model.layers)]
+
+        def switching(at: int | None):
+            eng, got = make_engine(lm, max_num_seqs=2), []
+            for i, p in enumerate(prompts):
+                eng.add_request(f"r{i}", p, SamplingParams(max_tokens=12, ignore_eos=True))
+            try:
+                for step in range(64):
+                    if step == at:
+                        for w in weights:
+                            w.int_dot = False
+                    got += [(o.request_id, o.new_token_ids) for o in eng.step()]
+            finally:
+                for w in weights:
+                    w.int_dot = True
+            return got
+
+        assert_same_bits(monkeypatch, lm, lambda: switching(3))
+        switched, _, _ = traced(monkeypatch, lm, True, lambda: switching(3))
+        kept, _, _ = traced(monkeypatch, lm, True, lambda: switching(None))
+        assert torch.equal(switched[2], kept[2]) and not torch.equal(switched[-1], kept[-1])
 
 
 @pytest.mark.parametrize("variant", ["c-avx2", "c-scalar"])

@@ -103,32 +103,44 @@ def _rows(batch: ForwardBatch, paging: Paging) -> ops.SSRows:
                       paging.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[0], tables.shape[1])
 
 
+def model_desc(cfg, rope) -> tuple[ops.SSModel, list[torch.Tensor]]:
+    """The SSModel of a config and its global rope table, and the table's cos / sin [max_pos, D / 2]
+    (the descriptor holds their pointers: keep them)."""
+    cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
+    return ops.SSModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                       cfg.rms_eps, cfg.scale, cfg.attn_softcap, ops.ACTIVATIONS[cfg.activation], cos.data_ptr(),
+                       sin.data_ptr(), cos.shape[0]), [cos, sin]
+
+
 class FusedStack:
     """C descriptors of one model's decoder layers, and the call that runs them."""
 
+    unsupported = staticmethod(unsupported)  # (model) -> why it cannot run fused, or None
+    batch_supported = staticmethod(batch_supported)  # (batch, kv) -> whether this forward can
+
     def __init__(self, model: Transformer, lib):
-        cfg = model.cfg
-        self.lib, self.num_layers, self.hidden = lib, cfg.num_layers, cfg.hidden_size
         self._parts = [layer.fused_parts() for layer in model.layers]  # the declared stack
         rope = model.rope_global
-        cos, sin = rope.cos.contiguous(), rope.sin.contiguous()  # [max_pos, D / 2]
-        self._keep = [cos, sin]  # tensors whose pointers the descriptors hold
-        self._ropes = [None if p["rope"] is rope else self._own_rope(p["rope"], cos.shape) for p in self._parts]
-        self.model_desc = ops.SSModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                      cfg.intermediate_size, cfg.rms_eps, cfg.scale, cfg.attn_softcap,
-                                      ops.ACTIVATIONS[cfg.activation], cos.data_ptr(), sin.data_ptr(), cos.shape[0])
-        # weights with a switchable activation path (int8 / GGUF): their int_dot is part of the key
-        self._dot_weights = [lin.weight for p in self._parts for lin in p["linears"].values()
-                             if hasattr(lin.weight, "int_dot")]
+        self.model_desc, self._keep = model_desc(model.cfg, rope)  # _keep: tensors whose pointers it holds
+        self._ropes = [None if p["rope"] is rope else self._own_rope(p["rope"], self._keep[0].shape)
+                       for p in self._parts]
+        self._setup(model, lib, self.model_desc, [lin for p in self._parts for lin in p["linears"].values()])
+
+    def _setup(self, model: Transformer, lib, desc: ops.SSModel, lins: list) -> None:
+        """What every stack holds beside its descriptors: the library, the sizes, the caches of the
+        layer and pool arrays, and under tensor parallelism the reduce callback in ``desc``. lins:
+        the linears the layer descriptors describe (a switched int_dot of theirs rebuilds them)."""
+        cfg = model.cfg
+        self.lib, self.num_layers, self.hidden, self._cfg = lib, cfg.num_layers, cfg.hidden_size, cfg
+        self._dot_weights = [lin.weight for lin in lins if hasattr(lin.weight, "int_dot")]
         self._layers_key: tuple | None = None
         self._layers = None
-        self._cfg = cfg
         self._kv_ref = None
         self._pools = None
         self._reduce_errors: list[BaseException] = []  # (a list, not self: the callback keeps no cycle)
         if model.tp is not None:  # the row-parallel partial sums, summed over the ranks inside the call
             self._reduce = ops.REDUCE_FN(_reduce_callback(model.tp, self._reduce_errors))
-            self.model_desc.reduce = self._reduce
+            desc.reduce = self._reduce
 
     def _own_rope(self, rope, shape) -> tuple[int, int]:
         """Pointers to a layer's own rope table (Gemma 3's local base), kept alive by the stack."""
@@ -235,6 +247,3 @@ def _reduce_callback(tp, errors: list):
             return 1
     return reduce
 
-
-FusedStack.unsupported = staticmethod(unsupported)
-FusedStack.batch_supported = staticmethod(batch_supported)

@@ -28,9 +28,9 @@ import torch
 
 from specserve.kernels import ops
 from specserve.kernels.decoder_abi import HL_DOWN, HL_GATE, HL_IN, HL_OUT
-from specserve.models.fused import FusedStack, _norm_ptr, _reduce_callback, _rows
+from specserve.models.fused import FusedStack, _norm_ptr, _rows, model_desc
 from specserve.models.fused import batch_supported as dense_batch_supported
-from specserve.models.layers import linears, rms_norm
+from specserve.models.layers import rms_norm
 from specserve.models.transformer import MLP
 
 if TYPE_CHECKING:
@@ -118,101 +118,100 @@ def moe_struct(moe, cfg) -> tuple | None:
 class HybridStack(FusedStack):
     """C descriptors of one hybrid model's layers and their state pools, and the call that runs them."""
 
-    def __init__(self, model: HybridTransformer, lib):  # noqa: D107 (FusedStack's fields, hybrid ones)
+    unsupported = staticmethod(unsupported)
+    batch_supported = staticmethod(batch_supported)
+
+    def __init__(self, model: HybridTransformer, lib):
         cfg, dn = model.cfg, model.cfg.deltanet
-        self.lib, self.num_layers, self.hidden = lib, cfg.num_layers, cfg.hidden_size
-        self._modules = list(model.layers)
-        self._rope = model.rope_global
-        cos, sin = model.rope_global.cos.contiguous(), model.rope_global.sin.contiguous()  # [max_pos, rot / 2]
-        self._keep = [cos, sin]
-        base = ops.SSModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                           cfg.rms_eps, cfg.scale, cfg.attn_softcap, ops.ACTIVATIONS[cfg.activation], cos.data_ptr(),
-                           sin.data_ptr(), cos.shape[0])
-        self.model_desc = ops.SSHybridModel(base, 2 * cos.shape[1], dn.num_k_heads, dn.num_v_heads, dn.k_head_dim,
-                                            dn.v_head_dim, dn.conv_kernel, int(dn.v_tiled))
-        self._dot_weights = [lin.weight for layer in self._modules for lin in linears(layer)
-                             if hasattr(lin.weight, "int_dot")]
-        self._cfg, self._layers, self._layers_key = cfg, None, None
-        self._kv_ref, self._pools, self._reduce_errors = None, None, []
-        if model.tp is not None:  # the row-parallel partial sums, summed over the ranks inside the call
-            self._reduce = ops.REDUCE_FN(_reduce_callback(model.tp, self._reduce_errors))
-            self.model_desc.m.reduce = self._reduce
+        self._cfg, self._modules, self._rope = cfg, list(model.layers), model.rope_global
+        base, self._keep = model_desc(cfg, model.rope_global)  # the rope table: [max_pos, rot / 2]
+        self.model_desc = ops.SSHybridModel(base, 2 * self._keep[0].shape[1], dn.num_k_heads, dn.num_v_heads,
+                                            dn.k_head_dim, dn.v_head_dim, dn.conv_kernel, int(dn.v_tiled))
         # mixtures of experts run in C where their experts can share a grouped call, else in Python
         # between calls (SparseMoE: routing and grouped experts in C calls of their own)
         self._moe = self._moe_structs()  # (rebuilt with the layers: the shared expert's int_dot is in them)
         self.breaks = frozenset(i for i, m in self._moe.items() if m is None)
+        described = [lin for i, layer in enumerate(self._modules)
+                     for lin in (*self._lins(i, layer).values(), *self._moe_lins(i, layer))]
+        self._setup(model, lib, self.model_desc.m, described)
+        self._layers_kv = None  # the cache whose state pools the layer descriptors point into
 
     def _moe_structs(self) -> dict:
         return {i: moe_struct(layer.mlp, self._cfg) for i, layer in enumerate(self._modules)
                 if not isinstance(layer.mlp, MLP)}
+
+    def _moe_lins(self, i: int, layer) -> list:
+        """The linears of layer i's mixture of experts that its SSMoE describes as SSLins (the grouped
+        experts' int_dot plays no part: their calls always take the integer-dot path)."""
+        if self._moe.get(i) is None:
+            return []
+        mlp = layer.mlp
+        shared_apart = [mlp.shared.gate_up, mlp.shared.down] if mlp.shared is not None and not mlp._fold_shared else []
+        return [mlp.router, *([mlp.shared_gate] if mlp.shared is not None else []), *shared_apart]
 
     def _after(self, layer: int, x: torch.Tensor) -> None:
         """Layer ``layer``'s mixture of experts on x, in place (run_layers' residual)."""
         mod = self._modules[layer]
         x += mod.mlp(rms_norm(x, mod.ffn_norm, self._cfg.rms_eps))
 
-    def _layer_struct(self, i: int, layer, states) -> ops.SSHybridLayer:
-        cfg, s = self._cfg, ops.SSHybridLayer()
+    def _lins(self, i: int, layer) -> dict:
+        """Layer i's linears by SSHybridLayer.lin slot: the mixer's, and the dense MLP's."""
         mixer, mlp = layer.mixer, layer.mlp
-        s.attn_norm, s.ffn_norm = (_norm_ptr(w, cfg.hidden_size) for w in (layer.attn_norm, layer.ffn_norm))
-        if cfg.is_linear(i):
-            dn = cfg.deltanet
+        if self._cfg.is_linear(i):
             ins = ([mixer.in_proj] if mixer.in_proj is not None else [mixer.qkv, mixer.zba] if mixer.zba is not None
                    else [mixer.qkv, mixer.z, mixer.b, mixer.a])
             lins = {HL_IN + j: lin for j, lin in enumerate(ins)} | {HL_OUT: mixer.out}
-            s.linear = 1
-            s.conv_wt = _vec(mixer.conv_wt.reshape(-1), dn.conv_kernel * dn.conv_dim, "conv weights")
-            s.A, s.dt_bias = _vec(mixer.A, dn.num_v_heads, "A"), _vec(mixer.dt_bias, dn.num_v_heads, "dt_bias")
-            s.gnorm = _vec(mixer.norm, dn.v_head_dim, "the gated norm")
-            conv, ssm, conv_ck, ssm_ck = (states.conv[i], states.ssm[i], states.conv_ckpt[i], states.ssm_ckpt[i])
-            if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (conv, ssm, conv_ck, ssm_ck)):
-                raise ValueError(f"hybrid layers: layer {i}'s recurrent states must be contiguous float32")
-            s.conv, s.ssm, s.conv_ckpt, s.ssm_ckpt = map(_ptr, (conv, ssm, conv_ck, ssm_ck))
-            s.slots, s.planes, s.ckpts = conv.shape[0], conv.shape[1], conv_ck.shape[0]
         else:
             qkv = [mixer.qkv] if mixer.qkv is not None else [mixer.q, mixer.k, mixer.v]
             lins = {j: lin for j, lin in enumerate(qkv)} | {HL_OUT: mixer.o}
-            s.q_norm, s.k_norm = _norm_ptr(mixer.q_norm, cfg.head_dim), _norm_ptr(mixer.k_norm, cfg.head_dim)
+        if not isinstance(mlp, MLP):  # a mixture of experts: its SSMoE, or Python between calls
+            return lins
+        gate_up = [mlp.gate_up] if mlp.gate_up is not None else [mlp.gate, mlp.up]
+        return lins | {HL_GATE + j: lin for j, lin in enumerate(gate_up)} | {HL_DOWN: mlp.down}
+
+    def _layer_struct(self, i: int, layer, states) -> ops.SSHybridLayer:
+        cfg, s, mixer = self._cfg, ops.SSHybridLayer(), layer.mixer
+        s.attn_norm, s.ffn_norm = (_norm_ptr(w, cfg.hidden_size) for w in (layer.attn_norm, layer.ffn_norm))
+        for j, lin in self._lins(i, layer).items():
+            s.lin[j] = ops.lin_struct(lin.weight, lin.bias)
         if i in self.breaks:
             s.mlp_outside = 1
         elif i in self._moe:
             s.moe = ctypes.addressof(self._moe[i][0])
-        else:
-            gate_up = [mlp.gate_up] if mlp.gate_up is not None else [mlp.gate, mlp.up]
-            lins |= {HL_GATE + j: lin for j, lin in enumerate(gate_up)} | {HL_DOWN: mlp.down}
-        for j, lin in lins.items():
-            s.lin[j] = ops.lin_struct(lin.weight, lin.bias)
+        if not cfg.is_linear(i):
+            s.q_norm, s.k_norm = _norm_ptr(mixer.q_norm, cfg.head_dim), _norm_ptr(mixer.k_norm, cfg.head_dim)
+            return s
+        dn = cfg.deltanet
+        s.linear = 1
+        s.conv_wt = _vec(mixer.conv_wt.reshape(-1), dn.conv_kernel * dn.conv_dim, "conv weights")
+        s.A, s.dt_bias = _vec(mixer.A, dn.num_v_heads, "A"), _vec(mixer.dt_bias, dn.num_v_heads, "dt_bias")
+        s.gnorm = _vec(mixer.norm, dn.v_head_dim, "the gated norm")
+        conv, ssm, conv_ck, ssm_ck = (states.conv[i], states.ssm[i], states.conv_ckpt[i], states.ssm_ckpt[i])
+        if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (conv, ssm, conv_ck, ssm_ck)):
+            raise ValueError(f"hybrid layers: layer {i}'s recurrent states must be contiguous float32")
+        s.conv, s.ssm, s.conv_ckpt, s.ssm_ckpt = map(_ptr, (conv, ssm, conv_ck, ssm_ck))
+        s.slots, s.planes, s.ckpts = conv.shape[0], conv.shape[1], conv_ck.shape[0]
         return s
 
     def _hybrid_layers(self, kv: KVCache):
         """SSHybridLayer per layer (rebuilt when a weight's integer-dot path switches or another cache comes)."""
-        key = (self._act_key(), id(kv.states))
-        if key != self._layers_key or self._kv_ref is None or self._kv_ref() is not kv:
-            arr = (ops.SSHybridLayer * self.num_layers)()
+        key = self._act_key()
+        if key != self._layers_key or self._layers_kv is None or self._layers_kv() is not kv:
             self._moe = self._moe_structs()
+            arr = (ops.SSHybridLayer * self.num_layers)()
             for i, layer in enumerate(self._modules):
                 arr[i] = self._layer_struct(i, layer, kv.states)
-            self._layers, self._layers_key = arr, key
-            self._kv_ref = None  # _pool_array rebuilds for this cache too
+            self._layers, self._layers_key, self._layers_kv = arr, key, weakref.ref(kv)
         return self._layers
 
     def _prepare(self, batch: ForwardBatch, kv: KVCache, x: torch.Tensor):
-        layers = self._hybrid_layers(kv)
-        pools = self._pool_array(kv)
-        self._kv_ref = weakref.ref(kv)
+        layers, pools = self._hybrid_layers(kv), self._pool_array(kv)
         rows = _rows(batch, batch.paging[0])
         table, pos = self._rope.for_batch(batch, self._cfg.mrope_section)  # with images: per-row M-RoPE
         states = ops.SSStateRows(*(t.data_ptr() for t in (batch.state_slots, batch.state_read, batch.state_ckpt_read,
                                                           batch.state_write, batch.state_ckpt_write, pos)))
-        if table is not self._rope:
-            cos, sin = table.cos.contiguous(), table.sin.contiguous()
-            states.rope_cos, states.rope_sin, states.rope_rows = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
-            keep = (cos, sin, pos)  # alive for the calls
-        else:
-            keep = (pos,)
-        return lambda l0, l1, keep=keep: self._reduced(ops.hybrid_layers, self.lib, self.model_desc, layers, pools,
-                                                       l0, l1, rows, states, x)
-
-
-HybridStack.unsupported = staticmethod(unsupported)
-HybridStack.batch_supported = staticmethod(batch_supported)
+        if table is not self._rope:  # (Rope.rows' tables are contiguous)
+            states.rope_cos, states.rope_sin, states.rope_rows = table.cos.data_ptr(), table.sin.data_ptr(), len(pos)
+        # pos and table (tensors the descriptors point into) stay alive with the closure
+        return lambda l0, l1, keep=(pos, table): self._reduced(ops.hybrid_layers, self.lib, self.model_desc, layers,
+                                                               pools, l0, l1, rows, states, x)
