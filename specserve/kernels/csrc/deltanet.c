@@ -56,8 +56,7 @@ static void SS_NOCONTRACT dn_silu(float *y, int64_t n) {
 }
 
 /* conv + SiLU over rows 0..n-1: xx [W + n, C] (window then rows), wt [K, C] -> y [n, C]; the threads
-   split rows and channels in pieces of DN_CONV_CHANNELS (a one-row decode step's SiLU is thousands of
-   expf calls) */
+   split rows and channels in pieces of DN_CONV_CHANNELS (so a one-row decode step is split too) */
 #ifndef DN_CONV_CHANNELS
 #define DN_CONV_CHANNELS 1024
 #endif
@@ -108,10 +107,10 @@ static void dn_store(float *dst, const float *src, int64_t n) {
 
 /* one value head through n rows; S [dk, dv] in place, starting from S0 (read by the first row's
    decay pass, not copied first) or, with S0 NULL, from S as it is */
-static void SS_NOCONTRACT dn_head(float *S, const float *S0, const float *y, int64_t C, int64_t n, int64_t dk, int64_t dv,
-                                  int64_t qoff, int64_t koff, int64_t voff, const float *decay, const float *beta,
-                                  int64_t ldg, float *out, int64_t ldo, float *const *state_out, int64_t soff,
-                                  float *mem) {
+static void SS_NOCONTRACT dn_head(float *S, const float *S0, const float *y, int64_t C, int64_t n, int64_t dk,
+                                  int64_t dv, int64_t qoff, int64_t koff, int64_t voff, const float *decay,
+                                  const float *beta, int64_t ldg, float *out, int64_t ldo, float *const *state_out,
+                                  int64_t soff, float *mem) {
     for (int64_t t = 0; t < n; t++) {
         const float *q = y + t * C + qoff, *k = y + t * C + koff, *v = y + t * C + voff;
         const float dec = decay[t * ldg], b = beta[t * ldg];
@@ -198,8 +197,9 @@ SS_EXPORT int SS_NOCONTRACT ss_gated_delta(int64_t n, int64_t Hk, int64_t Hv, in
             if (!S) continue;
             if (!state_in) memset(S, 0, (size_t)S_len * sizeof(float));
             const int64_t kh = v_tiled ? h % Hk : h / rep; /* llama.cpp's order / the checkpoint's */
-            dn_head(S, state_in ? state_in + h * S_len : NULL, y, C, n, dk, dv, kh * dk, (Hk + kh) * dk, 2 * Hk * dk + h * dv, decay + h, beta + h, Hv,
-                    out + h * dv, Hv * dv, state_out, h * S_len, S + S_len);
+            dn_head(S, state_in ? state_in + h * S_len : NULL, y, C, n, dk, dv, kh * dk, (Hk + kh) * dk,
+                    2 * Hk * dk + h * dv, decay + h, beta + h, Hv, out + h * dv, Hv * dv, state_out, h * S_len,
+                    S + S_len);
         }
         free(S);
     }

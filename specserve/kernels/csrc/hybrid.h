@@ -199,14 +199,19 @@ static int dn_mixer(const SSHybridModel *hm, const SSHybridLayer *L, const SSRow
     return run_lin(&L->lin[HL_OUT], s->gated, T, vd, vd, s->o, H, nthreads);
 }
 
-/* the dense gated MLP (MLP.forward) of layer L on x, residual included */
+/* layer L's MLP on x, residual included: the dense gated MLP (MLP.forward) or its mixture of experts */
 static int mlp_block(const SSModel *m, const SSHybridLayer *L, int64_t T, float *x, const HScratch *s, int nthreads) {
     const int64_t H = m->hidden, I = m->inter;
     int rc;
     if ((rc = ss_rms_norm(x, T, H, H, L->ffn_norm, m->eps, 0, s->h, H, nthreads))) return rc;
-    if ((rc = run_side(L, HL_GATE, 2, s->h, T, H, s->gu, 2 * I, nthreads))) return rc;
-    if ((rc = ss_act_mul(s->gu, s->gu + I, T, I, 2 * I, 2 * I, m->act, s->act, I, nthreads))) return rc;
-    if ((rc = run_lin(&L->lin[HL_DOWN], s->act, T, I, I, s->o, H, nthreads))) return rc;
+    if (L->moe) {
+        if ((rc = moe_block(L->moe, m->act, s->h, T, H, s->o, s->moe, nthreads))) return rc;
+    } else {
+        if ((rc = run_side(L, HL_GATE, 2, s->h, T, H, s->gu, 2 * I, nthreads))) return rc;
+        if ((rc = ss_act_mul(s->gu, s->gu + I, T, I, 2 * I, 2 * I, m->act, s->act, I, nthreads))) return rc;
+        if ((rc = run_lin(&L->lin[HL_DOWN], s->act, T, I, I, s->o, H, nthreads))) return rc;
+    }
+    /* tensor parallel: the row-parallel down projections' (or the experts') partial sums over the ranks */
     if (m->reduce && m->reduce(s->o, T * H, m->reduce_ctx)) return SS_EREDUCE;
     add_rows(x, s->o, T * H);
     return SS_OK;
@@ -223,13 +228,7 @@ static int hybrid_layer(const SSHybridModel *hm, const SSHybridLayer *L, const S
     /* tensor parallel: the row-parallel output projection's partial sums over the ranks */
     if (m->reduce && m->reduce(s->o, T * H, m->reduce_ctx)) return SS_EREDUCE;
     add_rows(x, s->o, T * H);
-    if (L->mlp_outside) return SS_OK;
-    if (!L->moe) return mlp_block(m, L, T, x, s, nthreads);
-    if ((rc = ss_rms_norm(x, T, H, H, L->ffn_norm, m->eps, 0, s->h, H, nthreads))) return rc;
-    if ((rc = moe_block(L->moe, m->act, s->h, T, H, s->o, s->moe, nthreads))) return rc;
-    if (m->reduce && m->reduce(s->o, T * H, m->reduce_ctx)) return SS_EREDUCE; /* the experts' partial sums */
-    add_rows(x, s->o, T * H);
-    return SS_OK;
+    return L->mlp_outside ? SS_OK : mlp_block(m, L, T, x, s, nthreads);
 }
 
 /*
@@ -250,13 +249,13 @@ SS_EXPORT int ss_hybrid_layers(const SSHybridModel *hm, const SSHybridLayer *lay
     const int64_t qs = m->n_heads * D, kvs = m->n_kv_heads * D, vd = hm->Hv * hm->dv;
     const int64_t C = 2 * hm->Hk * hm->dk + vd, Pd = C + vd + 2 * hm->Hv, Pa = 2 * qs + 2 * kvs;
     const int64_t wide = vd > qs ? vd : qs, proj = Pd > Pa ? Pd : Pa;
-    /* HScratch's buffers in order, in floats (a pointer takes two) */
     int64_t moe = 0;
     for (int64_t i = l0; i < l1; i++)
         if (layers[i].moe) {
             const int64_t n = moe_carve(layers[i].moe, T, H, NULL, NULL);
             moe = n > moe ? n : moe;
         }
+    /* HScratch's buffers in order, in floats (a pointer takes two) */
     const int64_t sizes[14] = {T * H, T * proj, T * wide, T * vd > qs ? T * vd : qs, T * wide, T * qs, kvs, kvs,
                                T * H, T * 2 * I, T * I, 2 * T, 2 * T, moe};
     int64_t total = 0;
